@@ -1,0 +1,289 @@
+//! `/dev/hag` ioctls and the `hag` generic netlink family.
+//!
+//! Plain `core` only: this file is compiled into the kernel module as well.
+//! Every structure is `#[repr(C)]`, made of fixed-size integers with explicit
+//! padding fields, so its bytes mean the same on both sides and it has no
+//! uninitialised padding to leak from the kernel.
+
+/// The version of everything in this file. Bump on any change to a number,
+/// a layout or a meaning; `hagctl` refuses a module of another version.
+pub const ABI_VERSION: u32 = 1;
+
+/// The misc device's name; userspace opens `/dev/` + this.
+pub const DEVICE_NAME: &str = "hag";
+/// The path `hagctl` opens.
+pub const DEVICE_PATH: &str = "/dev/hag";
+/// The same names NUL-terminated, for the C interfaces that take them.
+pub const DEVICE_NAME_C: &[u8] = b"hag\0";
+
+/// The mdev type of hag's simulated vGPU, as it appears under
+/// `/sys/class/mdev_bus/<parent>/mdev_supported_types/<driver>-<name>`.
+pub const SIM_TYPE_NAME: &str = "hag-sim";
+/// [`SIM_TYPE_NAME`], NUL-terminated.
+pub const SIM_TYPE_NAME_C: &[u8] = b"hag-sim\0";
+/// The mdev parent device's name (under `/sys/devices/virtual/hag/`).
+pub const PARENT_NAME_C: &[u8] = b"hag\0";
+
+/// Graphics memory of one simulated vGPU, in bytes (aperture and hidden
+/// graphics memory together).
+pub const SIM_GFX_MEM_SIZE: u64 = 64 << 20;
+/// How many simulated vGPUs the parent offers at once.
+pub const SIM_MAX_INSTANCES: u32 = 8;
+
+// ---------------------------------------------------------------------------
+// ioctl numbers (asm-generic encoding, as on x86, arm64 and riscv)
+
+const IOC_NRBITS: u32 = 8;
+const IOC_TYPEBITS: u32 = 8;
+const IOC_SIZEBITS: u32 = 14;
+const IOC_NRSHIFT: u32 = 0;
+const IOC_TYPESHIFT: u32 = IOC_NRSHIFT + IOC_NRBITS;
+const IOC_SIZESHIFT: u32 = IOC_TYPESHIFT + IOC_TYPEBITS;
+const IOC_DIRSHIFT: u32 = IOC_SIZESHIFT + IOC_SIZEBITS;
+const IOC_WRITE: u32 = 1;
+const IOC_READ: u32 = 2;
+
+/// The ioctl type byte of `/dev/hag` (unused in the kernel's
+/// `ioctl-number.rst` table as of 6.12).
+pub const IOC_MAGIC: u8 = 0xB8;
+
+const fn ioc(dir: u32, nr: u8, size: usize) -> u32 {
+    // Sizes come from the structures below; a structure too large for the
+    // 14-bit field would be a bug in this file, caught at compile time.
+    assert!(size < (1 << IOC_SIZEBITS));
+    (dir << IOC_DIRSHIFT)
+        | ((IOC_MAGIC as u32) << IOC_TYPESHIFT)
+        | ((nr as u32) << IOC_NRSHIFT)
+        | ((size as u32) << IOC_SIZESHIFT)
+}
+
+/// `_IOR(IOC_MAGIC, 0, HagVersion)`: read the module's ABI version and build.
+pub const IOC_VERSION: u32 = ioc(IOC_READ, 0x00, core::mem::size_of::<HagVersion>());
+/// `_IOWR(IOC_MAGIC, 1, HagVgpuList)`: list the vGPUs.
+pub const IOC_LIST_VGPUS: u32 = ioc(
+    IOC_READ | IOC_WRITE,
+    0x01,
+    core::mem::size_of::<HagVgpuList>(),
+);
+
+/// Answer of [`IOC_VERSION`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HagVersion {
+    /// [`ABI_VERSION`] of the module.
+    pub abi_version: u32,
+    /// Bit set of `FEATURE_*`.
+    pub features: u32,
+    /// Number of vGPUs that exist now.
+    pub vgpu_count: u32,
+    /// Explicit padding; always zero.
+    pub reserved: u32,
+    /// The module's version string, NUL-padded.
+    pub module_version: [u8; 32],
+}
+
+/// Feature bit: the simulated vGPU type `hag-sim` is offered.
+pub const FEATURE_SIM_VGPU: u32 = 1 << 0;
+/// Feature bit: the module was built with i915 GVT-g support.
+pub const FEATURE_GVT: u32 = 1 << 1;
+
+/// Argument of [`IOC_LIST_VGPUS`]. Userspace sets `entries` to an array of
+/// `capacity` [`HagVgpuInfo`]; the module fills `min(capacity, count)` of
+/// them and sets `count` to how many vGPUs exist (so a caller whose array was
+/// too small learns the size to retry with).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HagVgpuList {
+    /// In: length of the array at `entries`, in entries.
+    pub capacity: u32,
+    /// Out: number of vGPUs.
+    pub count: u32,
+    /// In: user address of the array.
+    pub entries: u64,
+}
+
+/// Upper bound on `capacity` the module accepts, so a hostile caller cannot
+/// make it walk a huge user range.
+pub const LIST_MAX_CAPACITY: u32 = 1024;
+
+/// One vGPU in the answer of [`IOC_LIST_VGPUS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HagVgpuInfo {
+    /// The module's id for the vGPU, unique while the module is loaded.
+    pub id: u32,
+    /// One of `VGPU_SOURCE_*`.
+    pub source: u32,
+    /// One of `VGPU_STATE_*`.
+    pub state: u32,
+    /// Explicit padding; always zero.
+    pub reserved: u32,
+    /// The mdev's UUID, in the byte order of its text form.
+    pub uuid: [u8; 16],
+    /// Graphics memory size in bytes.
+    pub gfx_mem_size: u64,
+}
+
+/// The vGPU is hag's simulated vGPU (mdev type [`SIM_TYPE_NAME`]).
+pub const VGPU_SOURCE_SIM: u32 = 1;
+/// The vGPU is an i915 GVT-g vGPU.
+pub const VGPU_SOURCE_GVT: u32 = 2;
+
+/// Created, no VMM has opened it.
+pub const VGPU_STATE_IDLE: u32 = 1;
+/// A VMM has the VFIO device open.
+pub const VGPU_STATE_OPEN: u32 = 2;
+
+/// Name of a `VGPU_SOURCE_*` value.
+pub const fn source_name(source: u32) -> &'static str {
+    match source {
+        VGPU_SOURCE_SIM => "sim",
+        VGPU_SOURCE_GVT => "gvt",
+        _ => "unknown",
+    }
+}
+
+/// Name of a `VGPU_STATE_*` value.
+pub const fn state_name(state: u32) -> &'static str {
+    match state {
+        VGPU_STATE_IDLE => "idle",
+        VGPU_STATE_OPEN => "open",
+        _ => "unknown",
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The `hag` generic netlink family
+
+/// Family name, as resolved through `nlctrl`.
+pub const GENL_NAME: &str = "hag";
+/// [`GENL_NAME`], NUL-terminated.
+pub const GENL_NAME_C: &[u8] = b"hag\0";
+/// Family version (the genetlink header's `version`); equals [`ABI_VERSION`].
+pub const GENL_VERSION: u8 = ABI_VERSION as u8;
+/// The multicast group that carries events.
+pub const GENL_MCGRP_EVENTS: &str = "events";
+/// [`GENL_MCGRP_EVENTS`], NUL-terminated.
+pub const GENL_MCGRP_EVENTS_C: &[u8] = b"events\0";
+
+/// Command 0 is reserved as invalid.
+pub const CMD_UNSPEC: u8 = 0;
+/// An event, multicast to [`GENL_MCGRP_EVENTS`].
+pub const CMD_EVENT: u8 = 1;
+
+/// Attribute 0 is reserved as invalid.
+pub const ATTR_UNSPEC: u16 = 0;
+/// u32: one of `EVENT_*`.
+pub const ATTR_EVENT: u16 = 1;
+/// u32: the vGPU's id.
+pub const ATTR_VGPU_ID: u16 = 2;
+/// binary, 16 bytes: the vGPU's UUID.
+pub const ATTR_VGPU_UUID: u16 = 3;
+/// u64: `ktime_get_ns()` when the event happened.
+pub const ATTR_TIMESTAMP_NS: u16 = 4;
+/// NUL-terminated string: a human-readable detail.
+pub const ATTR_MESSAGE: u16 = 5;
+/// Padding attribute for 64-bit alignment (`nla_put_u64_64bit`); skip it.
+pub const ATTR_PAD: u16 = 6;
+/// Highest attribute number.
+pub const ATTR_MAX: u16 = ATTR_PAD;
+
+/// A vGPU was created.
+pub const EVENT_VGPU_CREATED: u32 = 1;
+/// A vGPU was removed.
+pub const EVENT_VGPU_REMOVED: u32 = 2;
+/// A vGPU hung (its ring stopped advancing).
+pub const EVENT_VGPU_HUNG: u32 = 3;
+/// A command buffer was rejected by the auditor.
+pub const EVENT_COMMAND_REJECTED: u32 = 4;
+/// A vGPU changed state (opened, closed, quiesced, resumed).
+pub const EVENT_STATE_CHANGED: u32 = 5;
+
+/// Name of an `EVENT_*` value, as `hagctl events` prints it.
+pub const fn event_name(event: u32) -> &'static str {
+    match event {
+        EVENT_VGPU_CREATED => "vgpu-created",
+        EVENT_VGPU_REMOVED => "vgpu-removed",
+        EVENT_VGPU_HUNG => "vgpu-hung",
+        EVENT_COMMAND_REJECTED => "command-rejected",
+        EVENT_STATE_CHANGED => "state-changed",
+        _ => "unknown",
+    }
+}
+
+/// Formats a UUID in its canonical text form into `out`.
+pub fn format_uuid(uuid: &[u8; 16], out: &mut [u8; 36]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut pos = 0;
+    for (i, byte) in uuid.iter().enumerate() {
+        if matches!(i, 4 | 6 | 8 | 10) {
+            out[pos] = b'-';
+            pos += 1;
+        }
+        out[pos] = HEX[usize::from(byte >> 4)];
+        out[pos + 1] = HEX[usize::from(byte & 0xf)];
+        pos += 2;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::size_of;
+
+    #[test]
+    fn layouts_are_fixed() {
+        // These sizes are ABI: a change here must bump ABI_VERSION.
+        assert_eq!(size_of::<HagVersion>(), 48);
+        assert_eq!(size_of::<HagVgpuList>(), 16);
+        assert_eq!(size_of::<HagVgpuInfo>(), 40);
+    }
+
+    #[test]
+    fn ioctl_numbers_match_the_c_macros() {
+        // _IOR(0xB8, 0, 48) and _IOWR(0xB8, 1, 16) as computed by <linux/ioctl.h>.
+        assert_eq!(IOC_VERSION, 0x8030_B800);
+        assert_eq!(IOC_LIST_VGPUS, 0xC010_B801);
+    }
+
+    #[test]
+    fn c_names_match_rust_names() {
+        for (c, s) in [
+            (DEVICE_NAME_C, DEVICE_NAME),
+            (SIM_TYPE_NAME_C, SIM_TYPE_NAME),
+            (GENL_NAME_C, GENL_NAME),
+            (GENL_MCGRP_EVENTS_C, GENL_MCGRP_EVENTS),
+        ] {
+            assert_eq!(&c[..c.len() - 1], s.as_bytes());
+            assert_eq!(c[c.len() - 1], 0);
+        }
+        assert_eq!(DEVICE_PATH.strip_prefix("/dev/"), Some(DEVICE_NAME));
+    }
+
+    #[test]
+    fn uuid_text_form() {
+        let uuid = [
+            0x83, 0xb8, 0xf4, 0xf2, 0x50, 0x9f, 0x38, 0x2f, 0x3c, 0x1e, 0xe6, 0xbf, 0xe0, 0xfa,
+            0x10, 0x01,
+        ];
+        let mut out = [0u8; 36];
+        format_uuid(&uuid, &mut out);
+        assert_eq!(&out, b"83b8f4f2-509f-382f-3c1e-e6bfe0fa1001");
+    }
+
+    #[test]
+    fn names_cover_every_value() {
+        for e in [
+            EVENT_VGPU_CREATED,
+            EVENT_VGPU_REMOVED,
+            EVENT_VGPU_HUNG,
+            EVENT_COMMAND_REJECTED,
+            EVENT_STATE_CHANGED,
+        ] {
+            assert_ne!(event_name(e), "unknown");
+        }
+        assert_eq!(event_name(0), "unknown");
+        assert_eq!(source_name(VGPU_SOURCE_SIM), "sim");
+        assert_eq!(state_name(VGPU_STATE_OPEN), "open");
+    }
+}

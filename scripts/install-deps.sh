@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Installs what building and testing hag needs on Debian 12, and nothing that
+# is already there. Safe to run repeatedly; `make` runs it first.
+#
+#   Debian packages: the kernel build (GCC, bison, flex, libelf, libssl, bc,
+#   cpio), libclang for bindgen, Debian's Rust 1.96 with its library source
+#   (the kernel needs rust-src, which rustup's toolchain here lacks), the
+#   kernel source, busybox for test-host initramfs, QEMU for test hosts.
+#   bindgen-cli: Debian's 0.60 is older than the kernel's minimum 0.65.1, so
+#   a pinned version is built from crates.io into $HAG_TOOLS.
+set -euo pipefail
+
+HAG_TOOLS=${HAG_TOOLS:-/var/cache/hag/tools}
+BINDGEN_VERSION=0.71.1
+
+packages=(
+	build-essential bc bison flex libelf-dev libssl-dev cpio kmod xz-utils
+	libclang-dev
+	rustc-web rust-web-src cargo-web
+	linux-source-6.12
+	busybox-static qemu-system-x86 python3
+)
+
+missing=()
+for p in "${packages[@]}"; do
+	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+	echo "install-deps: installing Debian packages: ${missing[*]}"
+	export DEBIAN_FRONTEND=noninteractive
+	apt-get update -qq
+	apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# bindgen: the kernel's scripts/min-tool-version.sh says 0.65.1 for 6.12.
+have_bindgen() {
+	[ -x "$HAG_TOOLS/bin/bindgen" ] &&
+		"$HAG_TOOLS/bin/bindgen" --version 2>/dev/null | grep -q "bindgen $BINDGEN_VERSION"
+}
+if ! have_bindgen; then
+	if command -v bindgen >/dev/null; then
+		echo "install-deps: $(command -v bindgen) is $(bindgen --version 2>/dev/null | awk '{print $2}'), older than the kernel's minimum 0.65.1 or not the pinned $BINDGEN_VERSION; building bindgen-cli $BINDGEN_VERSION"
+	else
+		echo "install-deps: bindgen not found; building bindgen-cli $BINDGEN_VERSION (about 3 minutes)"
+	fi
+	mkdir -p "$HAG_TOOLS"
+	# Debian's cargo (1.96) builds it; rustup's may be absent on a fresh machine.
+	/usr/bin/cargo install -q bindgen-cli --version "$BINDGEN_VERSION" --locked --root "$HAG_TOOLS"
+fi
+echo "install-deps: ok (bindgen $("$HAG_TOOLS/bin/bindgen" --version | awk '{print $2}'), rustc $(/usr/bin/rustc --version | awk '{print $2}'))"
