@@ -1,0 +1,60 @@
+# hag: high availability for virtualized GPUs.
+#
+#   make          install what is missing, build the test kernel (cached under
+#                 $(HAG_CACHE)), hag_mdev.ko and hagctl
+#   make demo     boot a test host, load the module, create a vGPU, show status
+#   make test     userspace tests, fmt and clippy, then every qemu-tests scenario
+#
+# This file is also the out-of-tree module's entry point when the kernel's
+# build system includes it (KERNELRELEASE set): then only Kbuild matters.
+
+ifneq ($(KERNELRELEASE),)
+include $(src)/Kbuild
+else
+
+export HAG_CACHE ?= /var/cache/hag
+export HAG_TOOLS ?= $(HAG_CACHE)/tools
+SHELL := /bin/bash
+TOOLCHAIN := . scripts/toolchain.sh
+MODULE := rust/hag_mdev/hag_mdev.ko
+HAGCTL := controller/target/release/hagctl
+
+.PHONY: all deps kernel module controller check-userspace test demo clean
+
+all: module controller
+
+deps:
+	@scripts/install-deps.sh
+
+kernel: deps
+	@scripts/build-kernel.sh
+
+# The kernel's build system decides itself whether the module is up to date.
+module: kernel
+	@set -o pipefail; $(TOOLCHAIN) && kdir=$$(scripts/build-kernel.sh --print-dir) && \
+	$(MAKE) -s -C "$$kdir" M=$(CURDIR) RUSTC="$$RUSTC" BINDGEN="$$BINDGEN" modules 2>&1 | \
+		{ grep -v 'Failed to run rustfmt' || true; } && \
+	echo "built $(MODULE) against $$kdir"
+
+controller: deps
+	@cd controller && cargo build --release --quiet
+	@echo "built $(HAGCTL)"
+
+# Host-side checks of every userspace and shared crate.
+check-userspace: deps
+	cd rust && cargo fmt --check && cargo clippy --all-targets --quiet -- -D warnings && cargo test --quiet
+	cd controller && cargo fmt --check && cargo clippy --all-targets --quiet -- -D warnings && cargo test --quiet
+
+test: all check-userspace
+	qemu-tests/run
+
+demo: all
+	qemu-tests/demo
+
+clean:
+	@$(TOOLCHAIN) && kdir=$$(scripts/build-kernel.sh --print-dir 2>/dev/null) && \
+		$(MAKE) -s -C "$$kdir" M=$(CURDIR) clean || true
+	cd controller && cargo clean
+	cd rust && cargo clean
+
+endif

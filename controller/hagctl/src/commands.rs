@@ -1,0 +1,125 @@
+//! The subcommands: glue between the device, the event socket and the
+//! output formats.
+
+use std::io::{self, Write};
+use std::time::{Duration, Instant};
+
+use crate::device::{Device, ListError, OpenError, VersionError};
+use crate::events::{EventSocket, ReceiveError, SubscribeError};
+use crate::output;
+
+/// Why `hagctl status` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StatusError {
+    /// See [`OpenError`].
+    #[error(transparent)]
+    Open(#[from] OpenError),
+    /// See [`VersionError`].
+    #[error(transparent)]
+    Version(#[from] VersionError),
+    /// See [`ListError`].
+    #[error(transparent)]
+    List(#[from] ListError),
+    /// stdout could not be written.
+    #[error("cannot write to stdout")]
+    Output(#[source] io::Error),
+}
+
+/// `hagctl status`: refuse a module of another ABI, then show its vGPUs.
+pub fn status(json: bool) -> Result<(), StatusError> {
+    let device = Device::open()?;
+    let module = device.version()?;
+    let vgpus = device.list_vgpus()?;
+    let text = if json {
+        output::status_json(&module, &vgpus) + "\n"
+    } else {
+        output::status_text(&module, &vgpus)
+    };
+    match write_out(&mut io::stdout().lock(), &text) {
+        // The reader is gone (`hagctl status | head -1`): it saw enough.
+        Err(err) if err.kind() != io::ErrorKind::BrokenPipe => Err(StatusError::Output(err)),
+        _ => Ok(()),
+    }
+}
+
+/// Options of `hagctl events`.
+pub struct EventsOptions {
+    /// One JSON object per line instead of text.
+    pub json: bool,
+    /// Exit 0 after this many events.
+    pub count: Option<u64>,
+    /// Stop waiting after this long (an error if `count` was not reached).
+    pub timeout: Option<Duration>,
+}
+
+/// Why `hagctl events` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EventsError {
+    /// See [`SubscribeError`].
+    #[error(transparent)]
+    Subscribe(#[from] SubscribeError),
+    /// See [`ReceiveError`].
+    #[error(transparent)]
+    Receive(#[from] ReceiveError),
+    /// `--timeout` passed before `--count` events arrived.
+    #[error("timed out after {timeout:?} with {seen} of {wanted} events")]
+    TimedOut {
+        /// The `--timeout` given.
+        timeout: Duration,
+        /// Events printed.
+        seen: u64,
+        /// The `--count` given.
+        wanted: u64,
+    },
+    /// stdout could not be written.
+    #[error("cannot write to stdout")]
+    Output(#[source] io::Error),
+}
+
+/// `hagctl events`: print each event as one line, flushed at once so a
+/// reader of a redirected stdout sees it immediately.
+pub fn events(options: &EventsOptions) -> Result<(), EventsError> {
+    let mut socket = EventSocket::subscribe()?;
+    eprintln!("hagctl: listening for hag events");
+    let deadline = options.timeout.map(|t| Instant::now() + t);
+    let mut seen = 0u64;
+    let mut stdout = io::stdout().lock();
+    loop {
+        if options.count.is_some_and(|wanted| seen >= wanted) {
+            return Ok(());
+        }
+        let remaining = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let Some(events) = socket.receive(remaining)? else {
+            return match (options.count, options.timeout) {
+                (Some(wanted), Some(timeout)) => Err(EventsError::TimedOut {
+                    timeout,
+                    seen,
+                    wanted,
+                }),
+                _ => Ok(()),
+            };
+        };
+        for event in &events {
+            let line = if options.json {
+                output::event_json(event)
+            } else {
+                output::event_text(event)
+            };
+            match write_out(&mut stdout, &(line + "\n")) {
+                Ok(()) => {}
+                // As in `status`: a reader that went away has seen enough.
+                Err(err) if err.kind() == io::ErrorKind::BrokenPipe => return Ok(()),
+                Err(err) => return Err(EventsError::Output(err)),
+            }
+            seen += 1;
+            if options.count == Some(seen) {
+                return Ok(());
+            }
+        }
+    }
+}
+
+fn write_out(out: &mut impl Write, text: &str) -> io::Result<()> {
+    out.write_all(text.as_bytes())?;
+    out.flush()
+}

@@ -1,0 +1,337 @@
+//! What hagctl prints: status as a table or one JSON object, events as one
+//! line each. Pure functions of values, so the exact text is tested.
+
+use hag_abi::abi::{self, HagVgpuInfo};
+use serde::Serialize;
+
+use crate::device::ModuleInfo;
+use crate::events::Event;
+
+/// A UUID in its canonical text form.
+pub fn uuid_text(uuid: &[u8; 16]) -> String {
+    let mut out = [0u8; 36];
+    abi::format_uuid(uuid, &mut out);
+    out.iter().copied().map(char::from).collect()
+}
+
+/// Names of the feature bits; bits this build does not know are shown as
+/// hex so a newer module's features are visible rather than hidden.
+pub fn feature_names(features: u32) -> Vec<String> {
+    const KNOWN: [(u32, &str); 2] = [(abi::FEATURE_SIM_VGPU, "sim"), (abi::FEATURE_GVT, "gvt")];
+    let mut names: Vec<String> = KNOWN
+        .iter()
+        .filter(|(bit, _)| features & bit != 0)
+        .map(|(_, name)| (*name).to_owned())
+        .collect();
+    let unknown = KNOWN.iter().fold(features, |rest, (bit, _)| rest & !bit);
+    if unknown != 0 {
+        names.push(format!("unknown({unknown:#x})"));
+    }
+    names
+}
+
+/// A byte count in the largest binary unit that divides it exactly, so the
+/// number shown is never rounded.
+pub fn format_size(bytes: u64) -> String {
+    const UNITS: [(u32, &str); 4] = [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")];
+    UNITS
+        .iter()
+        .find(|(shift, _)| bytes != 0 && bytes.trailing_zeros() >= *shift)
+        .map_or_else(
+            || format!("{bytes} B"),
+            |(shift, unit)| format!("{} {unit}", bytes >> shift),
+        )
+}
+
+/// `hagctl status` as text: a version line, a count line, then a table.
+pub fn status_text(module: &ModuleInfo, vgpus: &[HagVgpuInfo]) -> String {
+    let version = if module.module_version.is_empty() {
+        "(no version)"
+    } else {
+        &module.module_version
+    };
+    let features = feature_names(module.features);
+    let features = if features.is_empty() {
+        "none".to_owned()
+    } else {
+        features.join(", ")
+    };
+    let mut out = format!(
+        "hag_mdev {version}, ABI {}, features: {features}\n",
+        module.abi_version
+    );
+    match vgpus.len() {
+        0 => {
+            out.push_str("no vGPUs\n");
+            return out;
+        }
+        1 => out.push_str("1 vGPU\n"),
+        n => out.push_str(&format!("{n} vGPUs\n")),
+    }
+
+    let header = ["ID", "UUID", "SOURCE", "STATE", "GFX-MEM"].map(String::from);
+    let rows: Vec<[String; 5]> = vgpus
+        .iter()
+        .map(|v| {
+            [
+                v.id.to_string(),
+                uuid_text(&v.uuid),
+                abi::source_name(v.source).to_owned(),
+                abi::state_name(v.state).to_owned(),
+                format_size(v.gfx_mem_size),
+            ]
+        })
+        .collect();
+    let mut widths = [0; 5];
+    for row in std::iter::once(&header).chain(&rows) {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.len());
+        }
+    }
+    for row in std::iter::once(&header).chain(&rows) {
+        let line = format!(
+            "  {:>w0$}  {:<w1$}  {:<w2$}  {:<w3$}  {}",
+            row[0],
+            row[1],
+            row[2],
+            row[3],
+            row[4],
+            w0 = widths[0],
+            w1 = widths[1],
+            w2 = widths[2],
+            w3 = widths[3],
+        );
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
+}
+
+#[derive(Serialize)]
+struct StatusJson<'a> {
+    abi_version: u32,
+    module_version: &'a str,
+    features: Vec<String>,
+    vgpus: Vec<VgpuJson>,
+}
+
+#[derive(Serialize)]
+struct VgpuJson {
+    id: u32,
+    uuid: String,
+    source: &'static str,
+    state: &'static str,
+    gfx_mem_size: u64,
+}
+
+/// `hagctl status --json`: one JSON object on one line.
+pub fn status_json(module: &ModuleInfo, vgpus: &[HagVgpuInfo]) -> String {
+    let status = StatusJson {
+        abi_version: module.abi_version,
+        module_version: &module.module_version,
+        features: feature_names(module.features),
+        vgpus: vgpus
+            .iter()
+            .map(|v| VgpuJson {
+                id: v.id,
+                uuid: uuid_text(&v.uuid),
+                source: abi::source_name(v.source),
+                state: abi::state_name(v.state),
+                gfx_mem_size: v.gfx_mem_size,
+            })
+            .collect(),
+    };
+    json_line(&status)
+}
+
+/// `hagctl events`: `NAME [vgpu=ID] [uuid=UUID] [message="TEXT"]`. The
+/// message is quoted and escaped so an event is always exactly one line.
+pub fn event_text(event: &Event) -> String {
+    let mut line = abi::event_name(event.kind).to_owned();
+    if !is_known_event(event.kind) {
+        line.push_str(&format!(" kind={}", event.kind));
+    }
+    if let Some(id) = event.vgpu_id {
+        line.push_str(&format!(" vgpu={id}"));
+    }
+    if let Some(uuid) = &event.uuid {
+        line.push_str(&format!(" uuid={}", uuid_text(uuid)));
+    }
+    if let Some(message) = &event.message {
+        line.push_str(&format!(" message={message:?}"));
+    }
+    line
+}
+
+#[derive(Serialize)]
+struct EventJson<'a> {
+    event: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kind: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    vgpu: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    uuid: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    timestamp_ns: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    message: Option<&'a str>,
+}
+
+/// `hagctl events --json`: one object per line; absent fields are left out,
+/// and `kind` (the number) appears only when the name is `unknown`.
+pub fn event_json(event: &Event) -> String {
+    json_line(&EventJson {
+        event: abi::event_name(event.kind),
+        kind: (!is_known_event(event.kind)).then_some(event.kind),
+        vgpu: event.vgpu_id,
+        uuid: event.uuid.as_ref().map(uuid_text),
+        timestamp_ns: event.timestamp_ns,
+        message: event.message.as_deref(),
+    })
+}
+
+fn is_known_event(kind: u32) -> bool {
+    abi::event_name(kind) != abi::event_name(0)
+}
+
+fn json_line<T: Serialize>(value: &T) -> String {
+    // Only strings, numbers and vectors of them: serialising cannot fail.
+    serde_json::to_string(value).expect("plain data serialises")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn module() -> ModuleInfo {
+        ModuleInfo {
+            abi_version: abi::ABI_VERSION,
+            features: abi::FEATURE_SIM_VGPU,
+            module_version: "0.1.0".into(),
+        }
+    }
+
+    fn vgpu(id: u32, last: u8, state: u32) -> HagVgpuInfo {
+        let mut uuid = [
+            0x83, 0xb8, 0xf4, 0xf2, 0x50, 0x9f, 0x38, 0x2f, 0x3c, 0x1e, 0xe6, 0xbf, 0xe0, 0xfa,
+            0x10, 0x00,
+        ];
+        uuid[15] = last;
+        HagVgpuInfo {
+            id,
+            source: abi::VGPU_SOURCE_SIM,
+            state,
+            reserved: 0,
+            uuid,
+            gfx_mem_size: abi::SIM_GFX_MEM_SIZE,
+        }
+    }
+
+    #[test]
+    fn status_text_with_two_vgpus() {
+        let vgpus = [
+            vgpu(1, 0x01, abi::VGPU_STATE_IDLE),
+            vgpu(2, 0x02, abi::VGPU_STATE_OPEN),
+        ];
+        assert_eq!(
+            status_text(&module(), &vgpus),
+            "hag_mdev 0.1.0, ABI 1, features: sim\n\
+             2 vGPUs\n\
+             \x20 ID  UUID                                  SOURCE  STATE  GFX-MEM\n\
+             \x20  1  83b8f4f2-509f-382f-3c1e-e6bfe0fa1001  sim     idle   64 MiB\n\
+             \x20  2  83b8f4f2-509f-382f-3c1e-e6bfe0fa1002  sim     open   64 MiB\n"
+        );
+    }
+
+    #[test]
+    fn status_text_with_no_vgpus() {
+        let mut m = module();
+        m.features = 0;
+        assert_eq!(
+            status_text(&m, &[]),
+            "hag_mdev 0.1.0, ABI 1, features: none\nno vGPUs\n"
+        );
+    }
+
+    #[test]
+    fn status_json_with_two_vgpus() {
+        let vgpus = [
+            vgpu(1, 0x01, abi::VGPU_STATE_IDLE),
+            vgpu(2, 0x02, abi::VGPU_STATE_OPEN),
+        ];
+        assert_eq!(
+            status_json(&module(), &vgpus),
+            r#"{"abi_version":1,"module_version":"0.1.0","features":["sim"],"vgpus":[{"id":1,"uuid":"83b8f4f2-509f-382f-3c1e-e6bfe0fa1001","source":"sim","state":"idle","gfx_mem_size":67108864},{"id":2,"uuid":"83b8f4f2-509f-382f-3c1e-e6bfe0fa1002","source":"sim","state":"open","gfx_mem_size":67108864}]}"#
+        );
+    }
+
+    #[test]
+    fn status_json_with_no_vgpus() {
+        assert_eq!(
+            status_json(&module(), &[]),
+            r#"{"abi_version":1,"module_version":"0.1.0","features":["sim"],"vgpus":[]}"#
+        );
+    }
+
+    #[test]
+    fn sizes_use_the_largest_exact_unit() {
+        assert_eq!(format_size(0), "0 B");
+        assert_eq!(format_size(1000), "1000 B");
+        assert_eq!(format_size(4096), "4 KiB");
+        assert_eq!(format_size(64 << 20), "64 MiB");
+        assert_eq!(format_size(1536 << 20), "1536 MiB");
+        assert_eq!(format_size(2 << 30), "2 GiB");
+        assert_eq!(format_size((64 << 20) + 1), "67108865 B");
+    }
+
+    #[test]
+    fn unknown_feature_bits_are_shown() {
+        assert_eq!(
+            feature_names(abi::FEATURE_SIM_VGPU | abi::FEATURE_GVT | 0x100),
+            ["sim", "gvt", "unknown(0x100)"]
+        );
+    }
+
+    fn event() -> Event {
+        Event {
+            kind: abi::EVENT_VGPU_CREATED,
+            vgpu_id: Some(1),
+            uuid: Some(vgpu(1, 0x01, 0).uuid),
+            timestamp_ns: Some(42),
+            message: Some("say \"hi\"\nbye".into()),
+        }
+    }
+
+    #[test]
+    fn event_text_is_one_line() {
+        assert_eq!(
+            event_text(&event()),
+            r#"vgpu-created vgpu=1 uuid=83b8f4f2-509f-382f-3c1e-e6bfe0fa1001 message="say \"hi\"\nbye""#
+        );
+        let bare = Event {
+            kind: 77,
+            vgpu_id: None,
+            uuid: None,
+            timestamp_ns: None,
+            message: None,
+        };
+        assert_eq!(event_text(&bare), "unknown kind=77");
+    }
+
+    #[test]
+    fn event_json_leaves_out_absent_fields() {
+        assert_eq!(
+            event_json(&event()),
+            r#"{"event":"vgpu-created","vgpu":1,"uuid":"83b8f4f2-509f-382f-3c1e-e6bfe0fa1001","timestamp_ns":42,"message":"say \"hi\"\nbye"}"#
+        );
+        let bare = Event {
+            kind: 77,
+            vgpu_id: None,
+            uuid: None,
+            timestamp_ns: None,
+            message: None,
+        };
+        assert_eq!(event_json(&bare), r#"{"event":"unknown","kind":77}"#);
+    }
+}

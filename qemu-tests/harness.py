@@ -1,0 +1,261 @@
+"""Test hosts for hag: QEMU VMs booted from the test kernel, joined by a
+private network, running scenario scripts.
+
+A test host is `qemu-system-x86_64 -accel tcg` (this machine's /dev/kvm
+cannot boot Linux) with the test kernel and an initramfs holding busybox,
+hag_mdev.ko, hagctl (with its shared libraries) and the guest scripts. Its
+/init (guest/init) runs the scenario named on the kernel command line and
+reports on the serial console, which goes to a log file here.
+
+Hosts share one Ethernet segment: each QEMU sends its frames as UDP
+datagrams to a hub socket on 127.0.0.1, and the hub forwards every frame to
+all other hosts. Nothing leaves the loopback interface, and QEMU runs with
+-nodefaults, so no host has user-mode networking.
+
+Promises: every QEMU process a run starts is killed before the run returns,
+whatever happened; a scenario passes only if every host's script exited 0
+and no host's log shows a kernel BUG, WARNING, Oops or panic, or a taint
+other than the out-of-tree module one.
+"""
+
+import gzip
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "qemu-tests"
+
+# Taint bit 12 ('O'): an out-of-tree module was loaded, which hag_mdev is.
+TAINT_OUT_OF_TREE = 1 << 12
+KERNEL_TROUBLE = re.compile(
+    r"(BUG:|WARNING:|Oops|Kernel panic|general protection fault|Call Trace:|UBSAN:|KASAN:)"
+)
+
+
+@dataclass
+class Build:
+    """The built artefacts a test host is made of."""
+
+    kernel_tree: Path
+    module: Path
+    hagctl: Path
+
+    @property
+    def bzimage(self):
+        return self.kernel_tree / "arch/x86/boot/bzImage"
+
+    @staticmethod
+    def find():
+        tree = subprocess.run(
+            [str(ROOT / "scripts/build-kernel.sh"), "--print-dir"],
+            check=True, capture_output=True, text=True,
+        ).stdout.strip()
+        build = Build(
+            kernel_tree=Path(tree),
+            module=ROOT / "rust/hag_mdev/hag_mdev.ko",
+            hagctl=ROOT / "controller/target/release/hagctl",
+        )
+        for path in (build.bzimage, build.module, build.hagctl):
+            if not path.exists():
+                raise SystemExit(f"qemu-tests: {path} missing: run `make` first")
+        return build
+
+
+def shared_libraries(binary):
+    """The shared libraries `binary` loads, as ldd resolves them here."""
+    out = subprocess.run(["ldd", str(binary)], capture_output=True, text=True).stdout
+    libs = []
+    for line in out.splitlines():
+        m = re.search(r"(/\S+) \(0x", line)
+        if m:
+            libs.append(Path(m.group(1)))
+    return libs
+
+
+def build_initramfs(build, dest):
+    """Writes a gzip'd newc cpio initramfs for test hosts to `dest`."""
+    with tempfile.TemporaryDirectory(prefix="hag-initramfs-") as tmp:
+        root = Path(tmp)
+        for d in ("bin", "sbin", "usr/bin", "proc", "sys", "dev", "tmp", "hag/scenarios"):
+            (root / d).mkdir(parents=True, exist_ok=True)
+        shutil.copy2("/bin/busybox", root / "bin/busybox")
+        shutil.copy2(TESTS / "guest/init", root / "init")
+        shutil.copy2(TESTS / "guest/lib.sh", root / "hag/lib.sh")
+        shutil.copy2(build.module, root / "hag/hag_mdev.ko")
+        shutil.copy2(build.kernel_tree / "drivers/vfio/mdev/mdev.ko", root / "hag/mdev.ko")
+        for script in sorted((TESTS / "scenarios").glob("*.sh")):
+            shutil.copy2(script, root / "hag/scenarios" / script.name)
+        shutil.copy2(TESTS / "demo.sh", root / "hag/scenarios/demo.sh")
+        shutil.copy2(build.hagctl, root / "bin/hagctl")
+        for lib in shared_libraries(build.hagctl):
+            target = root / lib.relative_to("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(lib.resolve(), target)
+        os.chmod(root / "init", 0o755)
+        cpio = subprocess.run(
+            "find . | sort | cpio -o -H newc --quiet -R 0:0",
+            shell=True, cwd=root, check=True, capture_output=True,
+        ).stdout
+    with gzip.open(dest, "wb", compresslevel=1) as f:
+        f.write(cpio)
+
+
+class Hub:
+    """An Ethernet hub over UDP on loopback: forwards each datagram from one
+    host's QEMU to every other host's."""
+
+    def __init__(self):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.members = set()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._forward, daemon=True)
+        self.thread.start()
+
+    def add_member(self, port):
+        self.members.add(("127.0.0.1", port))
+
+    def _forward(self):
+        while not self.stopping:
+            ready, _, _ = select.select([self.sock], [], [], 0.2)
+            if not ready:
+                continue
+            try:
+                frame, sender = self.sock.recvfrom(65536)
+            except OSError:
+                return
+            for member in self.members:
+                if member != sender:
+                    self.sock.sendto(frame, member)
+
+    def close(self):
+        self.stopping = True
+        self.thread.join()
+        self.sock.close()
+
+
+def free_udp_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Host:
+    index: int
+    log: Path
+    process: subprocess.Popen = None
+
+    def text(self):
+        try:
+            return self.log.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def finished(self):
+        return "HAG-TAINT" in self.text() or self.process.poll() is not None
+
+
+@dataclass
+class Result:
+    name: str
+    passed: bool
+    reasons: list = field(default_factory=list)
+    hosts: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def scenario_header(script, key, default):
+    """Reads `# key: value` from a scenario's first lines."""
+    for line in script.read_text().splitlines()[:5]:
+        m = re.match(rf"#\s*{key}:\s*(\d+)", line)
+        if m:
+            return int(m.group(1))
+    return default
+
+
+def run_scenario(build, initramfs, script, logdir, on_output=None):
+    """Boots the hosts `script` asks for, runs it on each, and judges it."""
+    name = script.stem
+    n_hosts = scenario_header(script, "hosts", 1)
+    timeout = scenario_header(script, "timeout", 300)
+    start = time.monotonic()
+    hub = Hub()
+    hosts = []
+    try:
+        for i in range(n_hosts):
+            host = Host(i, logdir / f"{name}.host{i}.log")
+            host.log.unlink(missing_ok=True)
+            port = free_udp_port()
+            hub.add_member(port)
+            cmd = [
+                "qemu-system-x86_64", "-accel", "tcg", "-m", "512", "-smp", "1",
+                "-nodefaults", "-display", "none", "-no-reboot", "-monitor", "none",
+                "-kernel", str(build.bzimage), "-initrd", str(initramfs),
+                "-append", f"console=ttyS0 panic=-1 quiet loglevel=4 hag_scenario={name} "
+                           f"hag_host={i} hag_hosts={n_hosts}",
+                "-serial", f"file:{host.log}",
+                "-netdev", f"socket,id=net0,udp=127.0.0.1:{hub.port},localaddr=127.0.0.1:{port}",
+                "-device", f"virtio-net-pci,netdev=net0,mac=52:54:00:4a:47:{i:02x}",
+            ]
+            host.process = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=open(logdir / f"{name}.host{i}.qemu.err", "w"),
+                start_new_session=True,
+            )
+            hosts.append(host)
+        shown = 0
+        while time.monotonic() - start < timeout:
+            if on_output:
+                text = hosts[0].text()
+                on_output(text[shown:])
+                shown = len(text)
+            if all(h.finished() for h in hosts):
+                break
+            time.sleep(0.2)
+        # Give a host that printed its result a moment to reboot (exit).
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(h.process.poll() is None for h in hosts):
+            time.sleep(0.1)
+        if on_output:
+            on_output(hosts[0].text()[shown:])
+    finally:
+        for h in hosts:
+            if h.process.poll() is None:
+                os.killpg(h.process.pid, signal.SIGKILL)
+            h.process.wait()
+        hub.close()
+
+    result = Result(name, True, hosts=hosts, seconds=time.monotonic() - start)
+    for h in hosts:
+        judge_host(h, result, timeout)
+    result.passed = not result.reasons
+    return result
+
+
+def judge_host(host, result, timeout):
+    text = host.text()
+    who = f"host{host.index}"
+    end = re.search(r"HAG-SCENARIO-END rc=(\d+)", text)
+    if not end:
+        result.reasons.append(f"{who}: scenario did not finish (timeout {timeout} s or crash)")
+    elif end.group(1) != "0":
+        result.reasons.append(f"{who}: scenario exited {end.group(1)}")
+    trouble = KERNEL_TROUBLE.search(text)
+    if trouble:
+        line = text[text.rfind("\n", 0, trouble.start()) + 1:].split("\n", 1)[0]
+        result.reasons.append(f"{who}: kernel trouble: {line.strip()}")
+    taint = re.search(r"HAG-TAINT (\d+)", text)
+    if taint and int(taint.group(1)) & ~TAINT_OUT_OF_TREE:
+        result.reasons.append(f"{who}: kernel tainted {taint.group(1)} (only {TAINT_OUT_OF_TREE}, out-of-tree, is allowed)")

@@ -1,0 +1,66 @@
+// SPDX-License-Identifier: GPL-2.0-only
+//! Events multicast on the `hag` generic netlink family's events group.
+//!
+//! An event is a notification: if it cannot be built or nobody listens, the
+//! operation that caused it still succeeds, and a failure is logged once per
+//! event so a lost event is visible in the kernel log.
+
+use kernel::prelude::*;
+use kernel::time::Ktime;
+
+use crate::abi;
+use crate::glue::EventMessage;
+use crate::vgpu::Vgpu;
+
+/// An event about one vGPU, built then sent.
+pub(crate) struct Event<'a> {
+    kind: u32,
+    vgpu: &'a Vgpu,
+    message: Option<&'a str>,
+}
+
+impl<'a> Event<'a> {
+    pub(crate) fn new(kind: u32, vgpu: &'a Vgpu) -> Self {
+        Self {
+            kind,
+            vgpu,
+            message: None,
+        }
+    }
+
+    /// Adds a human-readable detail.
+    pub(crate) fn message(mut self, message: &'a str) -> Self {
+        self.message = Some(message);
+        self
+    }
+
+    /// Multicasts the event; logs (and otherwise ignores) a failure.
+    pub(crate) fn send(self) {
+        if let Err(e) = self.try_send() {
+            pr_warn!(
+                "hag_mdev: event {} for vGPU {} not sent: error {}\n",
+                abi::event_name(self.kind),
+                self.vgpu.id,
+                e.to_errno()
+            );
+        }
+    }
+
+    fn try_send(&self) -> Result {
+        let mut msg = EventMessage::new(abi::CMD_EVENT)?;
+        msg.put_u32(abi::ATTR_EVENT, self.kind)?;
+        msg.put_u32(abi::ATTR_VGPU_ID, self.vgpu.id)?;
+        msg.put_bytes(abi::ATTR_VGPU_UUID, &self.vgpu.uuid)?;
+        // ktime_get() is monotonic and never negative.
+        let now = u64::try_from(Ktime::ktime_get().to_ns()).unwrap_or(0);
+        msg.put_u64(abi::ATTR_TIMESTAMP_NS, now)?;
+        if let Some(text) = self.message {
+            // Netlink strings carry their NUL; build it in a small buffer.
+            let mut buf = [0u8; 64];
+            let len = text.len().min(buf.len() - 1);
+            buf[..len].copy_from_slice(&text.as_bytes()[..len]);
+            msg.put_bytes(abi::ATTR_MESSAGE, &buf[..=len])?;
+        }
+        msg.send()
+    }
+}

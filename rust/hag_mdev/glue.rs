@@ -1,0 +1,245 @@
+// SPDX-License-Identifier: GPL-2.0-only
+//! The only place where hag_mdev's Rust meets C.
+//!
+//! Rust-for-Linux 6.12 has no abstractions for miscdevice, file operations,
+//! generic netlink, mdev or VFIO. `glue.c` holds their static tables and the
+//! helpers that are C macros or inline functions; this file declares them,
+//! receives their callbacks (`hag_rs_*`) and turns both directions into safe
+//! Rust: [`Registration`] owns the registered interfaces and the module
+//! [`State`], and [`EventMessage`] builds and sends one netlink message.
+//! Every `unsafe` block of the module is in this file.
+
+use core::ffi::{c_char, c_int, c_long, c_uint, c_ulong, c_void};
+use core::ptr;
+
+use kernel::prelude::*;
+use kernel::types::{AsBytes, FromBytes};
+
+use crate::abi;
+use crate::State;
+
+/// Mirrors `struct hag_glue_config` in glue.c.
+#[repr(C)]
+struct GlueConfig {
+    misc_name: *const c_char,
+    parent_name: *const c_char,
+    sim_type_name: *const c_char,
+    sim_type_description: *const c_char,
+    genl_name: *const c_char,
+    genl_mcgrp_events: *const c_char,
+    sim_max_instances: u32,
+    genl_maxattr: u16,
+    genl_pad_attr: u16,
+    genl_version: u8,
+}
+
+/// Mirrors `struct hag_glue_msg` in glue.c.
+#[repr(C)]
+struct GlueMsg {
+    skb: *mut c_void,
+    hdr: *mut c_void,
+}
+
+extern "C" {
+    fn hag_glue_register(ctx: *const c_void, cfg: *const GlueConfig) -> c_int;
+    fn hag_glue_unregister();
+    fn hag_glue_msg_new(msg: *mut GlueMsg, cmd: u8) -> c_int;
+    fn hag_glue_msg_put_u32(msg: *mut GlueMsg, attr: u16, value: u32) -> c_int;
+    fn hag_glue_msg_put_u64(msg: *mut GlueMsg, attr: u16, value: u64) -> c_int;
+    fn hag_glue_msg_put_bytes(msg: *mut GlueMsg, attr: u16, data: *const c_void, len: u32)
+        -> c_int;
+    fn hag_glue_msg_multicast(msg: *mut GlueMsg) -> c_int;
+    fn hag_glue_msg_cancel(msg: *mut GlueMsg);
+}
+
+const SIM_TYPE_DESCRIPTION_C: &[u8] = b"hag simulated GEN vGPU\0";
+
+fn c_str(bytes: &'static [u8]) -> *const c_char {
+    // The ABI's *_C constants are NUL-terminated (checked by its tests).
+    bytes.as_ptr().cast()
+}
+
+/// The registered C interfaces, and the state their callbacks reach.
+///
+/// Dropping it unregisters everything before the state is freed, so no
+/// callback can see freed state.
+pub(crate) struct Registration {
+    state: Pin<KBox<State>>,
+}
+
+impl Registration {
+    /// Registers `/dev/hag`, the `hag` netlink family and the mdev parent.
+    pub(crate) fn new(state: Pin<KBox<State>>) -> Result<Self> {
+        let cfg = GlueConfig {
+            misc_name: c_str(abi::DEVICE_NAME_C),
+            parent_name: c_str(abi::PARENT_NAME_C),
+            sim_type_name: c_str(abi::SIM_TYPE_NAME_C),
+            sim_type_description: c_str(SIM_TYPE_DESCRIPTION_C),
+            genl_name: c_str(abi::GENL_NAME_C),
+            genl_mcgrp_events: c_str(abi::GENL_MCGRP_EVENTS_C),
+            sim_max_instances: abi::SIM_MAX_INSTANCES,
+            genl_maxattr: abi::ATTR_MAX,
+            genl_pad_attr: abi::ATTR_PAD,
+            genl_version: abi::GENL_VERSION,
+        };
+        let ctx: *const State = &*state;
+        // SAFETY: `cfg` lives across the call and its strings are 'static and
+        // NUL-terminated (glue.c keeps only those pointers). `ctx` points
+        // into a pinned allocation that `self` owns until `drop` has called
+        // `hag_glue_unregister`, after which no callback runs.
+        let ret = unsafe { hag_glue_register(ctx.cast(), &cfg) };
+        if ret != 0 {
+            return Err(Error::from_errno(ret));
+        }
+        Ok(Self { state })
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        // SAFETY: `new` registered successfully (a `Registration` exists
+        // only then), and this runs once.
+        unsafe { hag_glue_unregister() };
+        // `self.state` is freed after this, with no interface left to reach it.
+        let _ = &self.state;
+    }
+}
+
+/// Recovers the state from the context pointer glue.c passes back.
+///
+/// # Safety
+///
+/// `ctx` must be the pointer given to `hag_glue_register`, and the call must
+/// happen while registered (glue.c only calls back then).
+unsafe fn state<'a>(ctx: *const c_void) -> &'a State {
+    // SAFETY: per this function's contract, `ctx` points to the pinned
+    // `State` owned by the live `Registration`.
+    unsafe { &*ctx.cast::<State>() }
+}
+
+/// `/dev/hag` ioctl.
+#[no_mangle]
+extern "C" fn hag_rs_ioctl(ctx: *const c_void, cmd: c_uint, arg: c_ulong) -> c_long {
+    // SAFETY: called by glue.c's file operations, which exist only while
+    // registered, with the registered context.
+    let state = unsafe { state(ctx) };
+    match crate::control::ioctl(state, cmd, arg as usize) {
+        Ok(()) => 0,
+        Err(e) => e.to_errno() as c_long,
+    }
+}
+
+/// mdev probe: a vGPU was created through sysfs.
+#[no_mangle]
+extern "C" fn hag_rs_vgpu_probe(ctx: *const c_void, uuid: *const u8, id: *mut u32) -> c_int {
+    // SAFETY: called by glue.c's mdev probe while registered.
+    let state = unsafe { state(ctx) };
+    // SAFETY: glue.c passes the mdev's `guid_t` bytes, 16 bytes long and
+    // valid for the call.
+    let uuid: [u8; 16] = unsafe { ptr::read(uuid.cast::<[u8; 16]>()) };
+    match state.vgpu_created(uuid) {
+        Ok(new_id) => {
+            // SAFETY: `id` points to the `u32` field of glue.c's vGPU struct.
+            unsafe { id.write(new_id) };
+            0
+        }
+        Err(e) => e.to_errno(),
+    }
+}
+
+/// mdev remove, or a failed probe after `hag_rs_vgpu_probe` succeeded.
+#[no_mangle]
+extern "C" fn hag_rs_vgpu_remove(ctx: *const c_void, id: u32) {
+    // SAFETY: called by glue.c's mdev remove while registered.
+    unsafe { state(ctx) }.vgpu_removed(id);
+}
+
+/// A VMM opened or closed the vGPU's VFIO device.
+#[no_mangle]
+extern "C" fn hag_rs_vgpu_open(ctx: *const c_void, id: u32, open: bool) {
+    // SAFETY: called by glue.c's VFIO device ops while registered.
+    unsafe { state(ctx) }.vgpu_opened(id, open);
+}
+
+// The ABI structures cross to and from userspace as raw bytes.
+//
+// SAFETY (all four): each is `#[repr(C)]`, made only of integers and integer
+// arrays, with explicit padding fields (hag_abi's layout tests fix their
+// sizes), so every byte pattern is a valid value and no byte is uninitialised.
+unsafe impl FromBytes for abi::HagVgpuList {}
+// SAFETY: see above.
+unsafe impl AsBytes for abi::HagVgpuList {}
+// SAFETY: see above.
+unsafe impl AsBytes for abi::HagVersion {}
+// SAFETY: see above.
+unsafe impl AsBytes for abi::HagVgpuInfo {}
+
+/// One generic netlink message of the `hag` family, multicast to the
+/// events group by [`EventMessage::send`]; dropped unsent, it is freed.
+pub(crate) struct EventMessage {
+    msg: GlueMsg,
+}
+
+fn check(ret: c_int) -> Result {
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(Error::from_errno(ret))
+    }
+}
+
+impl EventMessage {
+    /// Starts a message with genetlink command `cmd`.
+    pub(crate) fn new(cmd: u8) -> Result<Self> {
+        let mut msg = GlueMsg {
+            skb: ptr::null_mut(),
+            hdr: ptr::null_mut(),
+        };
+        // SAFETY: `msg` is valid for writes; on success glue.c stored an
+        // skb it allocated, which `Self` now owns.
+        check(unsafe { hag_glue_msg_new(&mut msg, cmd) })?;
+        Ok(Self { msg })
+    }
+
+    /// Appends a u32 attribute.
+    pub(crate) fn put_u32(&mut self, attr: u16, value: u32) -> Result {
+        // SAFETY: `self.msg` holds a live skb from `hag_glue_msg_new`.
+        check(unsafe { hag_glue_msg_put_u32(&mut self.msg, attr, value) })
+    }
+
+    /// Appends a u64 attribute, 64-bit aligned.
+    pub(crate) fn put_u64(&mut self, attr: u16, value: u64) -> Result {
+        // SAFETY: as in `put_u32`.
+        check(unsafe { hag_glue_msg_put_u64(&mut self.msg, attr, value) })
+    }
+
+    /// Appends a binary attribute.
+    pub(crate) fn put_bytes(&mut self, attr: u16, data: &[u8]) -> Result {
+        let len = u32::try_from(data.len()).map_err(|_| EINVAL)?;
+        // SAFETY: as in `put_u32`; `data` is valid for `len` bytes and
+        // nla_put copies it.
+        check(unsafe { hag_glue_msg_put_bytes(&mut self.msg, attr, data.as_ptr().cast(), len) })
+    }
+
+    /// Multicasts the message to the events group. Nobody listening is
+    /// not an error: events are notifications.
+    pub(crate) fn send(self) -> Result {
+        let mut this = core::mem::ManuallyDrop::new(self);
+        // SAFETY: the skb is live and owned by `this`; glue.c's multicast
+        // consumes it whatever the outcome, so it is not freed again (the
+        // `ManuallyDrop` skips `Drop`).
+        let ret = unsafe { hag_glue_msg_multicast(&mut this.msg) };
+        if ret == ESRCH.to_errno() {
+            return Ok(());
+        }
+        check(ret)
+    }
+}
+
+impl Drop for EventMessage {
+    fn drop(&mut self) {
+        // SAFETY: the skb is live (not sent: `send` skips this) and owned
+        // by `self`.
+        unsafe { hag_glue_msg_cancel(&mut self.msg) };
+    }
+}

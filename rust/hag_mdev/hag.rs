@@ -1,0 +1,64 @@
+// SPDX-License-Identifier: GPL-2.0-only
+//! hag_mdev: GPU dirty tracking, vGPU snapshots and hang detection for
+//! mediated vGPUs.
+//!
+//! On load the module registers `/dev/hag` (control ioctls), the `hag`
+//! generic netlink family (events) and an mdev parent offering the simulated
+//! vGPU type `hag-sim`. Its promise: whatever a guest or a caller sends, the
+//! module answers with an error code, never a crash, and unloading leaves
+//! nothing behind.
+//!
+//! Layout: [`glue`] is the one place that talks to C (and holds every
+//! `unsafe` block); [`vgpu`] keeps the vGPU table; [`control`] answers the
+//! ioctls; [`events`] sends netlink events; [`abi`] is the shared ABI crate's
+//! source, compiled in so both sides of the boundary use the same numbers.
+
+use kernel::prelude::*;
+
+#[path = "../hag_abi/src/abi.rs"]
+pub mod abi;
+mod control;
+mod events;
+mod glue;
+mod vgpu;
+
+pub(crate) use vgpu::State;
+
+module! {
+    type: HagModule,
+    name: "hag_mdev",
+    author: "hag developers",
+    description: "hag: dirty tracking, snapshots and hang detection for mediated vGPUs",
+    license: "GPL",
+}
+
+/// The module version string reported by the version ioctl.
+pub(crate) const MODULE_VERSION: &str = "0.1.0";
+
+struct HagModule {
+    _registration: glue::Registration,
+}
+
+impl kernel::Module for HagModule {
+    fn init(_module: &'static ThisModule) -> Result<Self> {
+        let state = KBox::pin_init(State::new(), GFP_KERNEL)?;
+        let registration = glue::Registration::new(state)?;
+        pr_info!(
+            "hag_mdev {} loaded: /dev/{}, netlink family '{}', mdev type '{}' (ABI {})\n",
+            MODULE_VERSION,
+            abi::DEVICE_NAME,
+            abi::GENL_NAME,
+            abi::SIM_TYPE_NAME,
+            abi::ABI_VERSION
+        );
+        Ok(Self {
+            _registration: registration,
+        })
+    }
+}
+
+impl Drop for HagModule {
+    fn drop(&mut self) {
+        pr_info!("hag_mdev unloading\n");
+    }
+}
