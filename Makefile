@@ -5,15 +5,12 @@
 #   make demo     boot a test host, load the module, create a vGPU, show status
 #   make test     userspace tests, fmt and clippy, then every qemu-tests scenario
 #
-# This file is also the out-of-tree module's entry point when the kernel's
-# build system includes it (KERNELRELEASE set): then only Kbuild matters.
-
-ifneq ($(KERNELRELEASE),)
-include $(src)/Kbuild
-else
+# The kernel's build system reads Kbuild (not this file) for the module.
 
 export HAG_CACHE ?= /var/cache/hag
 export HAG_TOOLS ?= $(HAG_CACHE)/tools
+# install-deps.sh reports the toolchain choice once; the later steps need not.
+export HAG_TOOLCHAIN_QUIET := 1
 SHELL := /bin/bash
 TOOLCHAIN := . scripts/toolchain.sh
 MODULE := rust/hag_mdev/hag_mdev.ko
@@ -52,9 +49,8 @@ demo: all
 	qemu-tests/demo
 
 clean:
-	@$(TOOLCHAIN) && kdir=$$(scripts/build-kernel.sh --print-dir 2>/dev/null) && \
+	@$(TOOLCHAIN) && kdir=$$(scripts/build-kernel.sh --cached-dir 2>/dev/null) && \
 		$(MAKE) -s -C "$$kdir" M=$(CURDIR) clean || true
 	cd controller && cargo clean
 	cd rust && cargo clean
 
-endif

@@ -4,10 +4,13 @@
 # The tree is Debian's linux-source-6.12 configured as tinyconfig plus
 # scripts/kernel-test.config. The cache directory's name is a hash of the
 # fragment, the source package version, the Rust and bindgen versions and
-# this script, so a changed fragment rebuilds and an unchanged one does not.
+# a recipe number kept below, so a changed fragment rebuilds and an
+# unchanged one does not.
 #
 #   scripts/build-kernel.sh            build if needed, print nothing else
 #   scripts/build-kernel.sh --print-dir   build if needed, print the tree's path
+#   scripts/build-kernel.sh --cached-dir  print the tree's path if it is built,
+#                                         else fail (never builds)
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -24,12 +27,18 @@ die() { echo "build-kernel: $*" >&2; exit 1; }
 [ -r "$tarball" ] || die "$tarball missing: install linux-source-6.12 (scripts/install-deps.sh)"
 src_version=$(dpkg-query -W -f='${Version}' linux-source-6.12)
 
-key=$( { cat "$fragment" "$0"; echo "$src_version"; "$RUSTC" --version; "$BINDGEN" --version; } |
+# Bump when a change to this script changes what it builds.
+recipe=1
+key=$( { cat "$fragment"; echo "$recipe $src_version"; "$RUSTC" --version; "$BINDGEN" --version; } |
 	sha256sum | cut -c1-16)
 name=$(basename "$fragment" .config)
 dir=$HAG_CACHE/$name-$key
 tree=$dir/linux
 
+if [ "${1:-}" = --cached-dir ]; then
+	[ -e "$dir/.built" ] && echo "$tree"
+	exit $?
+fi
 if [ ! -e "$dir/.built" ]; then
 	log "building $name kernel $src_version into $dir (about 6 minutes on 2 cores)"
 	rm -rf "$dir"

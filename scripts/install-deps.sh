@@ -47,4 +47,6 @@ if ! have_bindgen; then
 	# Debian's cargo (1.96) builds it; rustup's may be absent on a fresh machine.
 	/usr/bin/cargo install -q bindgen-cli --version "$BINDGEN_VERSION" --locked --root "$HAG_TOOLS"
 fi
+# Says once, here, which rustc the kernel build will use and why.
+(HAG_TOOLCHAIN_QUIET= . "$(dirname "$0")/toolchain.sh")
 echo "install-deps: ok (bindgen $("$HAG_TOOLS/bin/bindgen" --version | awk '{print $2}'), rustc $(/usr/bin/rustc --version | awk '{print $2}'))"

@@ -4,7 +4,7 @@
 
 HAG_MODULE=/hag/hag_mdev.ko
 HAG_MDEV_PARENT=/sys/class/mdev_bus/hag
-HAG_SIM_TYPE_DIR=$HAG_MDEV_PARENT/mdev_supported_types/hag_mdev-hag-sim
+HAG_SIM_TYPE_DIR=$HAG_MDEV_PARENT/mdev_supported_types/hag-sim
 
 # Host I of the test network has address 192.0.2.(10+I) (TEST-NET-1: never
 # routed anywhere; the network is QEMU UDP sockets on the runner's loopback).

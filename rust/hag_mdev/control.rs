@@ -45,18 +45,10 @@ fn list_vgpus(state: &State, arg: usize) -> Result {
     let entries = usize::try_from(request.entries).map_err(|_| EINVAL)?;
     let entry_size = core::mem::size_of::<abi::HagVgpuInfo>();
 
-    // Copy the table out first: user copies may fault and sleep, which must
-    // not happen under the table lock.
-    let mut infos = KVec::new();
-    state.with_vgpus(|vgpus| -> Result {
-        for vgpu in vgpus.iter().take(request.capacity as usize) {
-            infos.push(vgpu.info(), GFP_KERNEL)?;
-        }
-        request.count = u32::try_from(vgpus.len()).unwrap_or(u32::MAX);
-        Ok(())
-    })?;
-
-    for (i, info) in infos.iter().enumerate() {
+    let (infos, count) = state.infos();
+    request.count = u32::try_from(count).unwrap_or(u32::MAX);
+    let room = usize::try_from(request.capacity).unwrap_or(usize::MAX);
+    for (i, info) in infos.iter().take(count.min(room)).enumerate() {
         let addr = i
             .checked_mul(entry_size)
             .and_then(|offset| entries.checked_add(offset))

@@ -18,25 +18,7 @@
 #include <linux/vfio.h>
 #include <net/genetlink.h>
 
-/* Names and numbers, from hag_abi via glue.rs. Mirrors glue::GlueConfig. */
-struct hag_glue_config {
-	const char *misc_name;
-	const char *parent_name;
-	const char *sim_type_name;
-	const char *sim_type_description;
-	const char *genl_name;
-	const char *genl_mcgrp_events;
-	u32 sim_max_instances;
-	u16 genl_maxattr;
-	u16 genl_pad_attr;
-	u8 genl_version;
-};
-
-/* Implemented in glue.rs. */
-long hag_rs_ioctl(const void *ctx, unsigned int cmd, unsigned long arg);
-int hag_rs_vgpu_probe(const void *ctx, const u8 *uuid, u32 *id);
-void hag_rs_vgpu_remove(const void *ctx, u32 id);
-void hag_rs_vgpu_open(const void *ctx, u32 id, bool open);
+#include "glue.h"
 
 /* The Rust state, set for the whole time the interfaces are registered. */
 static const void *hag_ctx;
@@ -72,12 +54,6 @@ static struct genl_family hag_genl_family = {
 	.mcgrps = hag_mcgrps,
 	.n_mcgrps = ARRAY_SIZE(hag_mcgrps),
 	.netnsok = false,
-};
-
-/* An event message under construction; freed by send or cancel. */
-struct hag_glue_msg {
-	struct sk_buff *skb;
-	void *hdr;
 };
 
 int hag_glue_msg_new(struct hag_glue_msg *msg, u8 cmd)
@@ -209,7 +185,8 @@ static struct mdev_type hag_sim_type;
 static struct mdev_type *hag_mdev_types[] = { &hag_sim_type };
 static struct mdev_parent hag_parent;
 
-static const struct class hag_class = { .name = "hag" };
+/* Named at registration; also the prefix of the mdev type directories. */
+static struct class hag_class;
 
 static void hag_parent_release(struct device *dev)
 {
@@ -254,6 +231,7 @@ int hag_glue_register(const void *ctx, const struct hag_glue_config *cfg)
 	if (ret)
 		goto err_misc;
 
+	hag_class.name = cfg->parent_name;
 	ret = class_register(&hag_class);
 	if (ret)
 		goto err_driver;

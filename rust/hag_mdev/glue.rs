@@ -73,7 +73,7 @@ impl Registration {
         let cfg = GlueConfig {
             misc_name: c_str(abi::DEVICE_NAME_C),
             parent_name: c_str(abi::PARENT_NAME_C),
-            sim_type_name: c_str(abi::SIM_TYPE_NAME_C),
+            sim_type_name: c_str(abi::SIM_TYPE_SYSFS_NAME_C),
             sim_type_description: c_str(SIM_TYPE_DESCRIPTION_C),
             genl_name: c_str(abi::GENL_NAME_C),
             genl_mcgrp_events: c_str(abi::GENL_MCGRP_EVENTS_C),
@@ -136,8 +136,8 @@ extern "C" fn hag_rs_vgpu_probe(ctx: *const c_void, uuid: *const u8, id: *mut u3
     let state = unsafe { state(ctx) };
     // SAFETY: glue.c passes the mdev's `guid_t` bytes, 16 bytes long and
     // valid for the call.
-    let uuid: [u8; 16] = unsafe { ptr::read(uuid.cast::<[u8; 16]>()) };
-    match state.vgpu_created(uuid) {
+    let guid: [u8; 16] = unsafe { ptr::read(uuid.cast::<[u8; 16]>()) };
+    match state.vgpu_created(abi::uuid_from_guid(guid)) {
         Ok(new_id) => {
             // SAFETY: `id` points to the `u32` field of glue.c's vGPU struct.
             unsafe { id.write(new_id) };

@@ -37,9 +37,23 @@ impl Vgpu {
     }
 }
 
+/// Most vGPUs the module tracks at once (simulated and GVT-g together).
+pub(crate) const MAX_VGPUS: usize = 32;
+
+/// Fixed slots: adding a vGPU never allocates, and removal is O(1).
 struct Table {
-    vgpus: KVec<Vgpu>,
+    slots: [Option<Vgpu>; MAX_VGPUS],
     next_id: u32,
+}
+
+impl Table {
+    fn vgpus(&self) -> impl Iterator<Item = &Vgpu> {
+        self.slots.iter().flatten()
+    }
+
+    fn find_mut(&mut self, id: u32) -> Option<&mut Option<Vgpu>> {
+        self.slots.iter_mut().find(|slot| slot.is_some_and(|v| v.id == id))
+    }
 }
 
 /// Everything the module's callbacks share.
@@ -52,7 +66,10 @@ pub(crate) struct State {
 impl State {
     pub(crate) fn new() -> impl PinInit<Self> {
         pin_init!(Self {
-            table <- new_mutex!(Table { vgpus: KVec::new(), next_id: 1 }, "hag_vgpu_table"),
+            table <- new_mutex!(
+                Table { slots: [None; MAX_VGPUS], next_id: 1 },
+                "hag_vgpu_table"
+            ),
         })
     }
 
@@ -61,6 +78,7 @@ impl State {
         let vgpu = {
             let mut table = self.table.lock();
             let id = table.next_id;
+            let free = table.slots.iter().position(Option::is_none).ok_or(ENOSPC)?;
             table.next_id = id.checked_add(1).ok_or(ENOSPC)?;
             let vgpu = Vgpu {
                 id,
@@ -69,7 +87,7 @@ impl State {
                 state: abi::VGPU_STATE_IDLE,
                 gfx_mem_size: abi::SIM_GFX_MEM_SIZE,
             };
-            table.vgpus.push(vgpu, GFP_KERNEL)?;
+            table.slots[free] = Some(vgpu);
             vgpu
         };
         Event::new(abi::EVENT_VGPU_CREATED, &vgpu).send();
@@ -81,8 +99,7 @@ impl State {
     pub(crate) fn vgpu_removed(&self, id: u32) {
         let removed = {
             let mut table = self.table.lock();
-            let pos = table.vgpus.iter().position(|v| v.id == id);
-            pos.map(|pos| table.vgpus.remove(pos))
+            table.find_mut(id).and_then(Option::take)
         };
         if let Some(vgpu) = removed {
             Event::new(abi::EVENT_VGPU_REMOVED, &vgpu).send();
@@ -93,7 +110,7 @@ impl State {
     pub(crate) fn vgpu_opened(&self, id: u32, open: bool) {
         let changed = {
             let mut table = self.table.lock();
-            table.vgpus.iter_mut().find(|v| v.id == id).map(|v| {
+            table.find_mut(id).and_then(|slot| slot.as_mut()).map(|v| {
                 v.state = if open { abi::VGPU_STATE_OPEN } else { abi::VGPU_STATE_IDLE };
                 *v
             })
@@ -107,12 +124,21 @@ impl State {
 
     /// Number of vGPUs now.
     pub(crate) fn vgpu_count(&self) -> usize {
-        self.table.lock().vgpus.len()
+        self.table.lock().vgpus().count()
     }
 
-    /// Calls `f` with the vGPUs in creation order, under the table lock
-    /// (so `f` must not sleep for long or call back into the table).
-    pub(crate) fn with_vgpus<R>(&self, f: impl FnOnce(&[Vgpu]) -> R) -> R {
-        f(&self.table.lock().vgpus)
+    /// A copy of every vGPU's info, in creation (id) order, and how many
+    /// vGPUs there are. Copies, so callers can fault on user memory without
+    /// holding the table lock.
+    pub(crate) fn infos(&self) -> ([abi::HagVgpuInfo; MAX_VGPUS], usize) {
+        let mut infos = [abi::HagVgpuInfo::default(); MAX_VGPUS];
+        let table = self.table.lock();
+        let mut count = 0;
+        for (out, vgpu) in infos.iter_mut().zip(table.vgpus()) {
+            *out = vgpu.info();
+            count += 1;
+        }
+        infos[..count].sort_unstable_by_key(|info| info.id);
+        (infos, count)
     }
 }

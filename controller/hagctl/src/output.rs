@@ -17,13 +17,12 @@ pub fn uuid_text(uuid: &[u8; 16]) -> String {
 /// Names of the feature bits; bits this build does not know are shown as
 /// hex so a newer module's features are visible rather than hidden.
 pub fn feature_names(features: u32) -> Vec<String> {
-    const KNOWN: [(u32, &str); 2] = [(abi::FEATURE_SIM_VGPU, "sim"), (abi::FEATURE_GVT, "gvt")];
-    let mut names: Vec<String> = KNOWN
+    let mut names: Vec<String> = abi::FEATURES
         .iter()
         .filter(|(bit, _)| features & bit != 0)
         .map(|(_, name)| (*name).to_owned())
         .collect();
-    let unknown = KNOWN.iter().fold(features, |rest, (bit, _)| rest & !bit);
+    let unknown = abi::FEATURES.iter().fold(features, |rest, (bit, _)| rest & !bit);
     if unknown != 0 {
         names.push(format!("unknown({unknown:#x})"));
     }

@@ -16,11 +16,12 @@ pub const DEVICE_PATH: &str = "/dev/hag";
 /// The same names NUL-terminated, for the C interfaces that take them.
 pub const DEVICE_NAME_C: &[u8] = b"hag\0";
 
-/// The mdev type of hag's simulated vGPU, as it appears under
-/// `/sys/class/mdev_bus/<parent>/mdev_supported_types/<driver>-<name>`.
+/// The mdev type id of hag's simulated vGPU: its directory is
+/// `/sys/class/mdev_bus/hag/mdev_supported_types/hag-sim`.
 pub const SIM_TYPE_NAME: &str = "hag-sim";
-/// [`SIM_TYPE_NAME`], NUL-terminated.
-pub const SIM_TYPE_NAME_C: &[u8] = b"hag-sim\0";
+/// What the module registers as the type's `sysfs_name`: the mdev core
+/// prefixes the parent's class name and a dash, giving [`SIM_TYPE_NAME`].
+pub const SIM_TYPE_SYSFS_NAME_C: &[u8] = b"sim\0";
 /// The mdev parent device's name (under `/sys/devices/virtual/hag/`).
 pub const PARENT_NAME_C: &[u8] = b"hag\0";
 
@@ -86,6 +87,9 @@ pub struct HagVersion {
 pub const FEATURE_SIM_VGPU: u32 = 1 << 0;
 /// Feature bit: the module was built with i915 GVT-g support.
 pub const FEATURE_GVT: u32 = 1 << 1;
+
+/// Every feature bit with its name, as `hagctl status` prints it.
+pub const FEATURES: [(u32, &str); 2] = [(FEATURE_SIM_VGPU, "sim"), (FEATURE_GVT, "gvt")];
 
 /// Argument of [`IOC_LIST_VGPUS`]. Userspace sets `entries` to an array of
 /// `capacity` [`HagVgpuInfo`]; the module fills `min(capacity, count)` of
@@ -211,6 +215,17 @@ pub const fn event_name(event: u32) -> &'static str {
     }
 }
 
+/// Converts the kernel's `guid_t` (how mdev stores its UUID: the first three
+/// fields little-endian, as `guid_parse` writes them) to the text-order bytes
+/// that [`HagVgpuInfo::uuid`] and [`ATTR_VGPU_UUID`] carry.
+pub fn uuid_from_guid(guid: [u8; 16]) -> [u8; 16] {
+    let mut uuid = guid;
+    uuid[0..4].reverse();
+    uuid[4..6].reverse();
+    uuid[6..8].reverse();
+    uuid
+}
+
 /// Formats a UUID in its canonical text form into `out`.
 pub fn format_uuid(uuid: &[u8; 16], out: &mut [u8; 36]) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
@@ -250,7 +265,6 @@ mod tests {
     fn c_names_match_rust_names() {
         for (c, s) in [
             (DEVICE_NAME_C, DEVICE_NAME),
-            (SIM_TYPE_NAME_C, SIM_TYPE_NAME),
             (GENL_NAME_C, GENL_NAME),
             (GENL_MCGRP_EVENTS_C, GENL_MCGRP_EVENTS),
         ] {
@@ -258,6 +272,12 @@ mod tests {
             assert_eq!(c[c.len() - 1], 0);
         }
         assert_eq!(DEVICE_PATH.strip_prefix("/dev/"), Some(DEVICE_NAME));
+        // The mdev type directory is "<parent class>-<sysfs_name>".
+        let class = &PARENT_NAME_C[..PARENT_NAME_C.len() - 1];
+        let sysfs = &SIM_TYPE_SYSFS_NAME_C[..SIM_TYPE_SYSFS_NAME_C.len() - 1];
+        let (prefix, rest) = SIM_TYPE_NAME.as_bytes().split_at(class.len());
+        assert_eq!(prefix, class);
+        assert_eq!(rest.split_first(), Some((&b'-', sysfs)));
     }
 
     #[test]
@@ -269,6 +289,18 @@ mod tests {
         let mut out = [0u8; 36];
         format_uuid(&uuid, &mut out);
         assert_eq!(&out, b"83b8f4f2-509f-382f-3c1e-e6bfe0fa1001");
+    }
+
+    #[test]
+    fn guid_bytes_become_text_order() {
+        // guid_parse("b54d4a7a-6c3d-41bd-8840-5ea38cd9e9b2") stores these bytes.
+        let guid = [
+            0x7a, 0x4a, 0x4d, 0xb5, 0x3d, 0x6c, 0xbd, 0x41, 0x88, 0x40, 0x5e, 0xa3, 0x8c, 0xd9,
+            0xe9, 0xb2,
+        ];
+        let mut out = [0u8; 36];
+        format_uuid(&uuid_from_guid(guid), &mut out);
+        assert_eq!(&out, b"b54d4a7a-6c3d-41bd-8840-5ea38cd9e9b2");
     }
 
     #[test]

@@ -1,0 +1,48 @@
+/* SPDX-License-Identifier: GPL-2.0-only */
+/*
+ * The interface between glue.c and glue.rs, both directions. glue.rs
+ * mirrors these declarations; keep the two in step.
+ */
+#ifndef HAG_GLUE_H
+#define HAG_GLUE_H
+
+#include <linux/types.h>
+
+/* Names and numbers, from hag_abi via glue.rs. Mirrors glue::GlueConfig. */
+struct hag_glue_config {
+	const char *misc_name;
+	const char *parent_name;
+	const char *sim_type_name;
+	const char *sim_type_description;
+	const char *genl_name;
+	const char *genl_mcgrp_events;
+	u32 sim_max_instances;
+	u16 genl_maxattr;
+	u16 genl_pad_attr;
+	u8 genl_version;
+};
+
+/* Implemented in glue.rs. */
+long hag_rs_ioctl(const void *ctx, unsigned int cmd, unsigned long arg);
+int hag_rs_vgpu_probe(const void *ctx, const u8 *uuid, u32 *id);
+void hag_rs_vgpu_remove(const void *ctx, u32 id);
+void hag_rs_vgpu_open(const void *ctx, u32 id, bool open);
+
+/* An event message under construction; freed by multicast or cancel. */
+struct hag_glue_msg {
+	struct sk_buff *skb;
+	void *hdr;
+};
+
+/* Implemented in glue.c, called from glue.rs. */
+int hag_glue_register(const void *ctx, const struct hag_glue_config *cfg);
+void hag_glue_unregister(void);
+int hag_glue_msg_new(struct hag_glue_msg *msg, u8 cmd);
+int hag_glue_msg_put_u32(struct hag_glue_msg *msg, u16 attr, u32 value);
+int hag_glue_msg_put_u64(struct hag_glue_msg *msg, u16 attr, u64 value);
+int hag_glue_msg_put_bytes(struct hag_glue_msg *msg, u16 attr,
+			   const void *data, u32 len);
+int hag_glue_msg_multicast(struct hag_glue_msg *msg);
+void hag_glue_msg_cancel(struct hag_glue_msg *msg);
+
+#endif /* HAG_GLUE_H */
