@@ -6,7 +6,7 @@ echo
 echo "== hag demo on test host $(host_ip "$HAG_HOST") (kernel $(uname -r)) =="
 step "insmod hag_mdev.ko"
 load_hag
-dmesg | grep 'hag_mdev' | tail -1
+dmesg | grep 'hag_mdev' | tail -1 | sed 's/^\[[^]]*\] //'
 
 step "hagctl events, listening in the background"
 hagctl events >/tmp/events 2>/dev/null &

@@ -22,7 +22,9 @@ pub fn feature_names(features: u32) -> Vec<String> {
         .filter(|(bit, _)| features & bit != 0)
         .map(|(_, name)| (*name).to_owned())
         .collect();
-    let unknown = abi::FEATURES.iter().fold(features, |rest, (bit, _)| rest & !bit);
+    let unknown = abi::FEATURES
+        .iter()
+        .fold(features, |rest, (bit, _)| rest & !bit);
     if unknown != 0 {
         names.push(format!("unknown({unknown:#x})"));
     }
