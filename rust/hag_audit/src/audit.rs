@@ -11,9 +11,16 @@
 //! submodules use only `core`, carry no crate attributes, never panic on any
 //! input, never recurse, and bound every loop by the configured limits.
 
+// Explicit paths: the kernel includes this file with `#[path]`, and a
+// file loaded that way resolves plain `mod x;` next to itself (as if it were
+// a `mod.rs`), not in `audit/`. These paths resolve the same in both builds.
+#[path = "audit/decode.rs"]
 mod decode;
+#[path = "audit/encode.rs"]
 pub mod encode;
+#[path = "audit/opcodes.rs"]
 pub mod opcodes;
+#[path = "audit/scan.rs"]
 mod scan;
 
 use core::fmt;
@@ -622,9 +629,7 @@ pub fn pages_of(range: WriteRange) -> Pages {
     if range.len == 0 {
         return Pages::EMPTY;
     }
-    let last_byte = range
-        .gfx_addr
-        .saturating_add(range.len.saturating_sub(1));
+    let last_byte = range.gfx_addr.saturating_add(range.len.saturating_sub(1));
     Pages {
         next: range.gfx_addr / PAGE_SIZE,
         last: last_byte / PAGE_SIZE,
@@ -801,7 +806,10 @@ impl fmt::Display for Reason {
                 write!(f, "more than {limit} commands in one submission")
             }
             Reason::TooManyBatches { limit } => {
-                write!(f, "more than {limit} distinct batch buffers in one submission")
+                write!(
+                    f,
+                    "more than {limit} distinct batch buffers in one submission"
+                )
             }
             Reason::MemoryFault { addr } => {
                 write!(f, "graphics memory at {addr:#x} could not be read")

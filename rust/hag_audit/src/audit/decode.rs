@@ -108,7 +108,9 @@ fn ggtt(set: bool) -> Result<(), Reason> {
     if set {
         Ok(())
     } else {
-        Err(unsupported("PPGTT address space (only the global GTT is audited)"))
+        Err(unsupported(
+            "PPGTT address space (only the global GTT is audited)",
+        ))
     }
 }
 
@@ -171,7 +173,11 @@ fn hwsp(offset: u64, len: u64, cfg: &AuditConfig<'_>) -> Result<u64, Reason> {
 
 /// Decodes and validates a fixed-length command whose dwords (header first)
 /// are in `dw`; `shape` already checked its length.
-pub(super) fn decode(op: Op, dw: &[u32; MAX_FIXED], cfg: &AuditConfig<'_>) -> Result<Command, Reason> {
+pub(super) fn decode(
+    op: Op,
+    dw: &[u32; MAX_FIXED],
+    cfg: &AuditConfig<'_>,
+) -> Result<Command, Reason> {
     let h = dw[0];
     match op {
         Op::Noop => {
@@ -258,7 +264,11 @@ pub(super) fn decode(op: Op, dw: &[u32; MAX_FIXED], cfg: &AuditConfig<'_>) -> Re
         Op::LoadRegisterImm => Err(unsupported("MI_LOAD_REGISTER_IMM outside the pair reader")),
         Op::StoreRegisterMem | Op::LoadRegisterMem => {
             ggtt(h & MI_SRM_LRM_GGTT != 0)?;
-            reserved(0, h, MI_ID_BITS | MI_SRM_LRM_GGTT | MI_SRM_LRM_BIT21 | LEN_MASK_8)?;
+            reserved(
+                0,
+                h,
+                MI_ID_BITS | MI_SRM_LRM_GGTT | MI_SRM_LRM_BIT21 | LEN_MASK_8,
+            )?;
             let addr = addr64(dw[2], dw[3]);
             aligned(addr, 4)?;
             in_range(addr, 4, cfg)?;
@@ -271,7 +281,11 @@ pub(super) fn decode(op: Op, dw: &[u32; MAX_FIXED], cfg: &AuditConfig<'_>) -> Re
         }
         Op::CopyMemMem => {
             ggtt(h & MI_CMM_GGTT_SRC != 0 && h & MI_CMM_GGTT_DST != 0)?;
-            reserved(0, h, MI_ID_BITS | MI_CMM_GGTT_SRC | MI_CMM_GGTT_DST | LEN_MASK_8)?;
+            reserved(
+                0,
+                h,
+                MI_ID_BITS | MI_CMM_GGTT_SRC | MI_CMM_GGTT_DST | LEN_MASK_8,
+            )?;
             let dst = addr64(dw[1], dw[2]);
             let src = addr64(dw[3], dw[4]);
             aligned(dst, 4)?;

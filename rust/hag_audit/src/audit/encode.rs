@@ -317,7 +317,13 @@ pub fn xy_color_blt(dst: BlitRect, bpp: u8, width: u16, height: u16, color: u32)
 
 /// XY_SRC_COPY_BLT copying `width` × `height` pixels from `src` to `dst`
 /// (ROP 0xCC, source copy).
-pub fn xy_src_copy_blt(dst: BlitRect, src: BlitRect, bpp: u8, width: u16, height: u16) -> [u32; 10] {
+pub fn xy_src_copy_blt(
+    dst: BlitRect,
+    src: BlitRect,
+    bpp: u8,
+    width: u16,
+    height: u16,
+) -> [u32; 10] {
     [
         blt(OP_XY_SRC_COPY_BLT) | XY_WRITE_RGBA | (XY_SRC_COPY_BLT_DWORDS - 2),
         (legacy_depth(bpp) << XY_DEPTH_SHIFT) | (0xcc << XY_ROP_SHIFT) | u32::from(dst.pitch),
@@ -334,7 +340,13 @@ pub fn xy_src_copy_blt(dst: BlitRect, src: BlitRect, bpp: u8, width: u16, height
 
 /// XY_FAST_COPY_BLT (linear to linear) copying `width` × `height` pixels of
 /// `bpp` bytes (1, 2, 4, 8 or 16; others encode as 4) from `src` to `dst`.
-pub fn xy_fast_copy_blt(dst: BlitRect, src: BlitRect, bpp: u8, width: u16, height: u16) -> [u32; 10] {
+pub fn xy_fast_copy_blt(
+    dst: BlitRect,
+    src: BlitRect,
+    bpp: u8,
+    width: u16,
+    height: u16,
+) -> [u32; 10] {
     let depth = fast_depth(bpp).unwrap_or(3);
     [
         blt(OP_XY_FAST_COPY_BLT) | (XY_FAST_COPY_BLT_DWORDS - 2),

@@ -106,10 +106,8 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
         // Each turn scans one command or ends; commands are capped by
         // `max_commands`, so the loop is bounded.
         loop {
-            if let Cursor::Ring(i) = self.cursor {
-                if i >= self.ring.len() {
-                    return Ok(self.summary);
-                }
+            if matches!(self.cursor, Cursor::Ring(i) if i >= self.ring.len()) {
+                return Ok(self.summary);
             }
             let mut at = At {
                 gfx_addr: self.cursor_addr()?,
@@ -172,9 +170,7 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
         self.available(need)?;
         match self.cursor {
             Cursor::Ring(i) => {
-                let start = usize::try_from(skip)
-                    .ok()
-                    .and_then(|s| i.checked_add(s));
+                let start = usize::try_from(skip).ok().and_then(|s| i.checked_add(s));
                 let src = start
                     .and_then(|s| Some(s..s.checked_add(out.len())?))
                     .and_then(|r| self.ring.get(r))
@@ -188,14 +184,16 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
                 Ok(())
             }
             Cursor::Batch(a) => {
-                let addr = a
-                    .checked_add(dwords_to_bytes(skip))
-                    .ok_or(Reason::AddressOutOfRange {
-                        addr: a,
-                        len: dwords_to_bytes(need),
-                        limit: self.cfg.gfx_mem_size,
-                    })?;
-                let len = u64::try_from(out.len()).unwrap_or(u64::MAX).saturating_mul(4);
+                let addr =
+                    a.checked_add(dwords_to_bytes(skip))
+                        .ok_or(Reason::AddressOutOfRange {
+                            addr: a,
+                            len: dwords_to_bytes(need),
+                            limit: self.cfg.gfx_mem_size,
+                        })?;
+                let len = u64::try_from(out.len())
+                    .unwrap_or(u64::MAX)
+                    .saturating_mul(4);
                 decode::in_range(addr, len, self.cfg)?;
                 self.mem
                     .read_dwords(addr, out)
@@ -268,12 +266,10 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
             }
             Shape::Fixed(n) => {
                 let mut dw = [0u32; MAX_FIXED];
-                let body = dw
-                    .get_mut(1..n as usize)
-                    .ok_or(Reason::BadLength {
-                        len: n,
-                        expected: MAX_FIXED as u32,
-                    })?;
+                let body = dw.get_mut(1..n as usize).ok_or(Reason::BadLength {
+                    len: n,
+                    expected: MAX_FIXED as u32,
+                })?;
                 self.available(n)?;
                 if !body.is_empty() {
                     self.read(1, n, body)?;
@@ -302,7 +298,13 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
     }
 
     /// Follows an MI_BATCH_BUFFER_START at `at` (of `n` dwords).
-    fn batch_start(&mut self, at: &At, addr: u64, second_level: bool, n: u32) -> Result<(), Reason> {
+    fn batch_start(
+        &mut self,
+        at: &At,
+        addr: u64,
+        second_level: bool,
+        n: u32,
+    ) -> Result<(), Reason> {
         let from_ring = self.level == 0;
         if from_ring && second_level {
             return Err(Reason::Unsupported {
@@ -368,18 +370,21 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
                 self.ring_return = i;
             }
         } else if second_level {
-            let back = at
-                .gfx_addr
-                .checked_add(dwords_to_bytes(n))
-                .ok_or(Reason::AddressOutOfRange {
-                    addr: at.gfx_addr,
-                    len: dwords_to_bytes(n),
-                    limit: self.cfg.gfx_mem_size,
+            let back =
+                at.gfx_addr
+                    .checked_add(dwords_to_bytes(n))
+                    .ok_or(Reason::AddressOutOfRange {
+                        addr: at.gfx_addr,
+                        len: dwords_to_bytes(n),
+                        limit: self.cfg.gfx_mem_size,
+                    })?;
+            let slot = self
+                .ret
+                .get_mut(usize::from(level))
+                .ok_or(Reason::BatchTooDeep {
+                    depth: level,
+                    limit: self.cfg.max_batch_depth,
                 })?;
-            let slot = self.ret.get_mut(usize::from(level)).ok_or(Reason::BatchTooDeep {
-                depth: level,
-                limit: self.cfg.max_batch_depth,
-            })?;
             *slot = back;
         }
         self.level = level;
