@@ -67,6 +67,124 @@ pub const IOC_LIST_VGPUS: u32 = ioc(
     core::mem::size_of::<HagVgpuList>(),
 );
 
+/// `_IOW(IOC_MAGIC, 2, HagDirtyStart)`: start GPU dirty logging of a vGPU
+/// over one guest RAM range (replacing any earlier range; bits start clear).
+pub const IOC_DIRTY_START: u32 = ioc(IOC_WRITE, 0x02, core::mem::size_of::<HagDirtyStart>());
+/// `_IOW(IOC_MAGIC, 3, HagVgpuRef)`: stop dirty logging and free the bitmap.
+pub const IOC_DIRTY_STOP: u32 = ioc(IOC_WRITE, 0x03, core::mem::size_of::<HagVgpuRef>());
+/// `_IOWR(IOC_MAGIC, 4, HagDirtyRead)`: copy the dirty bitmap out and clear
+/// it, atomically with respect to the engine (no bit is lost in between).
+pub const IOC_DIRTY_READ_CLEAR: u32 = ioc(
+    IOC_READ | IOC_WRITE,
+    0x04,
+    core::mem::size_of::<HagDirtyRead>(),
+);
+/// `_IOWR(IOC_MAGIC, 5, HagVgpuStats)`: a vGPU's counters.
+pub const IOC_VGPU_STATS: u32 = ioc(
+    IOC_READ | IOC_WRITE,
+    0x05,
+    core::mem::size_of::<HagVgpuStats>(),
+);
+/// `_IOW(IOC_MAGIC, 6, HagWatchdog)`: set a vGPU's hang timeout.
+pub const IOC_SET_WATCHDOG: u32 = ioc(IOC_WRITE, 0x06, core::mem::size_of::<HagWatchdog>());
+/// `_IOW(IOC_MAGIC, 7, HagVgpuRef)`: declare the vGPU hung now, as the
+/// watchdog would. Refused with `EPERM` unless the module was loaded with
+/// `allow_hang_injection=1` (for tests).
+pub const IOC_INJECT_HANG: u32 = ioc(IOC_WRITE, 0x07, core::mem::size_of::<HagVgpuRef>());
+
+/// Names one vGPU by its id.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HagVgpuRef {
+    /// The vGPU's id.
+    pub vgpu_id: u32,
+    /// Explicit padding; must be zero.
+    pub reserved: u32,
+}
+
+/// Argument of [`IOC_DIRTY_START`]: log writes to guest physical addresses
+/// `[gpa, gpa + size)`, one bit per 4 KiB page. `gpa` and `size` are page
+/// aligned and `size` is at most [`DIRTY_MAX_BYTES`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HagDirtyStart {
+    /// The vGPU's id.
+    pub vgpu_id: u32,
+    /// Explicit padding; must be zero.
+    pub reserved: u32,
+    /// First guest physical address logged.
+    pub gpa: u64,
+    /// Bytes logged.
+    pub size: u64,
+}
+
+/// Largest range one vGPU's dirty log covers (64 GiB: a 2 MiB bitmap).
+pub const DIRTY_MAX_BYTES: u64 = 64 << 30;
+/// Page size of the dirty log.
+pub const DIRTY_PAGE_SIZE: u64 = 4096;
+
+/// Argument of [`IOC_DIRTY_READ_CLEAR`]. Bit `i` of the bitmap (bit `i % 64`
+/// of little-endian u64 word `i / 64`) is page `gpa + i * 4096` of the logged
+/// range. `bitmap_bytes` must be at least `ceil(pages / 64) * 8`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HagDirtyRead {
+    /// In: the vGPU's id.
+    pub vgpu_id: u32,
+    /// Explicit padding; must be zero.
+    pub reserved: u32,
+    /// In: user address of the bitmap buffer.
+    pub bitmap: u64,
+    /// In: size of that buffer in bytes.
+    pub bitmap_bytes: u64,
+    /// Out: pages set in the copied bitmap.
+    pub dirty_pages: u64,
+}
+
+/// Argument of [`IOC_VGPU_STATS`]: `vgpu_id` in, counters out (since the
+/// vGPU was created).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HagVgpuStats {
+    /// In: the vGPU's id.
+    pub vgpu_id: u32,
+    /// Out: one of `VGPU_STATE_*`.
+    pub state: u32,
+    /// Submissions (doorbell writes) audited.
+    pub submissions: u64,
+    /// Submissions rejected by the auditor.
+    pub rejected: u64,
+    /// Commands executed by the engine.
+    pub commands: u64,
+    /// Pages marked dirty by audited write sets (counted at each marking).
+    pub pages_marked: u64,
+    /// Interrupts delivered to the VMM.
+    pub interrupts: u64,
+    /// Hangs (watchdog or injected).
+    pub hangs: u64,
+    /// Watchdog timeout in milliseconds.
+    pub watchdog_ms: u32,
+    /// Explicit padding; always zero.
+    pub reserved: u32,
+}
+
+/// Argument of [`IOC_SET_WATCHDOG`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HagWatchdog {
+    /// The vGPU's id.
+    pub vgpu_id: u32,
+    /// Hang timeout in milliseconds, [`WATCHDOG_MIN_MS`]..=[`WATCHDOG_MAX_MS`].
+    pub timeout_ms: u32,
+}
+
+/// Default hang timeout.
+pub const WATCHDOG_DEFAULT_MS: u32 = 2000;
+/// Shortest hang timeout accepted.
+pub const WATCHDOG_MIN_MS: u32 = 50;
+/// Longest hang timeout accepted.
+pub const WATCHDOG_MAX_MS: u32 = 600_000;
+
 /// Answer of [`IOC_VERSION`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -252,6 +370,11 @@ mod tests {
         assert_eq!(size_of::<HagVersion>(), 48);
         assert_eq!(size_of::<HagVgpuList>(), 16);
         assert_eq!(size_of::<HagVgpuInfo>(), 40);
+        assert_eq!(size_of::<HagVgpuRef>(), 8);
+        assert_eq!(size_of::<HagDirtyStart>(), 24);
+        assert_eq!(size_of::<HagDirtyRead>(), 32);
+        assert_eq!(size_of::<HagVgpuStats>(), 64);
+        assert_eq!(size_of::<HagWatchdog>(), 8);
     }
 
     #[test]

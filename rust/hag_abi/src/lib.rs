@@ -17,3 +17,4 @@
 #![no_std]
 
 pub mod abi;
+pub mod sim_regs;
