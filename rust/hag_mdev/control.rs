@@ -11,6 +11,7 @@ use kernel::types::{AsBytes, FromBytes};
 use kernel::uaccess::UserSlice;
 
 use crate::abi;
+use crate::dirty::DirtyLog;
 use crate::State;
 
 /// Dispatches one ioctl. Unknown commands get `ENOTTY`, as the kernel's
@@ -19,8 +20,94 @@ pub(crate) fn ioctl(state: &State, cmd: u32, arg: usize) -> Result {
     match cmd {
         abi::IOC_VERSION => version(state, arg),
         abi::IOC_LIST_VGPUS => list_vgpus(state, arg),
+        abi::IOC_DIRTY_START => dirty_start(state, arg),
+        abi::IOC_DIRTY_STOP => dirty_stop(state, arg),
+        abi::IOC_DIRTY_READ_CLEAR => dirty_read_clear(state, arg),
+        abi::IOC_VGPU_STATS => vgpu_stats(state, arg),
+        abi::IOC_SET_WATCHDOG => set_watchdog(state, arg),
+        abi::IOC_INJECT_HANG => inject_hang(state, arg),
         _ => Err(ENOTTY),
     }
+}
+
+fn dirty_start(state: &State, arg: usize) -> Result {
+    let req: abi::HagDirtyStart = read_user(arg)?;
+    if req.reserved != 0 {
+        return Err(EINVAL);
+    }
+    let log = DirtyLog::new(req.gpa, req.size)?;
+    let vgpu = state.vgpu(req.vgpu_id)?;
+    vgpu.sim.lock().start_dirty_log(log);
+    Ok(())
+}
+
+fn dirty_stop(state: &State, arg: usize) -> Result {
+    let req: abi::HagVgpuRef = read_user(arg)?;
+    let vgpu = state.vgpu(req.vgpu_id)?;
+    // Freed after the lock is released.
+    let log = vgpu.sim.lock().dirty.take();
+    drop(log);
+    Ok(())
+}
+
+fn dirty_read_clear(state: &State, arg: usize) -> Result {
+    let mut req: abi::HagDirtyRead = read_user(arg)?;
+    let vgpu = state.vgpu(req.vgpu_id)?;
+    let mut words = KVVec::new();
+    {
+        let mut sim = vgpu.sim.lock();
+        let log = sim.dirty.as_mut().ok_or(ENOENT)?;
+        if req.bitmap_bytes < log.bitmap_bytes() as u64 {
+            return Err(ENOSPC);
+        }
+        req.dirty_pages = log.read_and_clear(&mut words)?;
+    }
+    // The copy happens without the lock: it may fault on user memory.
+    let mut writer = UserSlice::new(usize::try_from(req.bitmap).map_err(|_| EFAULT)?, words.len() * 8).writer();
+    for word in words.iter() {
+        writer.write(word)?;
+    }
+    write_user(arg, &req)
+}
+
+fn vgpu_stats(state: &State, arg: usize) -> Result {
+    let req: abi::HagVgpuStats = read_user(arg)?;
+    let vgpu = state.vgpu(req.vgpu_id)?;
+    let answer = {
+        let sim = vgpu.sim.lock();
+        let s = &sim.stats;
+        abi::HagVgpuStats {
+            vgpu_id: req.vgpu_id,
+            state: sim.vgpu_state(),
+            submissions: s.submissions,
+            rejected: s.rejected,
+            commands: s.commands,
+            pages_marked: s.pages_marked,
+            interrupts: s.interrupts,
+            hangs: s.hangs,
+            watchdog_ms: sim.watchdog_ms,
+            reserved: 0,
+        }
+    };
+    write_user(arg, &answer)
+}
+
+fn set_watchdog(state: &State, arg: usize) -> Result {
+    let req: abi::HagWatchdog = read_user(arg)?;
+    if !(abi::WATCHDOG_MIN_MS..=abi::WATCHDOG_MAX_MS).contains(&req.timeout_ms) {
+        return Err(EINVAL);
+    }
+    state.vgpu(req.vgpu_id)?.sim.lock().watchdog_ms = req.timeout_ms;
+    Ok(())
+}
+
+fn inject_hang(state: &State, arg: usize) -> Result {
+    let req: abi::HagVgpuRef = read_user(arg)?;
+    if !crate::glue::hang_injection_allowed() {
+        return Err(EPERM);
+    }
+    state.vgpu(req.vgpu_id)?.sim.lock().hang("injected through /dev/hag");
+    Ok(())
 }
 
 fn version(state: &State, arg: usize) -> Result {

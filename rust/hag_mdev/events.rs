@@ -10,20 +10,21 @@ use kernel::time::Ktime;
 
 use crate::abi;
 use crate::glue::EventMessage;
-use crate::vgpu::Vgpu;
 
 /// An event about one vGPU, built then sent.
 pub(crate) struct Event<'a> {
     kind: u32,
-    vgpu: &'a Vgpu,
+    vgpu_id: u32,
+    uuid: &'a [u8; 16],
     message: Option<&'a str>,
 }
 
 impl<'a> Event<'a> {
-    pub(crate) fn new(kind: u32, vgpu: &'a Vgpu) -> Self {
+    pub(crate) fn new(kind: u32, vgpu_id: u32, uuid: &'a [u8; 16]) -> Self {
         Self {
             kind,
-            vgpu,
+            vgpu_id,
+            uuid,
             message: None,
         }
     }
@@ -40,7 +41,7 @@ impl<'a> Event<'a> {
             pr_warn!(
                 "hag_mdev: event {} for vGPU {} not sent: error {}\n",
                 abi::event_name(self.kind),
-                self.vgpu.id,
+                self.vgpu_id,
                 e.to_errno()
             );
         }
@@ -49,8 +50,8 @@ impl<'a> Event<'a> {
     fn try_send(&self) -> Result {
         let mut msg = EventMessage::new(abi::CMD_EVENT)?;
         msg.put_u32(abi::ATTR_EVENT, self.kind)?;
-        msg.put_u32(abi::ATTR_VGPU_ID, self.vgpu.id)?;
-        msg.put_bytes(abi::ATTR_VGPU_UUID, &self.vgpu.uuid)?;
+        msg.put_u32(abi::ATTR_VGPU_ID, self.vgpu_id)?;
+        msg.put_bytes(abi::ATTR_VGPU_UUID, self.uuid)?;
         // ktime_get() is monotonic and never negative.
         let now = u64::try_from(Ktime::ktime_get().to_ns()).unwrap_or(0);
         msg.put_u64(abi::ATTR_TIMESTAMP_NS, now)?;

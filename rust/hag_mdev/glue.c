@@ -10,6 +10,8 @@
  */
 #include <linux/compat.h>
 #include <linux/device.h>
+#include <linux/eventfd.h>
+#include <linux/workqueue.h>
 #include <linux/fs.h>
 #include <linux/mdev.h>
 #include <linux/miscdevice.h>
@@ -19,6 +21,16 @@
 #include <net/genetlink.h>
 
 #include "glue.h"
+
+static bool allow_hang_injection;
+module_param(allow_hang_injection, bool, 0444);
+MODULE_PARM_DESC(allow_hang_injection,
+		 "Let /dev/hag declare a vGPU hung on request (for tests; default off)");
+
+bool hag_glue_hang_injection_allowed(void)
+{
+	return READ_ONCE(allow_hang_injection);
+}
 
 /* The Rust state, set for the whole time the interfaces are registered. */
 static const void *hag_ctx;
@@ -102,25 +114,89 @@ void hag_glue_msg_cancel(struct hag_glue_msg *msg)
 struct hag_vgpu {
 	struct vfio_device vdev; /* first: vfio_alloc_device() requires it */
 	u32 id;
+	/* Runs the engine's slices and the watchdog: hag_rs_vgpu_tick(). */
+	struct delayed_work tick;
 };
+
+static struct hag_vgpu *to_hag_vgpu(struct vfio_device *vdev)
+{
+	return container_of(vdev, struct hag_vgpu, vdev);
+}
+
+static void hag_vgpu_tick(struct work_struct *work)
+{
+	struct hag_vgpu *vgpu =
+		container_of(to_delayed_work(work), struct hag_vgpu, tick);
+
+	hag_rs_vgpu_tick(hag_ctx, vgpu->id);
+}
+
+int hag_glue_dma_rw(struct hag_vgpu *vgpu, u64 gpa, void *data, u64 len,
+		    bool write)
+{
+	return vfio_dma_rw(&vgpu->vdev, gpa, data, len, write);
+}
+
+void hag_glue_kick(struct hag_vgpu *vgpu, u32 delay_ms)
+{
+	mod_delayed_work(system_wq, &vgpu->tick, msecs_to_jiffies(delay_ms));
+}
+
+struct eventfd_ctx *hag_glue_eventfd_get(int fd)
+{
+	struct eventfd_ctx *ctx = eventfd_ctx_fdget(fd);
+
+	return IS_ERR(ctx) ? NULL : ctx;
+}
+
+void hag_glue_eventfd_signal(struct eventfd_ctx *ctx)
+{
+	eventfd_signal(ctx);
+}
+
+void hag_glue_eventfd_put(struct eventfd_ctx *ctx)
+{
+	eventfd_ctx_put(ctx);
+}
+
+static ssize_t hag_vfio_read(struct vfio_device *vdev, char __user *buf,
+			     size_t count, loff_t *ppos)
+{
+	return hag_rs_vfio_rw(hag_ctx, to_hag_vgpu(vdev)->id, buf, count,
+			      *ppos, false);
+}
+
+static ssize_t hag_vfio_write(struct vfio_device *vdev, const char __user *buf,
+			      size_t count, loff_t *ppos)
+{
+	return hag_rs_vfio_rw(hag_ctx, to_hag_vgpu(vdev)->id, (char __user *)buf,
+			      count, *ppos, true);
+}
+
+static long hag_vfio_ioctl(struct vfio_device *vdev, unsigned int cmd,
+			   unsigned long arg)
+{
+	return hag_rs_vfio_ioctl(hag_ctx, to_hag_vgpu(vdev)->id, cmd, arg);
+}
 
 static int hag_vfio_open_device(struct vfio_device *vdev)
 {
-	hag_rs_vgpu_open(hag_ctx, container_of(vdev, struct hag_vgpu, vdev)->id,
-			 true);
+	hag_rs_vgpu_open(hag_ctx, to_hag_vgpu(vdev)->id, true);
 	return 0;
 }
 
 static void hag_vfio_close_device(struct vfio_device *vdev)
 {
-	hag_rs_vgpu_open(hag_ctx, container_of(vdev, struct hag_vgpu, vdev)->id,
-			 false);
+	hag_rs_vgpu_open(hag_ctx, to_hag_vgpu(vdev)->id, false);
 }
 
 static const struct vfio_device_ops hag_vfio_ops = {
 	.name = "hag-sim",
 	.open_device = hag_vfio_open_device,
 	.close_device = hag_vfio_close_device,
+	.read = hag_vfio_read,
+	.write = hag_vfio_write,
+	.ioctl = hag_vfio_ioctl,
 	.bind_iommufd = vfio_iommufd_emulated_bind,
 	.unbind_iommufd = vfio_iommufd_emulated_unbind,
 	.attach_ioas = vfio_iommufd_emulated_attach_ioas,
@@ -136,7 +212,8 @@ static int hag_mdev_probe(struct mdev_device *mdev)
 	if (IS_ERR(vgpu))
 		return PTR_ERR(vgpu);
 
-	ret = hag_rs_vgpu_probe(hag_ctx, mdev->uuid.b, &vgpu->id);
+	INIT_DELAYED_WORK(&vgpu->tick, hag_vgpu_tick);
+	ret = hag_rs_vgpu_probe(hag_ctx, mdev->uuid.b, vgpu, &vgpu->id);
 	if (ret)
 		goto err_put;
 
@@ -157,7 +234,9 @@ static void hag_mdev_remove(struct mdev_device *mdev)
 {
 	struct hag_vgpu *vgpu = dev_get_drvdata(&mdev->dev);
 
+	/* No VFIO access after this returns, so nothing kicks the tick again. */
 	vfio_unregister_group_dev(&vgpu->vdev);
+	cancel_delayed_work_sync(&vgpu->tick);
 	hag_rs_vgpu_remove(hag_ctx, vgpu->id);
 	vfio_put_device(&vgpu->vdev);
 }

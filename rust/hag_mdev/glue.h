@@ -22,11 +22,19 @@ struct hag_glue_config {
 	u8 genl_version;
 };
 
+struct hag_vgpu;
+
 /* Implemented in glue.rs. */
 long hag_rs_ioctl(const void *ctx, unsigned int cmd, unsigned long arg);
-int hag_rs_vgpu_probe(const void *ctx, const u8 *uuid, u32 *id);
+int hag_rs_vgpu_probe(const void *ctx, const u8 *uuid, struct hag_vgpu *vgpu,
+		      u32 *id);
 void hag_rs_vgpu_remove(const void *ctx, u32 id);
 void hag_rs_vgpu_open(const void *ctx, u32 id, bool open);
+long hag_rs_vfio_rw(const void *ctx, u32 id, char __user *buf, size_t count,
+		    u64 pos, bool write);
+long hag_rs_vfio_ioctl(const void *ctx, u32 id, unsigned int cmd,
+		       unsigned long arg);
+void hag_rs_vgpu_tick(const void *ctx, u32 id);
 
 /* An event message under construction; freed by multicast or cancel. */
 struct hag_glue_msg {
@@ -44,5 +52,14 @@ int hag_glue_msg_put_bytes(struct hag_glue_msg *msg, u16 attr,
 			   const void *data, u32 len);
 int hag_glue_msg_multicast(struct hag_glue_msg *msg);
 void hag_glue_msg_cancel(struct hag_glue_msg *msg);
+
+/* Per-vGPU services for the device model. */
+int hag_glue_dma_rw(struct hag_vgpu *vgpu, u64 gpa, void *data, u64 len,
+		    bool write);
+void hag_glue_kick(struct hag_vgpu *vgpu, u32 delay_ms);
+struct eventfd_ctx *hag_glue_eventfd_get(int fd);
+void hag_glue_eventfd_signal(struct eventfd_ctx *ctx);
+void hag_glue_eventfd_put(struct eventfd_ctx *ctx);
+bool hag_glue_hang_injection_allowed(void);
 
 #endif /* HAG_GLUE_H */

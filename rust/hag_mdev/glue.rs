@@ -14,8 +14,10 @@ use core::ptr;
 
 use kernel::prelude::*;
 use kernel::types::{AsBytes, FromBytes};
+use kernel::uaccess::UserSlice;
 
 use crate::abi;
+use crate::sim::vfio;
 use crate::State;
 
 /// Mirrors `struct hag_glue_config` in glue.c.
@@ -40,7 +42,26 @@ struct GlueMsg {
     hdr: *mut c_void,
 }
 
+/// `struct hag_vgpu` of glue.c, opaque here.
+#[repr(C)]
+pub(crate) struct CVgpu {
+    _private: [u8; 0],
+}
+
+/// `struct eventfd_ctx`, opaque here.
+#[repr(C)]
+struct CEventfd {
+    _private: [u8; 0],
+}
+
 extern "C" {
+    fn hag_glue_dma_rw(vgpu: *mut CVgpu, gpa: u64, data: *mut c_void, len: u64, write: bool)
+        -> c_int;
+    fn hag_glue_kick(vgpu: *mut CVgpu, delay_ms: u32);
+    fn hag_glue_eventfd_get(fd: c_int) -> *mut CEventfd;
+    fn hag_glue_eventfd_signal(ctx: *mut CEventfd);
+    fn hag_glue_eventfd_put(ctx: *mut CEventfd);
+    fn hag_glue_hang_injection_allowed() -> bool;
     fn hag_glue_register(ctx: *const c_void, cfg: *const GlueConfig) -> c_int;
     fn hag_glue_unregister();
     fn hag_glue_msg_new(msg: *mut GlueMsg, cmd: u8) -> c_int;
@@ -131,13 +152,19 @@ extern "C" fn hag_rs_ioctl(ctx: *const c_void, cmd: c_uint, arg: c_ulong) -> c_l
 
 /// mdev probe: a vGPU was created through sysfs.
 #[no_mangle]
-extern "C" fn hag_rs_vgpu_probe(ctx: *const c_void, uuid: *const u8, id: *mut u32) -> c_int {
+extern "C" fn hag_rs_vgpu_probe(
+    ctx: *const c_void,
+    uuid: *const u8,
+    vgpu: *mut CVgpu,
+    id: *mut u32,
+) -> c_int {
     // SAFETY: called by glue.c's mdev probe while registered.
     let state = unsafe { state(ctx) };
     // SAFETY: glue.c passes the mdev's `guid_t` bytes, 16 bytes long and
     // valid for the call.
     let guid: [u8; 16] = unsafe { ptr::read(uuid.cast::<[u8; 16]>()) };
-    match state.vgpu_created(abi::uuid_from_guid(guid)) {
+    let handle = VgpuHandle { vgpu };
+    match state.vgpu_created(abi::uuid_from_guid(guid), handle) {
         Ok(new_id) => {
             // SAFETY: `id` points to the `u32` field of glue.c's vGPU struct.
             unsafe { id.write(new_id) };
@@ -154,6 +181,133 @@ extern "C" fn hag_rs_vgpu_remove(ctx: *const c_void, id: u32) {
     unsafe { state(ctx) }.vgpu_removed(id);
 }
 
+/// A VMM read or wrote a VFIO region of the vGPU (`pos` encodes the region).
+#[no_mangle]
+extern "C" fn hag_rs_vfio_rw(
+    ctx: *const c_void,
+    id: u32,
+    buf: *mut u8,
+    count: usize,
+    pos: u64,
+    write: bool,
+) -> c_long {
+    // SAFETY: called by glue.c's VFIO device ops while registered.
+    let state = unsafe { state(ctx) };
+    let user = UserSlice::new(buf as usize, count);
+    match state.vfio_rw(id, user, count, pos, write) {
+        Ok(done) => c_long::try_from(done).unwrap_or(c_long::MAX),
+        Err(e) => e.to_errno() as c_long,
+    }
+}
+
+/// A VMM issued an ioctl on the vGPU's VFIO device fd.
+#[no_mangle]
+extern "C" fn hag_rs_vfio_ioctl(ctx: *const c_void, id: u32, cmd: c_uint, arg: c_ulong) -> c_long {
+    // SAFETY: called by glue.c's VFIO device ops while registered.
+    let state = unsafe { state(ctx) };
+    match state.vfio_ioctl(id, cmd, arg as usize) {
+        Ok(ret) => ret,
+        Err(e) => e.to_errno() as c_long,
+    }
+}
+
+/// The vGPU's delayed work ran: an engine slice and the watchdog.
+#[no_mangle]
+extern "C" fn hag_rs_vgpu_tick(ctx: *const c_void, id: u32) {
+    // SAFETY: glue.c cancels the work before the vGPU (and the state)
+    // goes away, so this runs while registered.
+    unsafe { state(ctx) }.vgpu_tick(id);
+}
+
+/// The C side of one vGPU: DMA to its VM's memory and its work item.
+///
+/// Valid from probe until `hag_rs_vgpu_remove`, which glue.c calls after it
+/// has stopped VFIO access and cancelled the work; the table drops the handle
+/// then.
+pub(crate) struct VgpuHandle {
+    vgpu: *mut CVgpu,
+}
+
+// SAFETY: the C object is usable from any thread; concurrent use is
+// serialised by the vGPU's mutex (DMA) or by the workqueue (kick).
+unsafe impl Send for VgpuHandle {}
+// SAFETY: as above.
+unsafe impl Sync for VgpuHandle {}
+
+impl VgpuHandle {
+    /// Reads guest memory at guest physical `gpa` through the VM's VFIO
+    /// DMA mappings. Fails (`EINVAL`, `EFAULT`) if the range is not mapped.
+    /// Only while the VFIO device is open: the caller checks.
+    pub(crate) fn dma_read(&self, gpa: u64, out: &mut [u8]) -> Result {
+        // SAFETY: `self.vgpu` is live (see the type's docs); `out` is valid
+        // for writes of its length for the duration of the call.
+        let ret = unsafe {
+            hag_glue_dma_rw(self.vgpu, gpa, out.as_mut_ptr().cast(), out.len() as u64, false)
+        };
+        check(ret)
+    }
+
+    /// Writes guest memory; as [`Self::dma_read`].
+    pub(crate) fn dma_write(&self, gpa: u64, data: &[u8]) -> Result {
+        // SAFETY: as in `dma_read`; with `write` set, vfio_dma_rw only reads
+        // `data`.
+        let ret = unsafe {
+            hag_glue_dma_rw(self.vgpu, gpa, data.as_ptr().cast_mut().cast(), data.len() as u64, true)
+        };
+        check(ret)
+    }
+
+    /// Schedules the vGPU's tick in `delay_ms` (now, if 0); an already
+    /// scheduled tick is moved.
+    pub(crate) fn kick(&self, delay_ms: u32) {
+        // SAFETY: `self.vgpu` is live and its work was initialised at probe.
+        unsafe { hag_glue_kick(self.vgpu, delay_ms) };
+    }
+}
+
+/// The module parameter `allow_hang_injection`.
+pub(crate) fn hang_injection_allowed() -> bool {
+    // SAFETY: reads a module parameter; no preconditions.
+    unsafe { hag_glue_hang_injection_allowed() }
+}
+
+/// A reference to an eventfd a VMM gave for an interrupt.
+pub(crate) struct EventFd {
+    ctx: *mut CEventfd,
+}
+
+// SAFETY: eventfd contexts are reference counted and signalled from any
+// context by design.
+unsafe impl Send for EventFd {}
+// SAFETY: as above.
+unsafe impl Sync for EventFd {}
+
+impl EventFd {
+    /// Takes a reference to the eventfd behind file descriptor `fd` of the
+    /// calling process.
+    pub(crate) fn from_fd(fd: i32) -> Result<Self> {
+        // SAFETY: any fd value is accepted; a bad one gives NULL.
+        let ctx = unsafe { hag_glue_eventfd_get(fd) };
+        if ctx.is_null() {
+            return Err(EBADF);
+        }
+        Ok(Self { ctx })
+    }
+
+    /// Adds 1 to the eventfd's counter, waking its reader.
+    pub(crate) fn signal(&self) {
+        // SAFETY: `self.ctx` holds a reference until `drop`.
+        unsafe { hag_glue_eventfd_signal(self.ctx) };
+    }
+}
+
+impl Drop for EventFd {
+    fn drop(&mut self) {
+        // SAFETY: drops the reference `from_fd` took.
+        unsafe { hag_glue_eventfd_put(self.ctx) };
+    }
+}
+
 /// A VMM opened or closed the vGPU's VFIO device.
 #[no_mangle]
 extern "C" fn hag_rs_vgpu_open(ctx: *const c_void, id: u32, open: bool) {
@@ -163,7 +317,7 @@ extern "C" fn hag_rs_vgpu_open(ctx: *const c_void, id: u32, open: bool) {
 
 // The ABI structures cross to and from userspace as raw bytes.
 //
-// SAFETY (all four): each is `#[repr(C)]`, made only of integers and integer
+// SAFETY (all of them): each is `#[repr(C)]`, made only of integers and integer
 // arrays, with explicit padding fields (hag_abi's layout tests fix their
 // sizes), so every byte pattern is a valid value and no byte is uninitialised.
 unsafe impl FromBytes for abi::HagVgpuList {}
@@ -173,6 +327,34 @@ unsafe impl AsBytes for abi::HagVgpuList {}
 unsafe impl AsBytes for abi::HagVersion {}
 // SAFETY: see above.
 unsafe impl AsBytes for abi::HagVgpuInfo {}
+// SAFETY: see above.
+unsafe impl FromBytes for abi::HagVgpuRef {}
+// SAFETY: see above.
+unsafe impl FromBytes for abi::HagDirtyStart {}
+// SAFETY: see above.
+unsafe impl FromBytes for abi::HagDirtyRead {}
+// SAFETY: see above.
+unsafe impl AsBytes for abi::HagDirtyRead {}
+// SAFETY: see above.
+unsafe impl FromBytes for abi::HagVgpuStats {}
+// SAFETY: see above.
+unsafe impl AsBytes for abi::HagVgpuStats {}
+// SAFETY: see above.
+unsafe impl FromBytes for abi::HagWatchdog {}
+// SAFETY: see above; these mirror VFIO's uapi structures.
+unsafe impl FromBytes for vfio::DeviceInfo {}
+// SAFETY: see above.
+unsafe impl AsBytes for vfio::DeviceInfo {}
+// SAFETY: see above.
+unsafe impl FromBytes for vfio::RegionInfo {}
+// SAFETY: see above.
+unsafe impl AsBytes for vfio::RegionInfo {}
+// SAFETY: see above.
+unsafe impl FromBytes for vfio::IrqInfo {}
+// SAFETY: see above.
+unsafe impl AsBytes for vfio::IrqInfo {}
+// SAFETY: see above.
+unsafe impl FromBytes for vfio::IrqSet {}
 
 /// One generic netlink message of the `hag` family, multicast to the
 /// events group by [`EventMessage::send`]; dropped unsent, it is freed.

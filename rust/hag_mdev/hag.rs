@@ -9,17 +9,26 @@
 //! nothing behind.
 //!
 //! Layout: [`glue`] is the one place that talks to C (and holds every
-//! `unsafe` block); [`vgpu`] keeps the vGPU table; [`control`] answers the
-//! ioctls; [`events`] sends netlink events; [`abi`] is the shared ABI crate's
-//! source, compiled in so both sides of the boundary use the same numbers.
+//! `unsafe` block); [`vgpu`] keeps the vGPU table; [`sim`] is the simulated
+//! vGPU (registers, GTT, engine, VFIO protocol); [`dirty`] its GPU dirty log;
+//! [`control`] answers the `/dev/hag` ioctls; [`events`] sends netlink
+//! events. [`abi`] and [`audit`] are the shared crates' sources (the ABI and
+//! the command auditor), compiled in so kernel and userspace use the same
+//! code.
 
 use kernel::prelude::*;
 
 #[path = "../hag_abi/src/abi.rs"]
 pub mod abi;
+#[path = "../hag_abi/src/sim_regs.rs"]
+pub mod sim_regs;
+#[path = "../hag_audit/src/audit.rs"]
+pub mod audit;
 mod control;
+mod dirty;
 mod events;
 mod glue;
+mod sim;
 mod vgpu;
 
 pub(crate) use vgpu::State;

@@ -25,7 +25,7 @@ use netlink_sys::{protocols::NETLINK_GENERIC, Socket};
 use nix::errno::Errno;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
-use crate::device::AbiMismatch;
+use hag_dev::AbiMismatch;
 
 /// One event from the module, as `hagctl events` prints it.
 #[derive(Clone, Debug, PartialEq, Eq)]

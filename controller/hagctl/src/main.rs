@@ -26,10 +26,9 @@
 //! vgpu-created vgpu=1 uuid=83b8f4f2-509f-382f-3c1e-e6bfe0fa1001 message="created"
 //! ```
 //!
-//! All `unsafe` is in [`device`], around the two ioctls.
+//! All `unsafe` is in the shared `hag_dev` crate, around the `/dev/hag` ioctls.
 
 mod commands;
-mod device;
 mod events;
 mod output;
 

@@ -4,7 +4,7 @@
 use hag_abi::abi::{self, HagVgpuInfo};
 use serde::Serialize;
 
-use crate::device::ModuleInfo;
+use hag_dev::ModuleInfo;
 use crate::events::Event;
 
 /// A UUID in its canonical text form.

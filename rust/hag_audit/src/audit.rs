@@ -773,6 +773,30 @@ pub enum Reason {
     },
 }
 
+impl Reason {
+    /// A stable number for the reason (the simulated vGPU's `ERROR_REASON`
+    /// register reports it); 0 is never used.
+    pub const fn code(&self) -> u32 {
+        match self {
+            Reason::UnknownOpcode => 1,
+            Reason::Truncated { .. } => 2,
+            Reason::BadLength { .. } => 3,
+            Reason::ReservedBits { .. } => 4,
+            Reason::Misaligned { .. } => 5,
+            Reason::AddressOutOfRange { .. } => 6,
+            Reason::RegisterNotAllowed { .. } => 7,
+            Reason::Unsupported { .. } => 8,
+            Reason::BadField { .. } => 9,
+            Reason::BatchTooDeep { .. } => 10,
+            Reason::TooManyCommands { .. } => 11,
+            Reason::TooManyBatches { .. } => 12,
+            Reason::MemoryFault { .. } => 13,
+            Reason::SinkFull => 14,
+            Reason::BadConfig { .. } => 15,
+        }
+    }
+}
+
 impl fmt::Display for Reason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {

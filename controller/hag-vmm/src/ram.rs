@@ -1,0 +1,239 @@
+//! Guest RAM: one anonymous mapping, guest physical address 0 at its start
+//! (QEMU's layout for the IOVA space a vGPU sees), with bounds-checked
+//! access by guest physical address, snapshots and page diffs.
+//!
+//! The vGPU writes this memory by DMA (through VFIO's pinning) while the
+//! VMM holds it, so no Rust reference to its bytes is ever handed out: every
+//! access copies through a raw pointer.
+
+use std::num::NonZeroUsize;
+use std::ptr::NonNull;
+
+use nix::sys::mman::{mmap_anonymous, munmap, MapFlags, ProtFlags};
+
+/// Size of a guest page (the unit of dirty tracking).
+pub const PAGE_SIZE: u64 = 4096;
+
+/// A guest RAM access out of range, or the mapping failed.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RamError {
+    /// `[gpa, gpa + len)` is not inside guest RAM.
+    #[error("guest physical access {gpa:#x}+{len} outside guest RAM of {size:#x} bytes")]
+    OutOfRange {
+        /// First byte.
+        gpa: u64,
+        /// Bytes.
+        len: u64,
+        /// Size of guest RAM.
+        size: u64,
+    },
+    /// `mmap` of guest RAM failed.
+    #[error("cannot map {mib} MiB of guest RAM: {errno}")]
+    Map {
+        /// Size asked for.
+        mib: u64,
+        /// What mmap said.
+        errno: nix::errno::Errno,
+    },
+    /// A size of zero or not a whole number of pages.
+    #[error("guest RAM size {0:#x} is not a positive multiple of 4 KiB")]
+    BadSize(u64),
+}
+
+/// Guest RAM.
+pub struct GuestRam {
+    base: NonNull<u8>,
+    size: u64,
+}
+
+impl GuestRam {
+    /// Maps `size` bytes of zeroed guest RAM.
+    pub fn new(size: u64) -> Result<Self, RamError> {
+        if size == 0 || !size.is_multiple_of(PAGE_SIZE) {
+            return Err(RamError::BadSize(size));
+        }
+        let len = usize::try_from(size)
+            .ok()
+            .and_then(NonZeroUsize::new)
+            .ok_or(RamError::BadSize(size))?;
+        // SAFETY: a fresh private anonymous mapping at an address the kernel
+        // chooses cannot alias any existing Rust object. It is unmapped only
+        // in `Drop`, and no reference into it outlives `self`.
+        let ptr = unsafe {
+            mmap_anonymous(
+                None,
+                len,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_PRIVATE | MapFlags::MAP_NORESERVE,
+            )
+        }
+        .map_err(|errno| RamError::Map {
+            mib: size >> 20,
+            errno,
+        })?;
+        Ok(GuestRam {
+            base: ptr.cast(),
+            size,
+        })
+    }
+
+    /// Maps `mib` MiB of guest RAM.
+    pub fn with_mib(mib: u64) -> Result<Self, RamError> {
+        let size = mib.checked_mul(1 << 20).ok_or(RamError::BadSize(u64::MAX))?;
+        Self::new(size)
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Number of pages.
+    pub fn pages(&self) -> u64 {
+        self.size / PAGE_SIZE
+    }
+
+    /// The process address of guest physical 0 (for `VFIO_IOMMU_MAP_DMA`).
+    pub fn host_addr(&self) -> u64 {
+        self.base.as_ptr().expose_provenance() as u64
+    }
+
+    /// Checks `[gpa, gpa + len)` and returns its offset as `usize`.
+    fn check(&self, gpa: u64, len: usize) -> Result<usize, RamError> {
+        let err = RamError::OutOfRange {
+            gpa,
+            len: len as u64,
+            size: self.size,
+        };
+        let end = gpa.checked_add(len as u64).ok_or(err.clone())?;
+        if end > self.size {
+            return Err(err);
+        }
+        usize::try_from(gpa).map_err(|_| err)
+    }
+
+    /// Copies guest RAM at `gpa` into `out`.
+    pub fn read(&self, gpa: u64, out: &mut [u8]) -> Result<(), RamError> {
+        let off = self.check(gpa, out.len())?;
+        // SAFETY: `check` proved `[off, off + out.len())` lies inside the
+        // live mapping of `self.size` bytes; `out` is a distinct Rust buffer,
+        // so the ranges do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.base.as_ptr().add(off), out.as_mut_ptr(), out.len());
+        }
+        Ok(())
+    }
+
+    /// Copies `data` into guest RAM at `gpa`.
+    pub fn write(&self, gpa: u64, data: &[u8]) -> Result<(), RamError> {
+        let off = self.check(gpa, data.len())?;
+        // SAFETY: `check` proved the destination lies inside the live,
+        // writable mapping; `data` is a distinct Rust buffer. No Rust
+        // reference to guest RAM exists, so writing through `&self` breaks
+        // no aliasing promise.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.base.as_ptr().add(off), data.len());
+        }
+        Ok(())
+    }
+
+    /// Reads the little-endian dword at `gpa`.
+    pub fn read_u32(&self, gpa: u64) -> Result<u32, RamError> {
+        let mut b = [0u8; 4];
+        self.read(gpa, &mut b)?;
+        Ok(u32::from_le_bytes(b))
+    }
+
+    /// Writes the little-endian dword `value` at `gpa`.
+    pub fn write_u32(&self, gpa: u64, value: u32) -> Result<(), RamError> {
+        self.write(gpa, &value.to_le_bytes())
+    }
+
+    /// Reads the little-endian qword at `gpa`.
+    pub fn read_u64(&self, gpa: u64) -> Result<u64, RamError> {
+        let mut b = [0u8; 8];
+        self.read(gpa, &mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+
+    /// A copy of all of guest RAM.
+    pub fn snapshot(&self) -> Vec<u8> {
+        let mut out = vec![0u8; self.size as usize];
+        // In range by construction: the whole mapping.
+        self.read(0, &mut out)
+            .expect("a snapshot covers exactly guest RAM");
+        out
+    }
+}
+
+impl Drop for GuestRam {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`size` are exactly the mapping made in `new`, and
+        // nothing refers into it once `self` is gone. (If VFIO still has it
+        // mapped for DMA, the pages stay pinned by VFIO, not freed under it.)
+        let _ = unsafe { munmap(self.base.cast(), self.size as usize) };
+    }
+}
+
+/// Guest page numbers whose bytes differ between two images of the same
+/// memory (a snapshot and a later one), ascending.
+pub fn changed_pages(before: &[u8], after: &[u8]) -> Vec<u64> {
+    before
+        .chunks(PAGE_SIZE as usize)
+        .zip(after.chunks(PAGE_SIZE as usize))
+        .enumerate()
+        .filter(|(_, (b, a))| b != a)
+        .map(|(i, _)| i as u64)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fresh_ram_is_zero_and_bounded() {
+        let ram = GuestRam::new(4 * PAGE_SIZE).unwrap();
+        assert_eq!(ram.pages(), 4);
+        assert_eq!(ram.read_u32(0).unwrap(), 0);
+        assert_eq!(ram.read_u32(4 * PAGE_SIZE - 4).unwrap(), 0);
+        assert_eq!(
+            ram.read_u32(4 * PAGE_SIZE - 2),
+            Err(RamError::OutOfRange {
+                gpa: 4 * PAGE_SIZE - 2,
+                len: 4,
+                size: 4 * PAGE_SIZE
+            })
+        );
+        assert!(ram.write_u32(u64::MAX - 1, 1).is_err());
+        assert!(ram.write(4 * PAGE_SIZE, &[]).is_ok());
+        assert!(GuestRam::new(0).is_err());
+        assert!(GuestRam::new(100).is_err());
+    }
+
+    #[test]
+    fn writes_read_back_little_endian() {
+        let ram = GuestRam::new(2 * PAGE_SIZE).unwrap();
+        ram.write_u32(0xffe, 0x1122_3344).unwrap();
+        let mut b = [0u8; 4];
+        ram.read(0xffe, &mut b).unwrap();
+        assert_eq!(b, [0x44, 0x33, 0x22, 0x11]);
+        assert_eq!(ram.read_u64(0xff8).unwrap(), 0x3344_0000_0000_0000);
+        let snap = ram.snapshot();
+        assert_eq!(&snap[0xffe..0x1002], &[0x44, 0x33, 0x22, 0x11]);
+    }
+
+    #[test]
+    fn diff_finds_exactly_the_changed_pages() {
+        let ram = GuestRam::new(8 * PAGE_SIZE).unwrap();
+        ram.write_u32(0x1000, 5).unwrap();
+        let before = ram.snapshot();
+        ram.write_u32(0x1000, 5).unwrap(); // same value: not a change
+        ram.write_u32(0x2ffc, 1).unwrap();
+        ram.write(0x4fff, &[1, 2]).unwrap(); // straddles pages 4 and 5
+        ram.write_u32(0x7ffc, 0xffff_ffff).unwrap();
+        let after = ram.snapshot();
+        assert_eq!(changed_pages(&before, &after), vec![2, 4, 5, 7]);
+        assert!(changed_pages(&after, &after).is_empty());
+    }
+}

@@ -1,0 +1,577 @@
+// SPDX-License-Identifier: GPL-2.0-only
+//! The simulated vGPU `hag-sim`: register file, GTT, PCI config space and
+//! the path from the doorbell to the engine. `docs/sim-vgpu.md` is the
+//! guest-visible contract; `hag_abi::sim_regs` holds its numbers.
+//!
+//! A submission goes doorbell → read the ring (and, through the auditor,
+//! every batch) via the GTT → audit (all or nothing) → mark every page of
+//! the write set dirty → engine. Only [`audit::ValidatedCommand`]s reach the
+//! engine ([`engine`]), which runs them in bounded slices from the vGPU's
+//! work item, so a guest can hang its vGPU but never the kernel.
+
+mod engine;
+pub(crate) mod vfio;
+
+use kernel::prelude::*;
+use kernel::time::Ktime;
+use kernel::uaccess::UserSlice;
+
+use crate::abi;
+use crate::sim_regs as r;
+use crate::audit::{self, AuditConfig, AuditError, GfxMemory, MemoryFault, ValidatedCommand};
+use crate::dirty::DirtyLog;
+use crate::events::Event;
+use crate::glue::{EventFd, VgpuHandle};
+
+pub(crate) use engine::Submission;
+
+const PAGE: u64 = 4096;
+/// Graphics pages of one vGPU.
+const GTT_ENTRIES: usize = (abi::SIM_GFX_MEM_SIZE / PAGE) as usize;
+/// Registers MI_LOAD_REGISTER_* and MI_STORE_REGISTER_MEM may name: the
+/// general-purpose registers, low and high halves.
+const ALLOWED_REGISTERS: [u32; 2 * r::GPR_COUNT as usize] = {
+    let mut regs = [0; 2 * r::GPR_COUNT as usize];
+    let mut i = 0;
+    while i < regs.len() {
+        regs[i] = r::GPR_BASE + 4 * i as u32;
+        i += 1;
+    }
+    regs
+};
+
+/// Why the engine is not running.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Halt {
+    /// Nothing to do.
+    Idle,
+    /// Stopped on an error (`ERROR_STATUS` says which) until `RESET`.
+    Stopped,
+    /// The watchdog (or an injected hang) stopped it, until `RESET`.
+    Hung,
+}
+
+/// Counters reported by the stats ioctl.
+#[derive(Default)]
+pub(crate) struct Stats {
+    pub(crate) submissions: u64,
+    pub(crate) rejected: u64,
+    pub(crate) commands: u64,
+    pub(crate) pages_marked: u64,
+    pub(crate) interrupts: u64,
+    pub(crate) hangs: u64,
+}
+
+/// The guest-visible registers that are plain storage.
+#[derive(Default)]
+struct Regs {
+    int_mask: u32,
+    int_identity: u32,
+    int_enable: u32,
+    error_status: u32,
+    error_addr: u64,
+    error_header: u32,
+    error_reason: u32,
+    ring_tail: u32,
+    ring_head: u32,
+    ring_start: u32,
+    ring_ctl: u32,
+    hws_pga: u32,
+    gpr: [u32; 2 * r::GPR_COUNT as usize],
+}
+
+/// One simulated vGPU's whole state, guarded by its mutex.
+pub(crate) struct Sim {
+    pub(crate) id: u32,
+    pub(crate) uuid: [u8; 16],
+    /// The VFIO device is open; DMA and interrupts only then.
+    pub(crate) open: bool,
+    config: [u8; r::CONFIG_SIZE as usize],
+    regs: Regs,
+    gtt: KVVec<u64>,
+    /// The running submission, if any.
+    run: Option<Submission>,
+    halt: Halt,
+    /// A tail written while a submission ran: the next submission.
+    queued_tail: Option<u32>,
+    msi: Option<EventFd>,
+    pub(crate) dirty: Option<DirtyLog>,
+    pub(crate) watchdog_ms: u32,
+    /// When `RING_HEAD` last moved (or work started), for the watchdog.
+    last_progress_ns: i64,
+    pub(crate) stats: Stats,
+}
+
+impl Sim {
+    pub(crate) fn new(id: u32, uuid: [u8; 16]) -> Result<Self> {
+        let mut sim = Self {
+            id,
+            uuid,
+            open: false,
+            config: [0; r::CONFIG_SIZE as usize],
+            regs: Regs::default(),
+            gtt: KVVec::from_elem(0u64, GTT_ENTRIES, GFP_KERNEL)?,
+            run: None,
+            halt: Halt::Idle,
+            queued_tail: None,
+            msi: None,
+            dirty: None,
+            watchdog_ms: abi::WATCHDOG_DEFAULT_MS,
+            last_progress_ns: 0,
+            stats: Stats::default(),
+        };
+        sim.reset_config();
+        sim.reset_engine();
+        Ok(sim)
+    }
+
+    pub(crate) fn vgpu_state(&self) -> u32 {
+        if self.open {
+            abi::VGPU_STATE_OPEN
+        } else {
+            abi::VGPU_STATE_IDLE
+        }
+    }
+
+    /// The VMM opened or closed the device. Closing stops everything that
+    /// would touch the VM: its memory mappings go away with it.
+    pub(crate) fn set_open(&mut self, open: bool) {
+        self.open = open;
+        if !open {
+            self.msi = None;
+            self.reset_engine();
+            self.reset_config();
+        }
+    }
+
+    fn reset_config(&mut self) {
+        let c = &mut self.config;
+        c.fill(0);
+        c[0x00..0x02].copy_from_slice(&r::PCI_VENDOR_ID.to_le_bytes());
+        c[0x02..0x04].copy_from_slice(&r::PCI_DEVICE_ID.to_le_bytes());
+        c[0x08] = r::PCI_REVISION;
+        c[0x09..0x0c].copy_from_slice(&r::PCI_CLASS.to_le_bytes()[..3]);
+        c[0x2c..0x2e].copy_from_slice(&r::PCI_VENDOR_ID.to_le_bytes());
+        c[0x2e..0x30].copy_from_slice(&r::PCI_DEVICE_ID.to_le_bytes());
+    }
+
+    /// `RESET`, device reset and close: the engine stops, errors and
+    /// interrupts clear, the ring is disabled. GTT and dirty log stay.
+    fn reset_engine(&mut self) {
+        self.run = None;
+        self.queued_tail = None;
+        self.halt = Halt::Idle;
+        let gpr = self.regs.gpr;
+        self.regs = Regs {
+            int_mask: !0,
+            gpr,
+            ..Regs::default()
+        };
+    }
+
+    // ---- PCI config space ------------------------------------------------
+
+    fn config_read(&self, offset: usize, out: &mut [u8]) -> Result {
+        let end = offset.checked_add(out.len()).ok_or(EINVAL)?;
+        out.copy_from_slice(self.config.get(offset..end).ok_or(EINVAL)?);
+        Ok(())
+    }
+
+    /// Writes the command register and BAR0 (with BAR sizing); the rest of
+    /// config space is read-only.
+    fn config_write(&mut self, offset: usize, data: &[u8]) -> Result {
+        let end = offset.checked_add(data.len()).ok_or(EINVAL)?;
+        if end > self.config.len() {
+            return Err(EINVAL);
+        }
+        for (i, byte) in data.iter().enumerate() {
+            let at = offset + i;
+            if (0x04..0x06).contains(&at) {
+                self.config[at] = *byte;
+            } else if (0x10..0x14).contains(&at) {
+                self.config[at] = *byte;
+            }
+        }
+        // BAR0 is 2 MiB, 32-bit memory: the low 21 bits read as zero, which
+        // is also how a VMM sizes it by writing all ones.
+        let bar = u32::from_le_bytes([self.config[0x10], self.config[0x11], self.config[0x12], self.config[0x13]]);
+        let bar = bar & !(r::BAR0_SIZE as u32 - 1);
+        self.config[0x10..0x14].copy_from_slice(&bar.to_le_bytes());
+        Ok(())
+    }
+
+    // ---- BAR0 --------------------------------------------------------------
+
+    fn bar0_read(&self, offset: u32) -> u32 {
+        if let Some(entry) = self.gtt_entry_index(offset) {
+            let value = self.gtt.get(entry / 2).copied().unwrap_or(0);
+            return if entry % 2 == 0 { value as u32 } else { (value >> 32) as u32 };
+        }
+        let engine_status = match self.halt {
+            _ if self.run.is_some() => 0,
+            Halt::Idle => r::ENGINE_IDLE,
+            Halt::Stopped => r::ENGINE_STOPPED,
+            Halt::Hung => r::ENGINE_HUNG,
+        };
+        let gpr_end = r::GPR_BASE + 8 * r::GPR_COUNT;
+        match offset {
+            r::HAG_ID => r::HAG_ID_VALUE,
+            r::HAG_REVISION => r::HAG_REVISION_VALUE,
+            r::GFX_MEM_SIZE_LO => abi::SIM_GFX_MEM_SIZE as u32,
+            r::GFX_MEM_SIZE_HI => (abi::SIM_GFX_MEM_SIZE >> 32) as u32,
+            r::GTT_OFFSET_REG => r::GTT_OFFSET,
+            r::GTT_ENTRIES_REG => GTT_ENTRIES as u32,
+            r::INT_MASK => self.regs.int_mask,
+            r::INT_IDENTITY => self.regs.int_identity,
+            r::INT_ENABLE => self.regs.int_enable,
+            r::ERROR_STATUS => self.regs.error_status,
+            r::ERROR_ADDR_LO => self.regs.error_addr as u32,
+            r::ERROR_ADDR_HI => (self.regs.error_addr >> 32) as u32,
+            r::ERROR_HEADER => self.regs.error_header,
+            r::ERROR_REASON => self.regs.error_reason,
+            r::ENGINE_STATUS => engine_status,
+            r::RING_TAIL => self.regs.ring_tail,
+            r::RING_HEAD => self.regs.ring_head,
+            r::RING_START => self.regs.ring_start,
+            r::RING_CTL => self.regs.ring_ctl,
+            r::HWS_PGA => self.regs.hws_pga,
+            o if (r::GPR_BASE..gpr_end).contains(&o) => {
+                self.regs.gpr[((o - r::GPR_BASE) / 4) as usize]
+            }
+            _ => 0,
+        }
+    }
+
+    fn bar0_write(&mut self, offset: u32, value: u32, handle: &VgpuHandle) {
+        if let Some(entry) = self.gtt_entry_index(offset) {
+            self.gtt_write(entry, value, handle);
+            return;
+        }
+        let gpr_end = r::GPR_BASE + 8 * r::GPR_COUNT;
+        match offset {
+            r::INT_MASK => {
+                self.regs.int_mask = value;
+                self.update_interrupt();
+            }
+            r::INT_IDENTITY => self.regs.int_identity &= !value,
+            r::INT_ENABLE => {
+                self.regs.int_enable = value & 1;
+                self.update_interrupt();
+            }
+            r::RESET if value & 1 != 0 => self.reset_engine(),
+            r::RING_START => self.regs.ring_start = value & !(PAGE as u32 - 1),
+            r::RING_CTL => self.regs.ring_ctl = value & ((r::RING_CTL_PAGES_MASK << r::RING_CTL_PAGES_SHIFT) | r::RING_CTL_ENABLE),
+            r::HWS_PGA => self.regs.hws_pga = value & !(PAGE as u32 - 1),
+            r::RING_TAIL => self.doorbell(value, handle),
+            o if (r::GPR_BASE..gpr_end).contains(&o) => {
+                self.regs.gpr[((o - r::GPR_BASE) / 4) as usize] = value
+            }
+            _ => {}
+        }
+    }
+
+    /// Which half-entry (entry * 2 + high) a BAR0 offset names, if it is in
+    /// the GTT.
+    fn gtt_entry_index(&self, offset: u32) -> Option<usize> {
+        let rel = offset.checked_sub(r::GTT_OFFSET)? as usize / 4;
+        (rel < GTT_ENTRIES * 2).then_some(rel)
+    }
+
+    fn gtt_write(&mut self, half: usize, value: u32, handle: &VgpuHandle) {
+        let Some(entry) = self.gtt.get_mut(half / 2) else { return };
+        *entry = if half % 2 == 0 {
+            (*entry & !0xffff_ffff) | u64::from(value)
+        } else {
+            (*entry & 0xffff_ffff) | (u64::from(value) << 32)
+        };
+        // A submission in flight was marked through the old translation;
+        // mark its write set again so pages it now reaches are dirty too.
+        if self.run.is_some() {
+            self.mark_running_write_set();
+        }
+        let _ = handle;
+    }
+
+    /// Guest physical address of graphics address `gfx`, if mapped.
+    fn translate(&self, gfx: u64) -> Option<u64> {
+        if gfx >= abi::SIM_GFX_MEM_SIZE {
+            return None;
+        }
+        let pte = *self.gtt.get((gfx / PAGE) as usize)?;
+        (pte & r::GTT_PRESENT != 0).then_some((pte & r::GTT_ADDR_MASK) + gfx % PAGE)
+    }
+
+    /// Reads or writes graphics memory through the GTT, page by page.
+    fn gfx_access(&self, handle: &VgpuHandle, mut gfx: u64, buf: &mut [u8], write: bool) -> core::result::Result<(), u64> {
+        let mut done = 0;
+        while done < buf.len() {
+            let in_page = (PAGE - gfx % PAGE) as usize;
+            let chunk = in_page.min(buf.len() - done);
+            let gpa = self.translate(gfx).ok_or(gfx)?;
+            let part = &mut buf[done..done + chunk];
+            let res = if write { handle.dma_write(gpa, part) } else { handle.dma_read(gpa, part) };
+            res.map_err(|_| gfx)?;
+            done += chunk;
+            gfx += chunk as u64;
+        }
+        Ok(())
+    }
+
+    // ---- interrupts --------------------------------------------------------
+
+    fn raise(&mut self, cause: u32) {
+        self.regs.int_identity |= cause;
+        if cause & !self.regs.int_mask != 0 {
+            self.update_interrupt();
+        }
+    }
+
+    fn update_interrupt(&mut self) {
+        let pending = self.regs.int_identity & !self.regs.int_mask;
+        if pending != 0 && self.regs.int_enable & 1 != 0 {
+            if let Some(msi) = &self.msi {
+                msi.signal();
+                self.stats.interrupts += 1;
+            }
+        }
+    }
+
+    pub(crate) fn set_msi(&mut self, msi: Option<EventFd>) {
+        self.msi = msi;
+    }
+
+    // ---- submissions -------------------------------------------------------
+
+    fn ring_bytes(&self) -> u32 {
+        (((self.regs.ring_ctl >> r::RING_CTL_PAGES_SHIFT) & r::RING_CTL_PAGES_MASK) + 1) * PAGE as u32
+    }
+
+    fn doorbell(&mut self, tail: u32, handle: &VgpuHandle) {
+        let tail = tail & !7;
+        if tail >= self.ring_bytes() {
+            self.stop(r::ERROR_COMMAND_REJECTED, u64::from(self.regs.ring_start) + u64::from(tail), 0, 0);
+            return;
+        }
+        self.regs.ring_tail = tail;
+        if self.run.is_some() {
+            self.queued_tail = Some(tail);
+        } else if self.halt == Halt::Idle {
+            self.start_submission(handle);
+        }
+    }
+
+    /// Audits the ring from head to tail and, if it passes, marks its write
+    /// set dirty and starts the engine.
+    fn start_submission(&mut self, handle: &VgpuHandle) {
+        let (head, tail) = (self.regs.ring_head, self.regs.ring_tail);
+        if head == tail || self.regs.ring_ctl & r::RING_CTL_ENABLE == 0 || !self.open {
+            return;
+        }
+        self.stats.submissions += 1;
+        let ring = u64::from(self.regs.ring_start);
+        // A wrapped submission is two runs of whole commands (drivers pad
+        // the ring's end with MI_NOOP rather than split a command).
+        let parts = if tail > head {
+            [(head, tail), (0, 0)]
+        } else {
+            [(head, self.ring_bytes()), (0, tail)]
+        };
+        let mut cmds = KVec::new();
+        for (from, to) in parts {
+            if from == to {
+                continue;
+            }
+            if let Err(e) = self.audit_part(handle, ring + u64::from(from), (to - from) as usize, &mut cmds) {
+                self.reject(e);
+                return;
+            }
+        }
+        let submission = Submission::new(cmds, tail);
+        self.run = Some(submission);
+        self.mark_running_write_set();
+        self.last_progress_ns = Ktime::ktime_get().to_ns();
+        handle.kick(0);
+    }
+
+    fn audit_part(&self, handle: &VgpuHandle, gfx: u64, bytes: usize, cmds: &mut KVec<ValidatedCommand>) -> core::result::Result<(), AuditError> {
+        let fault = |gfx_addr| AuditError { gfx_addr, header: None, reason: audit::Reason::MemoryFault { addr: gfx_addr } };
+        let mut raw = KVVec::from_elem(0u8, bytes, GFP_KERNEL).map_err(|_| fault(gfx))?;
+        self.gfx_access(handle, gfx, &mut raw, false).map_err(fault)?;
+        let mut dwords = KVVec::from_elem(0u32, bytes / 4, GFP_KERNEL).map_err(|_| fault(gfx))?;
+        for (dw, bytes) in dwords.iter_mut().zip(raw.chunks_exact(4)) {
+            *dw = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+        }
+        let cfg = AuditConfig::new(abi::SIM_GFX_MEM_SIZE, u64::from(self.regs.hws_pga))
+            .with_registers(&ALLOWED_REGISTERS);
+        let mut memory = GttMemory { sim: self, handle };
+        let mut sink = VecSink { cmds };
+        audit::audit(&dwords, gfx, &cfg, &mut memory, &mut sink).map(|_| ())
+    }
+
+    fn reject(&mut self, e: AuditError) {
+        self.stats.rejected += 1;
+        pr_info!("hag_mdev: vGPU {}: submission rejected: {}\n", self.id, e);
+        self.stop(r::ERROR_COMMAND_REJECTED, e.gfx_addr, e.header.unwrap_or(0), e.reason.code());
+        Event::new(abi::EVENT_COMMAND_REJECTED, self.id, &self.uuid).send();
+    }
+
+    /// Stops the engine on an error until `RESET`.
+    fn stop(&mut self, status: u32, addr: u64, header: u32, reason: u32) {
+        self.run = None;
+        self.queued_tail = None;
+        self.halt = Halt::Stopped;
+        self.regs.error_status = status;
+        self.regs.error_addr = addr;
+        self.regs.error_header = header;
+        self.regs.error_reason = reason;
+        self.raise(if status == r::ERROR_DMA_FAULT { r::INT_DMA_FAULT } else { r::INT_COMMAND_ERROR });
+    }
+
+    /// Marks the dirty log for every page the running submission may write,
+    /// through the GTT as it is now.
+    fn mark_running_write_set(&mut self) {
+        let (Some(run), Some(dirty)) = (&self.run, &mut self.dirty) else { return };
+        let mut marked = 0;
+        for cmd in run.commands() {
+            for page in cmd.kind.write_set().pages() {
+                let gfx = page * PAGE;
+                if gfx >= abi::SIM_GFX_MEM_SIZE {
+                    continue;
+                }
+                let pte = self.gtt.get((page) as usize).copied().unwrap_or(0);
+                if pte & r::GTT_PRESENT != 0 && dirty.mark(pte & r::GTT_ADDR_MASK) {
+                    marked += 1;
+                }
+            }
+        }
+        self.stats.pages_marked += marked;
+    }
+
+    /// Starts logging; a submission already running is marked at once, so
+    /// its writes are not missed.
+    pub(crate) fn start_dirty_log(&mut self, log: DirtyLog) {
+        self.dirty = Some(log);
+        self.mark_running_write_set();
+    }
+
+    /// Declares the vGPU hung, as the watchdog does.
+    pub(crate) fn hang(&mut self, why: &str) {
+        self.run = None;
+        self.queued_tail = None;
+        self.halt = Halt::Hung;
+        self.stats.hangs += 1;
+        self.regs.error_status = r::ERROR_HANG;
+        self.regs.error_addr = u64::from(self.regs.ring_start) + u64::from(self.regs.ring_head);
+        self.raise(r::INT_HANG);
+        pr_info!("hag_mdev: vGPU {} hung: {}\n", self.id, why);
+        Event::new(abi::EVENT_VGPU_HUNG, self.id, &self.uuid).message(why).send();
+    }
+
+    /// One tick of the work item: a slice of the engine, then the watchdog.
+    pub(crate) fn tick(&mut self, handle: &VgpuHandle) {
+        if !self.open || self.run.is_none() {
+            return;
+        }
+        let outcome = engine::run_slice(self, handle);
+        let now = Ktime::ktime_get().to_ns();
+        match outcome {
+            engine::Outcome::Finished => {
+                self.run = None;
+                self.regs.ring_head = self.regs.ring_tail;
+                if let Some(tail) = self.queued_tail.take() {
+                    self.regs.ring_tail = tail;
+                    self.start_submission(handle);
+                }
+                return;
+            }
+            engine::Outcome::Fault(gfx) => {
+                self.stop(r::ERROR_DMA_FAULT, gfx, 0, 0);
+                Event::new(abi::EVENT_STATE_CHANGED, self.id, &self.uuid).message("dma fault").send();
+                return;
+            }
+            engine::Outcome::Progress { head_moved } => {
+                if head_moved {
+                    self.last_progress_ns = now;
+                }
+            }
+        }
+        let stalled_ms = (now - self.last_progress_ns) / 1_000_000;
+        if stalled_ms >= i64::from(self.watchdog_ms) {
+            self.hang("ring head did not advance within the watchdog timeout");
+            return;
+        }
+        handle.kick(1);
+    }
+
+    // ---- VFIO region access ------------------------------------------------
+
+    /// `pread`/`pwrite` on the VFIO device fd: BAR0 (4-byte registers) or
+    /// config space (any bytes). Returns bytes transferred.
+    pub(crate) fn region_rw(&mut self, handle: &VgpuHandle, user: UserSlice, count: usize, pos: u64, write: bool) -> Result<usize> {
+        let index = (pos >> r::REGION_SHIFT) as u32;
+        let offset = pos & ((1u64 << r::REGION_SHIFT) - 1);
+        match index {
+            r::CONFIG_REGION => {
+                let offset = usize::try_from(offset).map_err(|_| EINVAL)?;
+                let mut buf = [0u8; r::CONFIG_SIZE as usize];
+                let buf = buf.get_mut(..count).ok_or(EINVAL)?;
+                if write {
+                    user.reader().read_slice(buf)?;
+                    self.config_write(offset, buf)?;
+                } else {
+                    self.config_read(offset, buf)?;
+                    user.writer().write_slice(buf)?;
+                }
+                Ok(count)
+            }
+            r::BAR0_REGION => {
+                if count != 4 || offset % 4 != 0 || offset + 4 > r::BAR0_SIZE {
+                    return Err(EINVAL);
+                }
+                let offset = offset as u32;
+                if write {
+                    let mut bytes = [0u8; 4];
+                    user.reader().read_slice(&mut bytes)?;
+                    self.bar0_write(offset, u32::from_le_bytes(bytes), handle);
+                } else {
+                    user.writer().write_slice(&self.bar0_read(offset).to_le_bytes())?;
+                }
+                Ok(4)
+            }
+            _ => Err(EINVAL),
+        }
+    }
+}
+
+/// Batch buffers, read through the GTT for the auditor.
+struct GttMemory<'a> {
+    sim: &'a Sim,
+    handle: &'a VgpuHandle,
+}
+
+impl GfxMemory for GttMemory<'_> {
+    fn read_dwords(&mut self, gfx_addr: u64, out: &mut [u32]) -> core::result::Result<(), MemoryFault> {
+        let mut bytes = [0u8; 64];
+        let mut addr = gfx_addr;
+        for chunk in out.chunks_mut(16) {
+            let raw = &mut bytes[..chunk.len() * 4];
+            self.sim.gfx_access(self.handle, addr, raw, false).map_err(|at| MemoryFault { gfx_addr: at })?;
+            for (dw, b) in chunk.iter_mut().zip(raw.chunks_exact(4)) {
+                *dw = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+            addr += raw.len() as u64;
+        }
+        Ok(())
+    }
+}
+
+/// Collects validated commands for the engine.
+struct VecSink<'a> {
+    cmds: &'a mut KVec<ValidatedCommand>,
+}
+
+impl audit::AuditSink for VecSink<'_> {
+    fn command(&mut self, cmd: &ValidatedCommand) -> core::result::Result<(), audit::SinkFull> {
+        self.cmds.push(*cmd, GFP_KERNEL).map_err(|_| audit::SinkFull)
+    }
+}

@@ -1,0 +1,182 @@
+// SPDX-License-Identifier: GPL-2.0-only
+//! The VFIO device ioctls of a `hag-sim` vGPU, as vfio-pci answers them
+//! (`include/uapi/linux/vfio.h`): device, region and IRQ info, MSI through
+//! an eventfd, reset.
+//!
+//! Each ioctl reads the fixed part of its argument once, checks `argsz`
+//! and every field, then answers; nothing the VMM passes is trusted.
+
+use kernel::prelude::*;
+use kernel::uaccess::UserSlice;
+
+use super::Sim;
+use crate::sim_regs as r;
+use crate::glue::EventFd;
+
+const VFIO_TYPE: u32 = b';' as u32;
+const VFIO_BASE: u32 = 100;
+const fn vfio_io(nr: u32) -> u32 {
+    (VFIO_TYPE << 8) | (VFIO_BASE + nr)
+}
+const VFIO_DEVICE_GET_INFO: u32 = vfio_io(7);
+const VFIO_DEVICE_GET_REGION_INFO: u32 = vfio_io(8);
+const VFIO_DEVICE_GET_IRQ_INFO: u32 = vfio_io(9);
+const VFIO_DEVICE_SET_IRQS: u32 = vfio_io(10);
+const VFIO_DEVICE_RESET: u32 = vfio_io(11);
+
+const VFIO_DEVICE_FLAGS_RESET: u32 = 1 << 0;
+const VFIO_DEVICE_FLAGS_PCI: u32 = 1 << 1;
+const VFIO_REGION_INFO_FLAG_READ: u32 = 1 << 0;
+const VFIO_REGION_INFO_FLAG_WRITE: u32 = 1 << 1;
+const VFIO_IRQ_INFO_EVENTFD: u32 = 1 << 0;
+const VFIO_IRQ_INFO_NORESIZE: u32 = 1 << 3;
+const VFIO_IRQ_SET_DATA_NONE: u32 = 1 << 0;
+const VFIO_IRQ_SET_DATA_BOOL: u32 = 1 << 1;
+const VFIO_IRQ_SET_DATA_EVENTFD: u32 = 1 << 2;
+const VFIO_IRQ_SET_ACTION_TRIGGER: u32 = 1 << 5;
+const VFIO_IRQ_SET_DATA_TYPE_MASK: u32 = 0x7;
+const VFIO_IRQ_SET_ACTION_TYPE_MASK: u32 = 0x38;
+/// vfio-pci's region and IRQ counts (BAR0-5, ROM, config, VGA; INTx, MSI,
+/// MSI-X, ERR, REQ).
+const VFIO_PCI_NUM_REGIONS: u32 = 9;
+const VFIO_PCI_NUM_IRQS: u32 = 5;
+const VFIO_PCI_MSI_IRQ_INDEX: u32 = 1;
+
+/// `struct vfio_device_info` up to `num_irqs` (the part every kernel has).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct DeviceInfo {
+    pub(crate) argsz: u32,
+    pub(crate) flags: u32,
+    pub(crate) num_regions: u32,
+    pub(crate) num_irqs: u32,
+}
+
+/// `struct vfio_region_info`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct RegionInfo {
+    pub(crate) argsz: u32,
+    pub(crate) flags: u32,
+    pub(crate) index: u32,
+    pub(crate) cap_offset: u32,
+    pub(crate) size: u64,
+    pub(crate) offset: u64,
+}
+
+/// `struct vfio_irq_info`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct IrqInfo {
+    pub(crate) argsz: u32,
+    pub(crate) flags: u32,
+    pub(crate) index: u32,
+    pub(crate) count: u32,
+}
+
+/// `struct vfio_irq_set` without its trailing `data[]`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct IrqSet {
+    pub(crate) argsz: u32,
+    pub(crate) flags: u32,
+    pub(crate) index: u32,
+    pub(crate) start: u32,
+    pub(crate) count: u32,
+}
+
+/// Reads the fixed part `T` of an ioctl argument and checks `argsz`, its
+/// first field, covers it.
+fn read_arg<T: kernel::types::FromBytes>(arg: usize, argsz: impl Fn(&T) -> u32) -> Result<T> {
+    let value: T = UserSlice::new(arg, core::mem::size_of::<T>()).reader().read()?;
+    if (argsz(&value) as usize) < core::mem::size_of::<T>() {
+        return Err(EINVAL);
+    }
+    Ok(value)
+}
+
+fn write_arg<T: kernel::types::AsBytes>(arg: usize, value: &T) -> Result<i64> {
+    UserSlice::new(arg, core::mem::size_of::<T>()).writer().write(value)?;
+    Ok(0)
+}
+
+/// Answers one VFIO device ioctl.
+pub(crate) fn vfio_ioctl(sim: &mut Sim, cmd: u32, arg: usize) -> Result<i64> {
+    match cmd {
+        VFIO_DEVICE_GET_INFO => {
+            let mut info: DeviceInfo = read_arg(arg, |i: &DeviceInfo| i.argsz)?;
+            info.flags = VFIO_DEVICE_FLAGS_PCI | VFIO_DEVICE_FLAGS_RESET;
+            info.num_regions = VFIO_PCI_NUM_REGIONS;
+            info.num_irqs = VFIO_PCI_NUM_IRQS;
+            write_arg(arg, &info)
+        }
+        VFIO_DEVICE_GET_REGION_INFO => {
+            let mut info: RegionInfo = read_arg(arg, |i: &RegionInfo| i.argsz)?;
+            if info.index >= VFIO_PCI_NUM_REGIONS {
+                return Err(EINVAL);
+            }
+            let rw = VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE;
+            (info.size, info.flags) = match info.index {
+                r::BAR0_REGION => (r::BAR0_SIZE, rw),
+                r::CONFIG_REGION => (r::CONFIG_SIZE, rw),
+                _ => (0, 0),
+            };
+            info.offset = u64::from(info.index) << r::REGION_SHIFT;
+            info.cap_offset = 0;
+            write_arg(arg, &info)
+        }
+        VFIO_DEVICE_GET_IRQ_INFO => {
+            let mut info: IrqInfo = read_arg(arg, |i: &IrqInfo| i.argsz)?;
+            if info.index >= VFIO_PCI_NUM_IRQS {
+                return Err(EINVAL);
+            }
+            (info.flags, info.count) = if info.index == VFIO_PCI_MSI_IRQ_INDEX {
+                (VFIO_IRQ_INFO_EVENTFD | VFIO_IRQ_INFO_NORESIZE, 1)
+            } else {
+                (0, 0)
+            };
+            write_arg(arg, &info)
+        }
+        VFIO_DEVICE_SET_IRQS => {
+            let set: IrqSet = read_arg(arg, |s: &IrqSet| s.argsz)?;
+            set_irqs(sim, arg, &set)?;
+            Ok(0)
+        }
+        VFIO_DEVICE_RESET => {
+            sim.reset_engine();
+            Ok(0)
+        }
+        _ => Err(ENOTTY),
+    }
+}
+
+/// MSI only: trigger with an eventfd (fd -1 or DATA_NONE with count 0
+/// disables), or trigger now with DATA_NONE / DATA_BOOL (for testing).
+fn set_irqs(sim: &mut Sim, arg: usize, set: &IrqSet) -> Result {
+    let data_type = set.flags & VFIO_IRQ_SET_DATA_TYPE_MASK;
+    let action = set.flags & VFIO_IRQ_SET_ACTION_TYPE_MASK;
+    if set.flags & !(VFIO_IRQ_SET_DATA_TYPE_MASK | VFIO_IRQ_SET_ACTION_TYPE_MASK) != 0
+        || data_type.count_ones() != 1
+        || action != VFIO_IRQ_SET_ACTION_TRIGGER
+        || set.index != VFIO_PCI_MSI_IRQ_INDEX
+        || set.start != 0
+        || set.count > 1
+    {
+        return Err(EINVAL);
+    }
+    match data_type {
+        VFIO_IRQ_SET_DATA_NONE if set.count == 0 => sim.set_msi(None),
+        VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_DATA_BOOL => {}
+        VFIO_IRQ_SET_DATA_EVENTFD if set.count == 1 => {
+            if (set.argsz as usize) < core::mem::size_of::<IrqSet>() + 4 {
+                return Err(EINVAL);
+            }
+            let fd_addr = arg.checked_add(core::mem::size_of::<IrqSet>()).ok_or(EFAULT)?;
+            let fd: i32 = UserSlice::new(fd_addr, 4).reader().read()?;
+            sim.set_msi(if fd < 0 { None } else { Some(EventFd::from_fd(fd)?) });
+        }
+        VFIO_IRQ_SET_DATA_EVENTFD => sim.set_msi(None),
+        _ => return Err(EINVAL),
+    }
+    Ok(())
+}
