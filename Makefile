@@ -16,7 +16,7 @@ TOOLCHAIN := . scripts/toolchain.sh
 MODULE := rust/hag_mdev/hag_mdev.ko
 HAGCTL := controller/target/release/hagctl
 
-.PHONY: all deps kernel module controller check-userspace test demo clean
+.PHONY: all deps kernel module controller check-userspace fuzz test demo clean
 
 all: module controller
 
@@ -42,7 +42,11 @@ check-userspace: deps
 	cd rust && cargo fmt --check && cargo clippy --all-targets --quiet -- -D warnings && cargo test --quiet
 	cd controller && cargo fmt --check && cargo clippy --all-targets --quiet -- -D warnings && cargo test --quiet
 
-test: all check-userspace
+# The auditor's fuzz target, bounded (FUZZ_SECONDS, default 60).
+fuzz:
+	scripts/fuzz.sh $(FUZZ_SECONDS)
+
+test: all check-userspace fuzz
 	qemu-tests/run
 
 demo: all

@@ -398,8 +398,8 @@ impl Sim {
         let mut raw = KVVec::from_elem(0u8, bytes, GFP_KERNEL).map_err(|_| fault(gfx))?;
         self.gfx_access(handle, gfx, &mut raw, false).map_err(fault)?;
         let mut dwords = KVVec::from_elem(0u32, bytes / 4, GFP_KERNEL).map_err(|_| fault(gfx))?;
-        for (dw, bytes) in dwords.iter_mut().zip(raw.chunks_exact(4)) {
-            *dw = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+        for (i, dw) in dwords.iter_mut().enumerate() {
+            *dw = le_dword(&raw, i);
         }
         let cfg = AuditConfig::new(abi::SIM_GFX_MEM_SIZE, u64::from(self.regs.hws_pga))
             .with_registers(&ALLOWED_REGISTERS);
@@ -473,6 +473,7 @@ impl Sim {
             return;
         }
         let outcome = engine::run_slice(self, handle);
+        let delay_ms;
         let now = Ktime::ktime_get().to_ns();
         match outcome {
             engine::Outcome::Finished => {
@@ -489,10 +490,12 @@ impl Sim {
                 Event::new(abi::EVENT_STATE_CHANGED, self.id, &self.uuid).message("dma fault").send();
                 return;
             }
-            engine::Outcome::Progress { head_moved } => {
+            engine::Outcome::Progress { head_moved, stalled } => {
                 if head_moved {
                     self.last_progress_ns = now;
                 }
+                // Busy: run on at once; waiting on memory: poll a bit later.
+                delay_ms = if stalled { 1 } else { 0 };
             }
         }
         let stalled_ms = (now - self.last_progress_ns) / 1_000_000;
@@ -500,7 +503,7 @@ impl Sim {
             self.hang("ring head did not advance within the watchdog timeout");
             return;
         }
-        handle.kick(1);
+        handle.kick(delay_ms);
     }
 
     // ---- VFIO region access ------------------------------------------------
@@ -556,8 +559,8 @@ impl GfxMemory for GttMemory<'_> {
         for chunk in out.chunks_mut(16) {
             let raw = &mut bytes[..chunk.len() * 4];
             self.sim.gfx_access(self.handle, addr, raw, false).map_err(|at| MemoryFault { gfx_addr: at })?;
-            for (dw, b) in chunk.iter_mut().zip(raw.chunks_exact(4)) {
-                *dw = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            for (i, dw) in chunk.iter_mut().enumerate() {
+                *dw = le_dword(raw, i);
             }
             addr += raw.len() as u64;
         }
@@ -573,5 +576,14 @@ struct VecSink<'a> {
 impl audit::AuditSink for VecSink<'_> {
     fn command(&mut self, cmd: &ValidatedCommand) -> core::result::Result<(), audit::SinkFull> {
         self.cmds.push(*cmd, GFP_KERNEL).map_err(|_| audit::SinkFull)
+    }
+}
+
+/// Little-endian dword `i` of `bytes` (0 past the end).
+fn le_dword(bytes: &[u8], i: usize) -> u32 {
+    let at = i * 4;
+    match bytes.get(at..at + 4) {
+        Some(&[a, b, c, d]) => u32::from_le_bytes([a, b, c, d]),
+        _ => 0,
     }
 }

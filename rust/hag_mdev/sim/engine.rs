@@ -77,8 +77,8 @@ impl Submission {
 pub(super) enum Outcome {
     /// Every command ran.
     Finished,
-    /// The slice ended with work left.
-    Progress { head_moved: bool },
+    /// The slice ended with work left; `stalled` if waiting on memory.
+    Progress { head_moved: bool, stalled: bool },
     /// Guest memory at this graphics address could not be reached.
     Fault(u64),
 }
@@ -94,14 +94,16 @@ pub(super) fn run_slice(sim: &mut Sim, handle: &VgpuHandle) -> Outcome {
     let Some(mut run) = sim.run.take() else { return Outcome::Finished };
     let head_before = sim.regs.ring_head;
     let mut budget = SLICE_BYTES;
-    let mut outcome = Outcome::Progress { head_moved: false };
+    let mut outcome = Outcome::Progress { head_moved: false, stalled: false };
+    let mut stalled = false;
     for _ in 0..SLICE_COMMANDS {
         let Some(cmd) = run.cmds.get(run.pc).copied() else {
             outcome = Outcome::Finished;
             break;
         };
         if cmd.level == 0 {
-            sim.regs.ring_head = (cmd.gfx_addr - u64::from(sim.regs.ring_start)) as u32;
+            // The guest may move RING_START meanwhile: wrap, never panic.
+            sim.regs.ring_head = cmd.gfx_addr.wrapping_sub(u64::from(sim.regs.ring_start)) as u32;
         }
         match execute(sim, handle, &mut run, &cmd, &mut budget) {
             Ok(Step::Next) => {
@@ -112,7 +114,10 @@ pub(super) fn run_slice(sim: &mut Sim, handle: &VgpuHandle) -> Outcome {
                 run.pc = to;
                 sim.stats.commands += 1;
             }
-            Ok(Step::Stall) => break,
+            Ok(Step::Stall) => {
+                stalled = true;
+                break;
+            }
             Err(gfx) => {
                 outcome = Outcome::Fault(gfx);
                 break;
@@ -120,7 +125,7 @@ pub(super) fn run_slice(sim: &mut Sim, handle: &VgpuHandle) -> Outcome {
         }
     }
     if matches!(outcome, Outcome::Progress { .. }) {
-        outcome = Outcome::Progress { head_moved: sim.regs.ring_head != head_before };
+        outcome = Outcome::Progress { head_moved: sim.regs.ring_head != head_before, stalled };
     }
     if let Outcome::Finished = outcome {
         sim.regs.ring_head = run.tail;
