@@ -92,10 +92,7 @@ pub enum OpenError {
     )]
     NotLoaded,
     /// The node exists but this user may not open it.
-    #[error(
-        "cannot open {}: permission denied (run as root)",
-        abi::DEVICE_PATH
-    )]
+    #[error("cannot open {}: permission denied (run as root)", abi::DEVICE_PATH)]
     PermissionDenied,
     /// Any other failure of `open(2)`.
     #[error("cannot open {}", abi::DEVICE_PATH)]

@@ -15,7 +15,7 @@ use nix::sys::mman::{mmap_anonymous, munmap, MapFlags, ProtFlags};
 pub const PAGE_SIZE: u64 = 4096;
 
 /// A guest RAM access out of range, or the mapping failed.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum RamError {
     /// `[gpa, gpa + len)` is not inside guest RAM.
     #[error("guest physical access {gpa:#x}+{len} outside guest RAM of {size:#x} bytes")]
@@ -49,7 +49,7 @@ pub struct GuestRam {
 impl GuestRam {
     /// Maps `size` bytes of zeroed guest RAM.
     pub fn new(size: u64) -> Result<Self, RamError> {
-        if size == 0 || !size.is_multiple_of(PAGE_SIZE) {
+        if size == 0 || size % PAGE_SIZE != 0 {
             return Err(RamError::BadSize(size));
         }
         let len = usize::try_from(size)
@@ -79,7 +79,9 @@ impl GuestRam {
 
     /// Maps `mib` MiB of guest RAM.
     pub fn with_mib(mib: u64) -> Result<Self, RamError> {
-        let size = mib.checked_mul(1 << 20).ok_or(RamError::BadSize(u64::MAX))?;
+        let size = mib
+            .checked_mul(1 << 20)
+            .ok_or(RamError::BadSize(u64::MAX))?;
         Self::new(size)
     }
 
@@ -158,10 +160,36 @@ impl GuestRam {
 
     /// A copy of all of guest RAM.
     pub fn snapshot(&self) -> Vec<u8> {
-        let mut out = vec![0u8; self.size as usize];
+        let mut out = Vec::new();
+        self.snapshot_into(&mut out);
+        out
+    }
+
+    /// Copies all of guest RAM into `out` (reusing its allocation).
+    pub fn snapshot_into(&self, out: &mut Vec<u8>) {
+        out.resize(self.size as usize, 0);
         // In range by construction: the whole mapping.
-        self.read(0, &mut out)
+        self.read(0, out)
             .expect("a snapshot covers exactly guest RAM");
+    }
+
+    /// Guest page numbers whose bytes now differ from `before` (a
+    /// [`GuestRam::snapshot`]), ascending. Compares page by page, so no
+    /// second full copy is made.
+    pub fn changed_since(&self, before: &[u8]) -> Vec<u64> {
+        let mut page = vec![0u8; PAGE_SIZE as usize];
+        let mut out = Vec::new();
+        for (i, old) in before.chunks(PAGE_SIZE as usize).enumerate() {
+            let gpa = i as u64 * PAGE_SIZE;
+            if gpa >= self.size {
+                break;
+            }
+            let now = &mut page[..old.len()];
+            // In range: `gpa` is a page of guest RAM.
+            if self.read(gpa, now).is_ok() && old != now {
+                out.push(i as u64);
+            }
+        }
         out
     }
 }
@@ -234,6 +262,8 @@ mod tests {
         ram.write_u32(0x7ffc, 0xffff_ffff).unwrap();
         let after = ram.snapshot();
         assert_eq!(changed_pages(&before, &after), vec![2, 4, 5, 7]);
+        assert_eq!(ram.changed_since(&before), vec![2, 4, 5, 7]);
         assert!(changed_pages(&after, &after).is_empty());
+        assert!(ram.changed_since(&after).is_empty());
     }
 }

@@ -5,6 +5,7 @@ use std::io::{self, Write};
 use std::time::{Duration, Instant};
 
 use hag_dev::{Device, ListError, OpenError, VersionError};
+
 use crate::events::{EventSocket, ReceiveError, SubscribeError};
 use crate::output;
 

@@ -2,9 +2,9 @@
 //! line each. Pure functions of values, so the exact text is tested.
 
 use hag_abi::abi::{self, HagVgpuInfo};
+use hag_dev::ModuleInfo;
 use serde::Serialize;
 
-use hag_dev::ModuleInfo;
 use crate::events::Event;
 
 /// A UUID in its canonical text form.
