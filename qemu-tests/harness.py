@@ -49,6 +49,7 @@ class Build:
     kernel_tree: Path
     module: Path
     hagctl: Path
+    vmm: Path
 
     @property
     def bzimage(self):
@@ -64,8 +65,9 @@ class Build:
             kernel_tree=Path(tree),
             module=ROOT / "rust/hag_mdev/hag_mdev.ko",
             hagctl=ROOT / "controller/target/release/hagctl",
+            vmm=ROOT / "controller/target/release/hag-vmm",
         )
-        for path in (build.bzimage, build.module, build.hagctl):
+        for path in (build.bzimage, build.module, build.hagctl, build.vmm):
             if not path.exists():
                 raise SystemExit(f"qemu-tests: {path} missing: run `make` first")
         return build
@@ -97,7 +99,9 @@ def build_initramfs(build, dest):
             shutil.copy2(script, root / "hag/scenarios" / script.name)
         shutil.copy2(TESTS / "demo.sh", root / "hag/scenarios/demo.sh")
         shutil.copy2(build.hagctl, root / "bin/hagctl")
-        for lib in shared_libraries(build.hagctl):
+        shutil.copy2(build.vmm, root / "bin/hag-vmm")
+        libs = set(shared_libraries(build.hagctl)) | set(shared_libraries(build.vmm))
+        for lib in sorted(libs):
             target = root / lib.relative_to("/")
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(lib.resolve(), target)
