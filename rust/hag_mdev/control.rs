@@ -7,11 +7,14 @@
 //! caps how much it writes at what the caller said it has room for).
 
 use kernel::prelude::*;
+use kernel::time::Ktime;
 use kernel::types::{AsBytes, FromBytes};
 use kernel::uaccess::UserSlice;
 
 use crate::abi;
 use crate::dirty::DirtyLog;
+use crate::events::Event;
+use crate::sim::SNAPSHOT_BYTES;
 use crate::State;
 
 /// Dispatches one ioctl. Unknown commands get `ENOTTY`, as the kernel's
@@ -26,6 +29,10 @@ pub(crate) fn ioctl(state: &State, cmd: u32, arg: usize) -> Result {
         abi::IOC_VGPU_STATS => vgpu_stats(state, arg),
         abi::IOC_SET_WATCHDOG => set_watchdog(state, arg),
         abi::IOC_INJECT_HANG => inject_hang(state, arg),
+        abi::IOC_QUIESCE => quiesce(state, arg),
+        abi::IOC_RESUME => resume(state, arg),
+        abi::IOC_SAVE_CONTEXT => save_context(state, arg),
+        abi::IOC_RESTORE_CONTEXT => restore_context(state, arg),
         _ => Err(ENOTTY),
     }
 }
@@ -151,4 +158,70 @@ fn read_user<T: FromBytes>(addr: usize) -> Result<T> {
 
 fn write_user<T: AsBytes>(addr: usize, value: &T) -> Result {
     UserSlice::new(addr, core::mem::size_of::<T>()).writer().write(value)
+}
+
+fn quiesce(state: &State, arg: usize) -> Result {
+    let req: abi::HagQuiesce = read_user(arg)?;
+    if req.timeout_ms > abi::QUIESCE_MAX_MS {
+        return Err(EINVAL);
+    }
+    let vgpu = state.vgpu(req.vgpu_id)?;
+    vgpu.sim.lock().quiesced = true;
+    let deadline = Ktime::ktime_get().to_ns() + i64::from(req.timeout_ms) * 1_000_000;
+    loop {
+        {
+            let mut sim = vgpu.sim.lock();
+            if !sim.busy() {
+                drop(sim);
+                Event::new(abi::EVENT_STATE_CHANGED, vgpu.id, &vgpu.uuid).message("quiesced").send();
+                return Ok(());
+            }
+            if Ktime::ktime_get().to_ns() >= deadline {
+                // Fail cleanly: release the hold, snapshot nothing.
+                sim.resume(&vgpu.handle);
+                return Err(crate::errno(kernel::bindings::ETIMEDOUT));
+            }
+        }
+        crate::glue::msleep(2);
+    }
+}
+
+fn resume(state: &State, arg: usize) -> Result {
+    let req: abi::HagVgpuRef = read_user(arg)?;
+    let vgpu = state.vgpu(req.vgpu_id)?;
+    vgpu.sim.lock().resume(&vgpu.handle);
+    Event::new(abi::EVENT_STATE_CHANGED, vgpu.id, &vgpu.uuid).message("resumed").send();
+    Ok(())
+}
+
+fn save_context(state: &State, arg: usize) -> Result {
+    let mut req: abi::HagContextBuf = read_user(arg)?;
+    let vgpu = state.vgpu(req.vgpu_id)?;
+    let need = SNAPSHOT_BYTES;
+    if req.buf_bytes < need as u64 {
+        req.used_bytes = need as u64;
+        write_user(arg, &req)?;
+        return Err(ENOSPC);
+    }
+    let mut bytes = KVVec::from_elem(0u8, need, GFP_KERNEL)?;
+    let used = vgpu.sim.lock().save(&mut bytes)?;
+    let buf = usize::try_from(req.buf).map_err(|_| EFAULT)?;
+    UserSlice::new(buf, used).writer().write_slice(&bytes[..used])?;
+    req.used_bytes = used as u64;
+    write_user(arg, &req)
+}
+
+fn restore_context(state: &State, arg: usize) -> Result {
+    let req: abi::HagContextBuf = read_user(arg)?;
+    if req.reserved != 0 || req.buf_bytes > abi::CONTEXT_MAX_BYTES {
+        return Err(EINVAL);
+    }
+    let vgpu = state.vgpu(req.vgpu_id)?;
+    let len = req.buf_bytes as usize;
+    let mut bytes = KVVec::from_elem(0u8, len, GFP_KERNEL)?;
+    let buf = usize::try_from(req.buf).map_err(|_| EFAULT)?;
+    UserSlice::new(buf, len).reader().read_slice(&mut bytes)?;
+    vgpu.sim.lock().restore(&bytes)?;
+    Event::new(abi::EVENT_STATE_CHANGED, vgpu.id, &vgpu.uuid).message("restored").send();
+    Ok(())
 }

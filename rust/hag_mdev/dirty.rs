@@ -55,6 +55,22 @@ impl DirtyLog {
         true
     }
 
+    /// Calls `report` with the guest physical address of every dirty page
+    /// in `[gpa, gpa + len)` and clears those bits.
+    pub(crate) fn drain_range(&mut self, gpa: u64, len: u64, report: &mut dyn FnMut(u64)) {
+        let page = abi::DIRTY_PAGE_SIZE;
+        let first = gpa.saturating_sub(self.gpa) / page;
+        let end = gpa.saturating_add(len).saturating_sub(self.gpa).div_ceil(page).min(self.pages);
+        for index in first..end {
+            let Some(word) = self.words.get_mut((index / 64) as usize) else { break };
+            let bit = 1u64 << (index % 64);
+            if *word & bit != 0 {
+                *word &= !bit;
+                report(self.gpa + index * page);
+            }
+        }
+    }
+
     /// Moves the bits into `out` (resized to fit) and clears them; returns
     /// how many pages were dirty.
     pub(crate) fn read_and_clear(&mut self, out: &mut KVVec<u64>) -> Result<u64> {

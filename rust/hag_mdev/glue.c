@@ -9,8 +9,11 @@
  * into this one.
  */
 #include <linux/compat.h>
+#include <linux/delay.h>
 #include <linux/device.h>
 #include <linux/eventfd.h>
+#include <linux/interval_tree.h>
+#include <linux/iova_bitmap.h>
 #include <linux/workqueue.h>
 #include <linux/fs.h>
 #include <linux/mdev.h>
@@ -30,6 +33,11 @@ MODULE_PARM_DESC(allow_hang_injection,
 bool hag_glue_hang_injection_allowed(void)
 {
 	return READ_ONCE(allow_hang_injection);
+}
+
+void hag_glue_msleep(u32 ms)
+{
+	msleep(ms);
 }
 
 /* The Rust state, set for the whole time the interfaces are registered. */
@@ -190,6 +198,57 @@ static void hag_vfio_close_device(struct vfio_device *vdev)
 	hag_rs_vgpu_open(hag_ctx, to_hag_vgpu(vdev)->id, false);
 }
 
+/*
+ * VFIO's DMA-logging interface (VFIO_DEVICE_FEATURE_DMA_LOGGING_*), so an
+ * unmodified VMM reads the GPU dirty bits too. Its bitmap helpers exist
+ * only with CONFIG_IOMMUFD_DRIVER; without it the feature stays ENOTTY.
+ */
+#if IS_ENABLED(CONFIG_IOMMUFD_DRIVER)
+static int hag_log_start(struct vfio_device *vdev,
+			 struct rb_root_cached *ranges, u32 nnodes,
+			 u64 *page_size)
+{
+	struct interval_tree_node *node;
+	u64 first = U64_MAX, last = 0;
+
+	/* hag logs one span at 4 KiB pages; VFIO checked the ranges. */
+	for (node = interval_tree_iter_first(ranges, 0, ULONG_MAX); node;
+	     node = interval_tree_iter_next(node, 0, ULONG_MAX)) {
+		first = min_t(u64, first, node->start);
+		last = max_t(u64, last, node->last);
+	}
+	if (first > last)
+		return -EINVAL;
+	*page_size = SZ_4K;
+	return hag_rs_dma_log_start(hag_ctx, to_hag_vgpu(vdev)->id, first,
+				    last - first + 1);
+}
+
+static int hag_log_stop(struct vfio_device *vdev)
+{
+	return hag_rs_dma_log_stop(hag_ctx, to_hag_vgpu(vdev)->id);
+}
+
+static int hag_log_read_and_clear(struct vfio_device *vdev,
+				  unsigned long iova, unsigned long length,
+				  struct iova_bitmap *dirty)
+{
+	return hag_rs_dma_log_report(hag_ctx, to_hag_vgpu(vdev)->id, iova,
+				     length, dirty);
+}
+
+static const struct vfio_log_ops hag_log_ops = {
+	.log_start = hag_log_start,
+	.log_stop = hag_log_stop,
+	.log_read_and_clear = hag_log_read_and_clear,
+};
+
+void hag_glue_iova_bitmap_set(void *dirty, u64 iova, u64 length)
+{
+	iova_bitmap_set(dirty, iova, length);
+}
+#endif
+
 static const struct vfio_device_ops hag_vfio_ops = {
 	.name = "hag-sim",
 	.open_device = hag_vfio_open_device,
@@ -213,6 +272,9 @@ static int hag_mdev_probe(struct mdev_device *mdev)
 		return PTR_ERR(vgpu);
 
 	INIT_DELAYED_WORK(&vgpu->tick, hag_vgpu_tick);
+#if IS_ENABLED(CONFIG_IOMMUFD_DRIVER)
+	vgpu->vdev.log_ops = &hag_log_ops;
+#endif
 	ret = hag_rs_vgpu_probe(hag_ctx, mdev->uuid.b, vgpu, &vgpu->id);
 	if (ret)
 		goto err_put;

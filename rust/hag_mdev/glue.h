@@ -35,6 +35,10 @@ long hag_rs_vfio_rw(const void *ctx, u32 id, char __user *buf, size_t count,
 long hag_rs_vfio_ioctl(const void *ctx, u32 id, unsigned int cmd,
 		       unsigned long arg);
 void hag_rs_vgpu_tick(const void *ctx, u32 id);
+int hag_rs_dma_log_start(const void *ctx, u32 id, u64 iova, u64 length);
+int hag_rs_dma_log_stop(const void *ctx, u32 id);
+int hag_rs_dma_log_report(const void *ctx, u32 id, u64 iova, u64 length,
+			  void *dirty);
 
 /* An event message under construction; freed by multicast or cancel. */
 struct hag_glue_msg {
@@ -61,5 +65,7 @@ struct eventfd_ctx *hag_glue_eventfd_get(int fd);
 void hag_glue_eventfd_signal(struct eventfd_ctx *ctx);
 void hag_glue_eventfd_put(struct eventfd_ctx *ctx);
 bool hag_glue_hang_injection_allowed(void);
+void hag_glue_msleep(u32 ms);
+void hag_glue_iova_bitmap_set(void *dirty, u64 iova, u64 length);
 
 #endif /* HAG_GLUE_H */

@@ -62,6 +62,8 @@ extern "C" {
     fn hag_glue_eventfd_signal(ctx: *mut CEventfd);
     fn hag_glue_eventfd_put(ctx: *mut CEventfd);
     fn hag_glue_hang_injection_allowed() -> bool;
+    fn hag_glue_msleep(ms: u32);
+    fn hag_glue_iova_bitmap_set(dirty: *mut c_void, iova: u64, length: u64);
     fn hag_glue_register(ctx: *const c_void, cfg: *const GlueConfig) -> c_int;
     fn hag_glue_unregister();
     fn hag_glue_msg_new(msg: *mut GlueMsg, cmd: u8) -> c_int;
@@ -219,6 +221,52 @@ extern "C" fn hag_rs_vgpu_tick(ctx: *const c_void, id: u32) {
     unsafe { state(ctx) }.vgpu_tick(id);
 }
 
+/// VFIO DMA logging started on the vGPU (glue.c passes the span of the
+/// VMM's ranges).
+#[no_mangle]
+extern "C" fn hag_rs_dma_log_start(ctx: *const c_void, id: u32, iova: u64, length: u64) -> c_int {
+    // SAFETY: called by glue.c's VFIO log ops while registered.
+    let state = unsafe { state(ctx) };
+    match state.dma_log_start(id, iova, length) {
+        Ok(()) => 0,
+        Err(e) => e.to_errno(),
+    }
+}
+
+/// VFIO DMA logging stopped.
+#[no_mangle]
+extern "C" fn hag_rs_dma_log_stop(ctx: *const c_void, id: u32) -> c_int {
+    // SAFETY: called by glue.c's VFIO log ops while registered.
+    let state = unsafe { state(ctx) };
+    match state.dma_log_stop(id) {
+        Ok(()) => 0,
+        Err(e) => e.to_errno(),
+    }
+}
+
+/// VFIO asks for the dirty pages in `[iova, iova + length)`, to be set in
+/// its `struct iova_bitmap` and cleared here.
+#[no_mangle]
+extern "C" fn hag_rs_dma_log_report(
+    ctx: *const c_void,
+    id: u32,
+    iova: u64,
+    length: u64,
+    dirty: *mut c_void,
+) -> c_int {
+    // SAFETY: called by glue.c's VFIO log ops while registered.
+    let state = unsafe { state(ctx) };
+    let mut report = |page_gpa: u64| {
+        // SAFETY: `dirty` is the iova_bitmap VFIO passed for this call,
+        // valid until we return; iova_bitmap_set ignores pages outside it.
+        unsafe { hag_glue_iova_bitmap_set(dirty, page_gpa, abi::DIRTY_PAGE_SIZE) }
+    };
+    match state.dma_log_report(id, iova, length, &mut report) {
+        Ok(()) => 0,
+        Err(e) => e.to_errno(),
+    }
+}
+
 /// The C side of one vGPU: DMA to its VM's memory and its work item.
 ///
 /// Valid from probe until `hag_rs_vgpu_remove`, which glue.c calls after it
@@ -269,6 +317,12 @@ impl VgpuHandle {
 pub(crate) fn hang_injection_allowed() -> bool {
     // SAFETY: reads a module parameter; no preconditions.
     unsafe { hag_glue_hang_injection_allowed() }
+}
+
+/// Sleeps (process context only).
+pub(crate) fn msleep(ms: u32) {
+    // SAFETY: the callers are ioctls, which run in process context.
+    unsafe { hag_glue_msleep(ms) }
 }
 
 /// A reference to an eventfd a VMM gave for an interrupt.
@@ -341,6 +395,12 @@ unsafe impl FromBytes for abi::HagVgpuStats {}
 unsafe impl AsBytes for abi::HagVgpuStats {}
 // SAFETY: see above.
 unsafe impl FromBytes for abi::HagWatchdog {}
+// SAFETY: see above.
+unsafe impl FromBytes for abi::HagQuiesce {}
+// SAFETY: see above.
+unsafe impl FromBytes for abi::HagContextBuf {}
+// SAFETY: see above.
+unsafe impl AsBytes for abi::HagContextBuf {}
 // SAFETY: see above; these mirror VFIO's uapi structures.
 unsafe impl FromBytes for vfio::DeviceInfo {}
 // SAFETY: see above.

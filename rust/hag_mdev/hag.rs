@@ -22,6 +22,8 @@ use kernel::prelude::*;
 pub mod abi;
 #[path = "../hag_abi/src/sim_regs.rs"]
 pub mod sim_regs;
+#[path = "../hag_abi/src/snapshot.rs"]
+pub mod snapshot;
 #[path = "../hag_audit/src/audit.rs"]
 pub mod audit;
 mod control;
@@ -39,6 +41,12 @@ module! {
     author: "hag developers",
     description: "hag: dirty tracking, snapshots and hang detection for mediated vGPUs",
     license: "GPL",
+}
+
+/// An error code that 6.12's `kernel::error::code` does not name (such as
+/// `ETIMEDOUT` or `EPROTO`), from its `bindings` constant.
+pub(crate) fn errno(code: u32) -> Error {
+    Error::from_errno(-(code as i32))
 }
 
 /// The module version string reported by the version ioctl.

@@ -10,6 +10,7 @@
 //! work item, so a guest can hang its vGPU but never the kernel.
 
 mod engine;
+mod snapshot;
 pub(crate) mod vfio;
 
 use kernel::prelude::*;
@@ -24,6 +25,7 @@ use crate::events::Event;
 use crate::glue::{EventFd, VgpuHandle};
 
 pub(crate) use engine::Submission;
+pub(crate) use snapshot::SNAPSHOT_BYTES;
 
 const PAGE: u64 = 4096;
 /// Graphics pages of one vGPU.
@@ -92,10 +94,17 @@ pub(crate) struct Sim {
     /// The running submission, if any.
     run: Option<Submission>,
     halt: Halt,
-    /// A tail written while a submission ran: the next submission.
+    /// A tail written while a submission ran (or while quiesced): the next
+    /// submission.
     queued_tail: Option<u32>,
+    /// Submissions are held (for a snapshot); the current one finishes.
+    pub(crate) quiesced: bool,
     msi: Option<EventFd>,
+    /// The log `/dev/hag` reads.
     pub(crate) dirty: Option<DirtyLog>,
+    /// The log VFIO's DMA-logging feature reads: the same marks, its own
+    /// bits, so the two readers never take each other's.
+    pub(crate) vfio_dirty: Option<DirtyLog>,
     pub(crate) watchdog_ms: u32,
     /// When `RING_HEAD` last moved (or work started), for the watchdog.
     last_progress_ns: i64,
@@ -114,8 +123,10 @@ impl Sim {
             run: None,
             halt: Halt::Idle,
             queued_tail: None,
+            quiesced: false,
             msi: None,
             dirty: None,
+            vfio_dirty: None,
             watchdog_ms: abi::WATCHDOG_DEFAULT_MS,
             last_progress_ns: 0,
             stats: Stats::default(),
@@ -139,6 +150,7 @@ impl Sim {
         self.open = open;
         if !open {
             self.msi = None;
+            self.quiesced = false;
             self.reset_engine();
             self.reset_config();
         }
@@ -212,7 +224,7 @@ impl Sim {
             Halt::Idle => r::ENGINE_IDLE,
             Halt::Stopped => r::ENGINE_STOPPED,
             Halt::Hung => r::ENGINE_HUNG,
-        };
+        } | if self.quiesced { r::ENGINE_QUIESCED } else { 0 };
         let gpr_end = r::GPR_BASE + 8 * r::GPR_COUNT;
         match offset {
             r::HAG_ID => r::HAG_ID_VALUE,
@@ -353,7 +365,7 @@ impl Sim {
             return;
         }
         self.regs.ring_tail = tail;
-        if self.run.is_some() {
+        if self.run.is_some() || self.quiesced {
             self.queued_tail = Some(tail);
         } else if self.halt == Halt::Idle {
             self.start_submission(handle);
@@ -365,6 +377,11 @@ impl Sim {
     fn start_submission(&mut self, handle: &VgpuHandle) {
         let (head, tail) = (self.regs.ring_head, self.regs.ring_tail);
         if head == tail || self.regs.ring_ctl & r::RING_CTL_ENABLE == 0 || !self.open {
+            return;
+        }
+        // RING_CTL may have shrunk the ring under an old head.
+        if head >= self.ring_bytes() || tail >= self.ring_bytes() {
+            self.stop(r::ERROR_COMMAND_REJECTED, u64::from(self.regs.ring_start) + u64::from(head), 0, 0);
             return;
         }
         self.stats.submissions += 1;
@@ -430,7 +447,10 @@ impl Sim {
     /// Marks the dirty log for every page the running submission may write,
     /// through the GTT as it is now.
     fn mark_running_write_set(&mut self) {
-        let (Some(run), Some(dirty)) = (&self.run, &mut self.dirty) else { return };
+        let Some(run) = &self.run else { return };
+        if self.dirty.is_none() && self.vfio_dirty.is_none() {
+            return;
+        }
         let mut marked = 0;
         for cmd in run.commands() {
             for page in cmd.kind.write_set().pages() {
@@ -438,8 +458,14 @@ impl Sim {
                 if gfx >= abi::SIM_GFX_MEM_SIZE {
                     continue;
                 }
-                let pte = self.gtt.get((page) as usize).copied().unwrap_or(0);
-                if pte & r::GTT_PRESENT != 0 && dirty.mark(pte & r::GTT_ADDR_MASK) {
+                let pte = self.gtt.get(page as usize).copied().unwrap_or(0);
+                if pte & r::GTT_PRESENT == 0 {
+                    continue;
+                }
+                let gpa = pte & r::GTT_ADDR_MASK;
+                let in_hag = self.dirty.as_mut().is_some_and(|log| log.mark(gpa));
+                let in_vfio = self.vfio_dirty.as_mut().is_some_and(|log| log.mark(gpa));
+                if in_hag || in_vfio {
                     marked += 1;
                 }
             }
@@ -451,6 +477,12 @@ impl Sim {
     /// its writes are not missed.
     pub(crate) fn start_dirty_log(&mut self, log: DirtyLog) {
         self.dirty = Some(log);
+        self.mark_running_write_set();
+    }
+
+    /// Starts VFIO's DMA log, marking a running submission at once.
+    pub(crate) fn start_vfio_dirty_log(&mut self, log: DirtyLog) {
+        self.vfio_dirty = Some(log);
         self.mark_running_write_set();
     }
 
@@ -479,10 +511,7 @@ impl Sim {
             engine::Outcome::Finished => {
                 self.run = None;
                 self.regs.ring_head = self.regs.ring_tail;
-                if let Some(tail) = self.queued_tail.take() {
-                    self.regs.ring_tail = tail;
-                    self.start_submission(handle);
-                }
+                self.start_queued(handle);
                 return;
             }
             engine::Outcome::Fault(gfx) => {
@@ -504,6 +533,28 @@ impl Sim {
             return;
         }
         handle.kick(delay_ms);
+    }
+
+    /// Starts the submission a doorbell queued, unless held or halted.
+    fn start_queued(&mut self, handle: &VgpuHandle) {
+        if self.quiesced || self.run.is_some() || self.halt != Halt::Idle {
+            return;
+        }
+        if let Some(tail) = self.queued_tail.take() {
+            self.regs.ring_tail = tail;
+            self.start_submission(handle);
+        }
+    }
+
+    /// `IOC_RESUME`: submissions held while quiesced start now.
+    pub(crate) fn resume(&mut self, handle: &VgpuHandle) {
+        self.quiesced = false;
+        self.start_queued(handle);
+    }
+
+    /// Whether the engine has a submission in flight.
+    pub(crate) fn busy(&self) -> bool {
+        self.run.is_some()
     }
 
     // ---- VFIO region access ------------------------------------------------

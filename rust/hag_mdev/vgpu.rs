@@ -16,6 +16,7 @@ use kernel::uaccess::UserSlice;
 use kernel::{new_mutex, pin_init};
 
 use crate::abi;
+use crate::dirty::DirtyLog;
 use crate::events::Event;
 use crate::glue::VgpuHandle;
 use crate::sim::{vfio, Sim};
@@ -114,6 +115,29 @@ impl State {
         let vgpu = self.vgpu(id)?;
         let mut sim = vgpu.sim.lock();
         vfio::vfio_ioctl(&mut sim, cmd, arg)
+    }
+
+    /// VFIO DMA logging: start over `[iova, iova + length)`.
+    pub(crate) fn dma_log_start(&self, id: u32, iova: u64, length: u64) -> Result {
+        let log = DirtyLog::new(iova, length)?;
+        self.vgpu(id)?.sim.lock().start_vfio_dirty_log(log);
+        Ok(())
+    }
+
+    /// VFIO DMA logging: stop.
+    pub(crate) fn dma_log_stop(&self, id: u32) -> Result {
+        let log = self.vgpu(id)?.sim.lock().vfio_dirty.take();
+        drop(log);
+        Ok(())
+    }
+
+    /// VFIO DMA logging: hand out and clear the dirty pages of a range.
+    pub(crate) fn dma_log_report(&self, id: u32, iova: u64, length: u64, report: &mut dyn FnMut(u64)) -> Result {
+        let vgpu = self.vgpu(id)?;
+        let mut sim = vgpu.sim.lock();
+        let log = sim.vfio_dirty.as_mut().ok_or(EINVAL)?;
+        log.drain_range(iova, length, report);
+        Ok(())
     }
 
     /// The vGPU's work item ran.

@@ -92,6 +92,61 @@ pub const IOC_SET_WATCHDOG: u32 = ioc(IOC_WRITE, 0x06, core::mem::size_of::<HagW
 /// `allow_hang_injection=1` (for tests).
 pub const IOC_INJECT_HANG: u32 = ioc(IOC_WRITE, 0x07, core::mem::size_of::<HagVgpuRef>());
 
+/// `_IOW(IOC_MAGIC, 8, HagQuiesce)`: hold new submissions of a vGPU and
+/// wait until its engine is idle. Fails with `ETIMEDOUT` (and holds
+/// nothing) if the engine is still busy after `timeout_ms`; a hung or
+/// stopped engine counts as idle (it runs nothing).
+pub const IOC_QUIESCE: u32 = ioc(IOC_WRITE, 0x08, core::mem::size_of::<HagQuiesce>());
+/// `_IOW(IOC_MAGIC, 9, HagVgpuRef)`: release a quiesced vGPU; submissions
+/// held meanwhile start.
+pub const IOC_RESUME: u32 = ioc(IOC_WRITE, 0x09, core::mem::size_of::<HagVgpuRef>());
+/// `_IOWR(IOC_MAGIC, 10, HagContextBuf)`: write a quiesced vGPU's context
+/// snapshot (format: [`crate::snapshot`]) to `buf`; `EBUSY` if not quiesced,
+/// `ENOSPC` (with `used_bytes` set to the size needed) if `buf` is too small.
+pub const IOC_SAVE_CONTEXT: u32 = ioc(
+    IOC_READ | IOC_WRITE,
+    0x0a,
+    core::mem::size_of::<HagContextBuf>(),
+);
+/// `_IOW(IOC_MAGIC, 11, HagContextBuf)`: restore a snapshot into a vGPU
+/// that is quiesced or has no work. Refused with `EINVAL` when the snapshot
+/// is damaged (magic, checksum, lengths), `EPROTO` for an unknown version,
+/// `EXDEV` when the vGPU does not match (type, graphics memory size). The vGPU stays quiesced after a restore.
+pub const IOC_RESTORE_CONTEXT: u32 = ioc(IOC_WRITE, 0x0b, core::mem::size_of::<HagContextBuf>());
+
+/// Argument of [`IOC_QUIESCE`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HagQuiesce {
+    /// The vGPU's id.
+    pub vgpu_id: u32,
+    /// How long to wait for the engine, in milliseconds (at most
+    /// [`QUIESCE_MAX_MS`]).
+    pub timeout_ms: u32,
+}
+
+/// Longest quiesce wait accepted.
+pub const QUIESCE_MAX_MS: u32 = 60_000;
+
+/// Argument of [`IOC_SAVE_CONTEXT`] and [`IOC_RESTORE_CONTEXT`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HagContextBuf {
+    /// The vGPU's id.
+    pub vgpu_id: u32,
+    /// Explicit padding; must be zero.
+    pub reserved: u32,
+    /// User address of the snapshot bytes.
+    pub buf: u64,
+    /// Size of that buffer (restore: of the snapshot).
+    pub buf_bytes: u64,
+    /// Save: bytes written (or needed, with `ENOSPC`).
+    pub used_bytes: u64,
+}
+
+/// Largest snapshot either ioctl handles.
+pub const CONTEXT_MAX_BYTES: u64 = 1 << 20;
+
 /// Names one vGPU by its id.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -375,6 +430,8 @@ mod tests {
         assert_eq!(size_of::<HagDirtyRead>(), 32);
         assert_eq!(size_of::<HagVgpuStats>(), 64);
         assert_eq!(size_of::<HagWatchdog>(), 8);
+        assert_eq!(size_of::<HagQuiesce>(), 8);
+        assert_eq!(size_of::<HagContextBuf>(), 32);
     }
 
     #[test]

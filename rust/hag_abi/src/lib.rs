@@ -18,3 +18,4 @@
 
 pub mod abi;
 pub mod sim_regs;
+pub mod snapshot;

@@ -1,0 +1,426 @@
+//! The vGPU context snapshot format: what `IOC_SAVE_CONTEXT` writes and
+//! `IOC_RESTORE_CONTEXT` accepts, and what travels between hosts.
+//!
+//! ```text
+//! header (32 bytes, little-endian)
+//!   magic "HAGC" | version u16 | source u16 | total_len u32 | crc32 u32
+//!   gfx_mem_size u64 | section_count u32 | reserved u32 (0)
+//! sections, each: tag u32 | len u32 | len bytes, padded to 8
+//! ```
+//!
+//! `crc32` (IEEE) covers every byte of the snapshot, with the `crc32` field
+//! itself counted as zero. A reader accepts only
+//! [`VERSION`], checks magic, lengths (each section inside `total_len`,
+//! `total_len` inside the buffer) and checksum before it looks at a section,
+//! and rejects unknown tags. Plain `core`: the kernel module compiles it in.
+
+/// `"HAGC"` little-endian.
+pub const MAGIC: u32 = 0x4347_4148;
+/// The only version this build writes and reads.
+pub const VERSION: u16 = 1;
+/// Bytes of the header.
+pub const HEADER_BYTES: usize = 32;
+
+/// PCI config space (256 bytes).
+pub const TAG_CONFIG: u32 = 1;
+/// The register file: [`REGS_WORDS`] little-endian u32 (see the module
+/// that writes it for their order).
+pub const TAG_REGS: u32 = 2;
+/// GTT entries, little-endian u64 each.
+pub const TAG_GTT: u32 = 3;
+/// Engine state: little-endian u32 halt, queued tail (or `u32::MAX`),
+/// watchdog ms, reserved.
+pub const TAG_ENGINE: u32 = 4;
+
+/// Number of u32 in a [`TAG_REGS`] section.
+pub const REGS_WORDS: usize = 16 + 32;
+
+/// Why a snapshot was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SnapshotError {
+    /// Shorter than its header, or than the length it claims.
+    Truncated {
+        /// Bytes needed.
+        need: usize,
+        /// Bytes present.
+        have: usize,
+    },
+    /// Not a hag context snapshot.
+    BadMagic(u32),
+    /// A version this build does not read.
+    UnknownVersion(u16),
+    /// The checksum does not match: the snapshot was damaged.
+    BadChecksum {
+        /// Checksum in the header.
+        stored: u32,
+        /// Checksum of the bytes.
+        computed: u32,
+    },
+    /// A section runs past the end, or a field is malformed.
+    Malformed(&'static str),
+    /// A section tag this version does not have.
+    UnknownSection(u32),
+    /// The output buffer is too small.
+    NoSpace {
+        /// Bytes needed.
+        need: usize,
+    },
+}
+
+impl core::fmt::Display for SnapshotError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::Truncated { need, have } => {
+                write!(f, "snapshot truncated: {have} bytes of {need}")
+            }
+            Self::BadMagic(m) => write!(f, "not a hag context snapshot (magic {m:#010x})"),
+            Self::UnknownVersion(v) => {
+                write!(f, "snapshot version {v}, this build reads {VERSION}")
+            }
+            Self::BadChecksum { stored, computed } => {
+                write!(
+                    f,
+                    "snapshot damaged: checksum {computed:#010x}, header says {stored:#010x}"
+                )
+            }
+            Self::Malformed(what) => write!(f, "snapshot malformed: {what}"),
+            Self::UnknownSection(tag) => write!(f, "snapshot has unknown section {tag}"),
+            Self::NoSpace { need } => write!(f, "snapshot needs {need} bytes"),
+        }
+    }
+}
+
+/// CRC-32 (IEEE 802.3, reflected), bitwise: snapshots are small and rare.
+pub fn crc32(bytes: &[u8]) -> u32 {
+    !crc32_update(!0, bytes)
+}
+
+fn crc32_update(mut crc: u32, bytes: &[u8]) -> u32 {
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = (crc >> 1) ^ (0xEDB8_8320 & (crc & 1).wrapping_neg());
+        }
+    }
+    crc
+}
+
+/// The snapshot's checksum: everything, with bytes 12..16 (the checksum
+/// field) as zero.
+fn snapshot_crc(bytes: &[u8]) -> u32 {
+    let crc = crc32_update(!0, &bytes[..12]);
+    let crc = crc32_update(crc, &[0; 4]);
+    !crc32_update(crc, &bytes[16..])
+}
+
+fn pad8(len: usize) -> usize {
+    (len + 7) & !7
+}
+
+/// Writes a snapshot into a caller's buffer, section by section, then
+/// [`Writer::finish`] fills in the header.
+pub struct Writer<'a> {
+    out: &'a mut [u8],
+    pos: usize,
+    sections: u32,
+    source: u16,
+    gfx_mem_size: u64,
+}
+
+impl<'a> Writer<'a> {
+    /// Starts a snapshot of a vGPU of `source` (`VGPU_SOURCE_*`) with
+    /// `gfx_mem_size` bytes of graphics memory.
+    pub fn new(out: &'a mut [u8], source: u16, gfx_mem_size: u64) -> Result<Self, SnapshotError> {
+        if out.len() < HEADER_BYTES {
+            return Err(SnapshotError::NoSpace { need: HEADER_BYTES });
+        }
+        Ok(Self {
+            out,
+            pos: HEADER_BYTES,
+            sections: 0,
+            source,
+            gfx_mem_size,
+        })
+    }
+
+    /// Appends a section whose body `fill` writes into the `len` bytes given.
+    pub fn section(
+        &mut self,
+        tag: u32,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<(), SnapshotError> {
+        let need = self
+            .pos
+            .checked_add(8)
+            .and_then(|p| p.checked_add(pad8(len)))
+            .ok_or(SnapshotError::Malformed("section too large"))?;
+        if need > self.out.len() {
+            return Err(SnapshotError::NoSpace { need });
+        }
+        let len32 =
+            u32::try_from(len).map_err(|_| SnapshotError::Malformed("section too large"))?;
+        self.out[self.pos..self.pos + 4].copy_from_slice(&tag.to_le_bytes());
+        self.out[self.pos + 4..self.pos + 8].copy_from_slice(&len32.to_le_bytes());
+        let body = &mut self.out[self.pos + 8..need];
+        body.fill(0);
+        fill(&mut body[..len]);
+        self.pos = need;
+        self.sections += 1;
+        Ok(())
+    }
+
+    /// Writes the header; returns the snapshot's length.
+    pub fn finish(self) -> usize {
+        let total = self.pos;
+        let h = &mut self.out[..HEADER_BYTES];
+        h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        h[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        h[6..8].copy_from_slice(&self.source.to_le_bytes());
+        h[8..12].copy_from_slice(&(total as u32).to_le_bytes());
+        h[16..24].copy_from_slice(&self.gfx_mem_size.to_le_bytes());
+        h[24..28].copy_from_slice(&self.sections.to_le_bytes());
+        h[28..32].fill(0);
+        let crc = snapshot_crc(&self.out[..total]);
+        self.out[12..16].copy_from_slice(&crc.to_le_bytes());
+        total
+    }
+}
+
+/// A snapshot whose header, lengths and checksum were checked.
+pub struct Snapshot<'a> {
+    /// `VGPU_SOURCE_*` of the vGPU it was taken from.
+    pub source: u16,
+    /// Graphics memory size of that vGPU.
+    pub gfx_mem_size: u64,
+    body: &'a [u8],
+}
+
+fn le_u32(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(
+        b.get(at..at.checked_add(4)?)?.try_into().ok()?,
+    ))
+}
+
+impl<'a> Snapshot<'a> {
+    /// Checks `bytes` in a fixed order: size, magic, version, length,
+    /// checksum, then that the sections tile the body exactly.
+    pub fn parse(bytes: &'a [u8]) -> Result<Self, SnapshotError> {
+        let have = bytes.len();
+        if have < HEADER_BYTES {
+            return Err(SnapshotError::Truncated {
+                need: HEADER_BYTES,
+                have,
+            });
+        }
+        let magic = le_u32(bytes, 0).unwrap_or(0);
+        if magic != MAGIC {
+            return Err(SnapshotError::BadMagic(magic));
+        }
+        let version = u16::from_le_bytes([bytes[4], bytes[5]]);
+        if version != VERSION {
+            return Err(SnapshotError::UnknownVersion(version));
+        }
+        let source = u16::from_le_bytes([bytes[6], bytes[7]]);
+        let total = le_u32(bytes, 8).unwrap_or(0) as usize;
+        if total < HEADER_BYTES {
+            return Err(SnapshotError::Malformed(
+                "total length shorter than the header",
+            ));
+        }
+        if total > have {
+            return Err(SnapshotError::Truncated { need: total, have });
+        }
+        let stored = le_u32(bytes, 12).unwrap_or(0);
+        let body = &bytes[HEADER_BYTES..total];
+        let computed = snapshot_crc(&bytes[..total]);
+        if stored != computed {
+            return Err(SnapshotError::BadChecksum { stored, computed });
+        }
+        let gfx_mem_size = u64::from_le_bytes(bytes[16..24].try_into().unwrap_or([0; 8]));
+        let snapshot = Self {
+            source,
+            gfx_mem_size,
+            body,
+        };
+        let mut count = 0u32;
+        for section in snapshot.sections() {
+            section?;
+            count += 1;
+        }
+        if le_u32(bytes, 24) != Some(count) {
+            return Err(SnapshotError::Malformed("section count does not match"));
+        }
+        if le_u32(bytes, 28) != Some(0) {
+            return Err(SnapshotError::Malformed(
+                "reserved header field is not zero",
+            ));
+        }
+        Ok(snapshot)
+    }
+
+    /// The sections, in order, as `(tag, bytes)`.
+    pub fn sections(&self) -> Sections<'a> {
+        Sections {
+            body: self.body,
+            pos: 0,
+        }
+    }
+
+    /// The body of the section `tag`, which must be `len` bytes.
+    pub fn section(&self, tag: u32, len: usize) -> Result<&'a [u8], SnapshotError> {
+        for section in self.sections() {
+            let (t, bytes) = section?;
+            if t == tag {
+                return if bytes.len() == len {
+                    Ok(bytes)
+                } else {
+                    Err(SnapshotError::Malformed("section of the wrong length"))
+                };
+            }
+        }
+        Err(SnapshotError::Malformed("section missing"))
+    }
+}
+
+/// Iterator over a snapshot's sections.
+pub struct Sections<'a> {
+    body: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Iterator for Sections<'a> {
+    type Item = Result<(u32, &'a [u8]), SnapshotError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.pos >= self.body.len() {
+            return None;
+        }
+        let parsed = (|| {
+            let tag = le_u32(self.body, self.pos)
+                .ok_or(SnapshotError::Malformed("section header truncated"))?;
+            let len = le_u32(self.body, self.pos + 4)
+                .ok_or(SnapshotError::Malformed("section header truncated"))?
+                as usize;
+            let start = self.pos + 8;
+            let end = start.checked_add(len).filter(|&e| e <= self.body.len());
+            let end = end.ok_or(SnapshotError::Malformed("section runs past the end"))?;
+            if !matches!(tag, TAG_CONFIG | TAG_REGS | TAG_GTT | TAG_ENGINE) {
+                return Err(SnapshotError::UnknownSection(tag));
+            }
+            Ok((tag, start, end))
+        })();
+        match parsed {
+            Ok((tag, start, end)) => {
+                self.pos = start + pad8(end - start);
+                Some(Ok((tag, &self.body[start..end])))
+            }
+            Err(e) => {
+                self.pos = self.body.len();
+                Some(Err(e))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(buf: &mut [u8]) -> usize {
+        let mut w = Writer::new(buf, 1, 64 << 20).unwrap();
+        w.section(TAG_CONFIG, 256, |b| b[0] = 0x34).unwrap();
+        w.section(TAG_ENGINE, 16, |b| b[0] = 1).unwrap();
+        w.section(TAG_GTT, 24, |b| b[23] = 9).unwrap();
+        w.finish()
+    }
+
+    #[test]
+    fn crc32_matches_the_standard_check_value() {
+        assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+    }
+
+    #[test]
+    fn round_trip() {
+        let mut buf = [0u8; 1024];
+        let len = sample(&mut buf);
+        let s = Snapshot::parse(&buf[..len]).unwrap();
+        assert_eq!((s.source, s.gfx_mem_size), (1, 64 << 20));
+        assert_eq!(s.section(TAG_CONFIG, 256).unwrap()[0], 0x34);
+        assert_eq!(s.section(TAG_GTT, 24).unwrap()[23], 9);
+        assert!(s.section(TAG_GTT, 16).is_err());
+        assert!(s.section(TAG_REGS, 4).is_err());
+    }
+
+    #[test]
+    fn every_flipped_bit_is_refused() {
+        let mut buf = [0u8; 1024];
+        let len = sample(&mut buf);
+        for bit in 0..len * 8 {
+            let mut damaged = buf;
+            damaged[bit / 8] ^= 1 << (bit % 8);
+            assert!(
+                Snapshot::parse(&damaged[..len]).is_err(),
+                "bit {bit} flip accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn every_truncation_is_refused() {
+        let mut buf = [0u8; 1024];
+        let len = sample(&mut buf);
+        for cut in 0..len {
+            assert!(
+                Snapshot::parse(&buf[..cut]).is_err(),
+                "cut at {cut} accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn version_and_magic_are_named() {
+        let mut buf = [0u8; 1024];
+        let len = sample(&mut buf);
+        let mut v2 = buf;
+        v2[4] = 2;
+        assert_eq!(
+            Snapshot::parse(&v2[..len]).err(),
+            Some(SnapshotError::UnknownVersion(2))
+        );
+        let mut junk = buf;
+        junk[0] = 0;
+        assert!(matches!(
+            Snapshot::parse(&junk[..len]),
+            Err(SnapshotError::BadMagic(_))
+        ));
+    }
+
+    #[test]
+    fn small_buffers_say_how_much_is_needed() {
+        let mut buf = [0u8; 100];
+        let mut w = Writer::new(&mut buf, 1, 0).unwrap();
+        assert_eq!(
+            w.section(TAG_CONFIG, 256, |_| {}),
+            Err(SnapshotError::NoSpace { need: 32 + 8 + 256 })
+        );
+    }
+
+    #[test]
+    fn garbage_never_panics() {
+        let mut x = 0x1234_5678u32;
+        for _ in 0..2000 {
+            let mut buf = [0u8; 96];
+            for b in buf.iter_mut() {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                *b = x as u8;
+            }
+            buf[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+            buf[4] = 1;
+            buf[5] = 0;
+            let _ = Snapshot::parse(&buf);
+        }
+    }
+}
