@@ -26,9 +26,15 @@ deps:
 kernel: deps
 	@scripts/build-kernel.sh
 
-# The kernel's build system decides itself whether the module is up to date.
+# The kernel's build system decides itself whether the module is up to date,
+# but only within one tree: its command lines use tree-relative paths, so
+# objects built against another tree look current. A stamp naming the tree
+# forces a clean build when the tree changes.
+KDIR_STAMP := rust/hag_mdev/.kernel-tree
 module: kernel
 	@set -o pipefail; $(TOOLCHAIN) && kdir=$$(scripts/build-kernel.sh --print-dir) && \
+	if [ "$$(cat $(KDIR_STAMP) 2>/dev/null)" != "$$kdir" ]; then \
+		$(MAKE) -s -C "$$kdir" M=$(CURDIR) clean; echo "$$kdir" > $(KDIR_STAMP); fi && \
 	$(MAKE) -s -C "$$kdir" M=$(CURDIR) RUSTC="$$RUSTC" BINDGEN="$$BINDGEN" modules 2>&1 | \
 		{ grep -v 'Failed to run rustfmt' || true; } && \
 	echo "built $(MODULE) against $$kdir"

@@ -7,7 +7,6 @@
 //! caps how much it writes at what the caller said it has room for).
 
 use kernel::prelude::*;
-use kernel::time::Ktime;
 use kernel::types::{AsBytes, FromBytes};
 use kernel::uaccess::UserSlice;
 
@@ -49,7 +48,7 @@ fn dirty_start(state: &State, arg: usize) -> Result {
 }
 
 fn dirty_stop(state: &State, arg: usize) -> Result {
-    let req: abi::HagVgpuRef = read_user(arg)?;
+    let req = read_vgpu_ref(arg)?;
     let vgpu = state.vgpu(req.vgpu_id)?;
     // Freed after the lock is released.
     let log = vgpu.sim.lock().dirty.take();
@@ -59,6 +58,9 @@ fn dirty_stop(state: &State, arg: usize) -> Result {
 
 fn dirty_read_clear(state: &State, arg: usize) -> Result {
     let mut req: abi::HagDirtyRead = read_user(arg)?;
+    if req.reserved != 0 {
+        return Err(EINVAL);
+    }
     let vgpu = state.vgpu(req.vgpu_id)?;
     let mut words = KVVec::new();
     {
@@ -68,13 +70,26 @@ fn dirty_read_clear(state: &State, arg: usize) -> Result {
             return Err(ENOSPC);
         }
         req.dirty_pages = log.read_and_clear(&mut words)?;
+        // A submission still running writes after this read: its pages
+        // must be dirty again, or a copy made now would miss its writes.
+        sim.mark_running_write_set();
     }
-    // The copy happens without the lock: it may fault on user memory.
-    let mut writer = UserSlice::new(usize::try_from(req.bitmap).map_err(|_| EFAULT)?, words.len() * 8).writer();
-    for word in words.iter() {
-        writer.write(word)?;
+    // The copy happens without the lock: it may fault on user memory. If it
+    // does, the bits go back into the log rather than being lost.
+    let copied = (|| -> Result {
+        let addr = usize::try_from(req.bitmap).map_err(|_| EFAULT)?;
+        let mut writer = UserSlice::new(addr, words.len() * 8).writer();
+        for word in words.iter() {
+            writer.write(word)?;
+        }
+        write_user(arg, &req)
+    })();
+    if copied.is_err() {
+        if let Some(log) = vgpu.sim.lock().dirty.as_mut() {
+            log.merge(&words);
+        }
     }
-    write_user(arg, &req)
+    copied
 }
 
 fn vgpu_stats(state: &State, arg: usize) -> Result {
@@ -109,7 +124,7 @@ fn set_watchdog(state: &State, arg: usize) -> Result {
 }
 
 fn inject_hang(state: &State, arg: usize) -> Result {
-    let req: abi::HagVgpuRef = read_user(arg)?;
+    let req = read_vgpu_ref(arg)?;
     if !crate::glue::hang_injection_allowed() {
         return Err(EPERM);
     }
@@ -166,30 +181,22 @@ fn quiesce(state: &State, arg: usize) -> Result {
         return Err(EINVAL);
     }
     let vgpu = state.vgpu(req.vgpu_id)?;
-    vgpu.sim.lock().quiesced = true;
-    let deadline = Ktime::ktime_get().to_ns() + i64::from(req.timeout_ms) * 1_000_000;
-    loop {
-        {
-            let mut sim = vgpu.sim.lock();
-            if !sim.busy() {
-                drop(sim);
-                Event::new(abi::EVENT_STATE_CHANGED, vgpu.id, &vgpu.uuid).message("quiesced").send();
-                return Ok(());
-            }
-            if Ktime::ktime_get().to_ns() >= deadline {
-                // Fail cleanly: release the hold, snapshot nothing.
-                sim.resume(&vgpu.handle);
-                return Err(crate::errno(kernel::bindings::ETIMEDOUT));
-            }
-        }
-        crate::glue::msleep(2);
-    }
+    vgpu.quiesce(req.timeout_ms)?;
+    Event::new(abi::EVENT_STATE_CHANGED, vgpu.id, &vgpu.uuid).message("quiesced").send();
+    Ok(())
 }
 
 fn resume(state: &State, arg: usize) -> Result {
-    let req: abi::HagVgpuRef = read_user(arg)?;
+    let req = read_vgpu_ref(arg)?;
     let vgpu = state.vgpu(req.vgpu_id)?;
-    vgpu.sim.lock().resume(&vgpu.handle);
+    {
+        let mut sim = vgpu.sim.lock();
+        // A VMM stopped it for VFIO migration: only the VMM restarts it.
+        if sim.vfio_stopped {
+            return Err(EBUSY);
+        }
+        sim.resume(&vgpu.handle);
+    }
     Event::new(abi::EVENT_STATE_CHANGED, vgpu.id, &vgpu.uuid).message("resumed").send();
     Ok(())
 }
@@ -224,4 +231,13 @@ fn restore_context(state: &State, arg: usize) -> Result {
     vgpu.sim.lock().restore(&bytes)?;
     Event::new(abi::EVENT_STATE_CHANGED, vgpu.id, &vgpu.uuid).message("restored").send();
     Ok(())
+}
+
+/// A [`abi::HagVgpuRef`] argument, with its reserved field checked.
+fn read_vgpu_ref(arg: usize) -> Result<abi::HagVgpuRef> {
+    let req: abi::HagVgpuRef = read_user(arg)?;
+    if req.reserved != 0 {
+        return Err(EINVAL);
+    }
+    Ok(req)
 }

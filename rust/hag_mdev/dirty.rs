@@ -71,6 +71,14 @@ impl DirtyLog {
         }
     }
 
+    /// ORs bits taken by [`Self::read_and_clear`] back in (when handing
+    /// them out failed).
+    pub(crate) fn merge(&mut self, words: &[u64]) {
+        for (word, bits) in self.words.iter_mut().zip(words) {
+            *word |= bits;
+        }
+    }
+
     /// Moves the bits into `out` (resized to fit) and clears them; returns
     /// how many pages were dirty.
     pub(crate) fn read_and_clear(&mut self, out: &mut KVVec<u64>) -> Result<u64> {

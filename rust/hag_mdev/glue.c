@@ -8,6 +8,7 @@
  * the ABI is defined in one place. glue.rs is the only Rust file that calls
  * into this one.
  */
+#include <linux/anon_inodes.h>
 #include <linux/compat.h>
 #include <linux/delay.h>
 #include <linux/device.h>
@@ -43,6 +44,9 @@ void hag_glue_msleep(u32 ms)
 /* The Rust state, set for the whole time the interfaces are registered. */
 static const void *hag_ctx;
 static u16 hag_pad_attr;
+/* Sizes of VFIO migration data: a snapshot, and the most a VMM may write. */
+static size_t hag_mig_data_bytes;
+static size_t hag_mig_max_bytes;
 
 /* ---- /dev/hag --------------------------------------------------------- */
 
@@ -119,11 +123,31 @@ void hag_glue_msg_cancel(struct hag_glue_msg *msg)
 
 /* ---- mdev parent and the VFIO device of each vGPU -------------------- */
 
+/*
+ * A VFIO migration data file: the snapshot read out in STOP_COPY, or the
+ * bytes written in RESUMING. It points at nothing of its vGPU, so it may
+ * outlive the state that made it (and the vGPU): once disabled, read and
+ * write fail with -ENODEV until the VMM closes it.
+ */
+struct hag_mig_file {
+	struct file *filp;
+	struct mutex lock; /* the fields below */
+	bool disabled;
+	u8 *data; /* kvmalloc'd, cap bytes */
+	size_t cap;
+	size_t size; /* bytes of data that are valid */
+};
+
 struct hag_vgpu {
 	struct vfio_device vdev; /* first: vfio_alloc_device() requires it */
 	u32 id;
 	/* Runs the engine's slices and the watchdog: hag_rs_vgpu_tick(). */
 	struct delayed_work tick;
+	/* VFIO migration v2. Taken before the Rust vGPU lock, never after. */
+	struct mutex mig_lock;
+	enum vfio_device_mig_state mig_state;
+	struct hag_mig_file *saving; /* in STOP_COPY */
+	struct hag_mig_file *resuming; /* in RESUMING */
 };
 
 static struct hag_vgpu *to_hag_vgpu(struct vfio_device *vdev)
@@ -167,6 +191,282 @@ void hag_glue_eventfd_put(struct eventfd_ctx *ctx)
 	eventfd_ctx_put(ctx);
 }
 
+/* ---- VFIO migration v2 ------------------------------------------------ */
+
+static void hag_mig_disable_file(struct hag_mig_file *migf)
+{
+	mutex_lock(&migf->lock);
+	migf->disabled = true;
+	migf->size = 0;
+	migf->filp->f_pos = 0;
+	mutex_unlock(&migf->lock);
+}
+
+/* Ends both data sessions and drops the vGPU's references to the files. */
+static void hag_mig_disable_files(struct hag_vgpu *vgpu)
+{
+	if (vgpu->saving) {
+		hag_mig_disable_file(vgpu->saving);
+		fput(vgpu->saving->filp);
+		vgpu->saving = NULL;
+	}
+	if (vgpu->resuming) {
+		hag_mig_disable_file(vgpu->resuming);
+		fput(vgpu->resuming->filp);
+		vgpu->resuming = NULL;
+	}
+}
+
+static int hag_mig_release(struct inode *inode, struct file *filp)
+{
+	struct hag_mig_file *migf = filp->private_data;
+
+	mutex_destroy(&migf->lock);
+	kvfree(migf->data);
+	kfree(migf);
+	return 0;
+}
+
+static ssize_t hag_mig_read(struct file *filp, char __user *buf, size_t len,
+			    loff_t *pos)
+{
+	struct hag_mig_file *migf = filp->private_data;
+	ssize_t ret;
+
+	if (pos)
+		return -ESPIPE;
+	pos = &filp->f_pos;
+
+	mutex_lock(&migf->lock);
+	if (migf->disabled)
+		ret = -ENODEV;
+	else
+		ret = simple_read_from_buffer(buf, len, pos, migf->data,
+					      migf->size);
+	mutex_unlock(&migf->lock);
+	return ret;
+}
+
+static ssize_t hag_mig_write(struct file *filp, const char __user *buf,
+			     size_t len, loff_t *pos)
+{
+	struct hag_mig_file *migf = filp->private_data;
+	ssize_t ret;
+
+	if (pos)
+		return -ESPIPE;
+	pos = &filp->f_pos;
+
+	mutex_lock(&migf->lock);
+	if (migf->disabled) {
+		ret = -ENODEV;
+		goto out;
+	}
+	/* Stream file: the position is the size, always within cap. */
+	if (len > migf->cap - migf->size) {
+		ret = -EFBIG;
+		goto out;
+	}
+	if (copy_from_user(migf->data + migf->size, buf, len)) {
+		ret = -EFAULT;
+		goto out;
+	}
+	migf->size += len;
+	*pos = migf->size;
+	ret = len;
+out:
+	mutex_unlock(&migf->lock);
+	return ret;
+}
+
+static const struct file_operations hag_mig_save_fops = {
+	.owner = THIS_MODULE,
+	.read = hag_mig_read,
+	.release = hag_mig_release,
+};
+
+static const struct file_operations hag_mig_resume_fops = {
+	.owner = THIS_MODULE,
+	.write = hag_mig_write,
+	.release = hag_mig_release,
+};
+
+static struct hag_mig_file *hag_mig_file_new(const struct file_operations *fops,
+					     int flags, size_t cap)
+{
+	struct hag_mig_file *migf;
+	struct file *filp;
+
+	migf = kzalloc(sizeof(*migf), GFP_KERNEL_ACCOUNT);
+	if (!migf)
+		return ERR_PTR(-ENOMEM);
+	migf->data = kvzalloc(cap, GFP_KERNEL_ACCOUNT);
+	if (!migf->data) {
+		kfree(migf);
+		return ERR_PTR(-ENOMEM);
+	}
+	migf->cap = cap;
+	mutex_init(&migf->lock);
+	filp = anon_inode_getfile("hag_mig", fops, migf, flags);
+	if (IS_ERR(filp)) {
+		mutex_destroy(&migf->lock);
+		kvfree(migf->data);
+		kfree(migf);
+		return ERR_CAST(filp);
+	}
+	stream_open(filp->f_inode, filp);
+	migf->filp = filp;
+	return migf;
+}
+
+/* STOP -> STOP_COPY: the snapshot, in a file to read it from. */
+static struct file *hag_mig_save(struct hag_vgpu *vgpu)
+{
+	struct hag_mig_file *migf;
+	long used;
+
+	migf = hag_mig_file_new(&hag_mig_save_fops, O_RDONLY,
+				hag_mig_data_bytes);
+	if (IS_ERR(migf))
+		return ERR_CAST(migf);
+	used = hag_rs_mig_save(hag_ctx, vgpu->id, migf->data, migf->cap);
+	if (used < 0) {
+		fput(migf->filp);
+		return ERR_PTR(used);
+	}
+	migf->size = used;
+	vgpu->saving = migf;
+	get_file(migf->filp);
+	return migf->filp;
+}
+
+/* STOP -> RESUMING: a file to write a snapshot into. */
+static struct file *hag_mig_resume(struct hag_vgpu *vgpu)
+{
+	struct hag_mig_file *migf;
+
+	migf = hag_mig_file_new(&hag_mig_resume_fops, O_WRONLY,
+				hag_mig_max_bytes);
+	if (IS_ERR(migf))
+		return ERR_CAST(migf);
+	vgpu->resuming = migf;
+	get_file(migf->filp);
+	return migf->filp;
+}
+
+/* RESUMING -> STOP: loads what was written, then ends the session. */
+static int hag_mig_load(struct hag_vgpu *vgpu)
+{
+	struct hag_mig_file *migf = vgpu->resuming;
+	int ret;
+
+	if (!migf)
+		return -EINVAL;
+	mutex_lock(&migf->lock);
+	ret = hag_rs_mig_restore(hag_ctx, vgpu->id, migf->data, migf->size);
+	mutex_unlock(&migf->lock);
+	if (!ret)
+		hag_mig_disable_files(vgpu);
+	return ret;
+}
+
+/* One arc: Rust checks it and acts on the vGPU; the files are done here. */
+static struct file *hag_mig_step(struct hag_vgpu *vgpu,
+				 enum vfio_device_mig_state next)
+{
+	int action = hag_rs_mig_step(hag_ctx, vgpu->id, vgpu->mig_state, next);
+
+	switch (action) {
+	case HAG_MIG_NONE:
+		return NULL;
+	case HAG_MIG_SAVE:
+		return hag_mig_save(vgpu);
+	case HAG_MIG_RESUME:
+		return hag_mig_resume(vgpu);
+	case HAG_MIG_LOAD: {
+		int ret = hag_mig_load(vgpu);
+
+		return ret ? ERR_PTR(ret) : NULL;
+	}
+	case HAG_MIG_CLOSE:
+		hag_mig_disable_files(vgpu);
+		return NULL;
+	default:
+		return ERR_PTR(action < 0 ? action : -EINVAL);
+	}
+}
+
+static struct file *hag_mig_set_state(struct vfio_device *vdev,
+				      enum vfio_device_mig_state new_state)
+{
+	struct hag_vgpu *vgpu = to_hag_vgpu(vdev);
+	struct file *ret = NULL;
+
+	mutex_lock(&vgpu->mig_lock);
+	while (vgpu->mig_state != new_state) {
+		enum vfio_device_mig_state next;
+		int rc = vfio_mig_get_next_state(vdev, vgpu->mig_state,
+						 new_state, &next);
+
+		if (rc) {
+			ret = ERR_PTR(rc);
+			break;
+		}
+		ret = hag_mig_step(vgpu, next);
+		if (IS_ERR(ret))
+			break;
+		vgpu->mig_state = next;
+		/* Only the last arc of a path may return a file. */
+		if (WARN_ON(ret && next != new_state)) {
+			fput(ret);
+			ret = ERR_PTR(-EINVAL);
+			break;
+		}
+	}
+	mutex_unlock(&vgpu->mig_lock);
+	return ret;
+}
+
+static int hag_mig_get_state(struct vfio_device *vdev,
+			     enum vfio_device_mig_state *state)
+{
+	struct hag_vgpu *vgpu = to_hag_vgpu(vdev);
+
+	mutex_lock(&vgpu->mig_lock);
+	*state = vgpu->mig_state;
+	mutex_unlock(&vgpu->mig_lock);
+	return 0;
+}
+
+static int hag_mig_get_data_size(struct vfio_device *vdev,
+				 unsigned long *stop_copy_length)
+{
+	struct hag_vgpu *vgpu = to_hag_vgpu(vdev);
+
+	mutex_lock(&vgpu->mig_lock);
+	*stop_copy_length = vgpu->saving ? vgpu->saving->size :
+					   hag_mig_data_bytes;
+	mutex_unlock(&vgpu->mig_lock);
+	return 0;
+}
+
+static const struct vfio_migration_ops hag_mig_ops = {
+	.migration_set_state = hag_mig_set_state,
+	.migration_get_state = hag_mig_get_state,
+	.migration_get_data_size = hag_mig_get_data_size,
+};
+
+/* Close, reset and remove: back to RUNNING with no data session open. */
+static void hag_mig_reset(struct hag_vgpu *vgpu)
+{
+	mutex_lock(&vgpu->mig_lock);
+	hag_mig_disable_files(vgpu);
+	if (vgpu->mig_state != VFIO_DEVICE_STATE_RUNNING)
+		hag_rs_mig_reset(hag_ctx, vgpu->id);
+	vgpu->mig_state = VFIO_DEVICE_STATE_RUNNING;
+	mutex_unlock(&vgpu->mig_lock);
+}
+
 static ssize_t hag_vfio_read(struct vfio_device *vdev, char __user *buf,
 			     size_t count, loff_t *ppos)
 {
@@ -184,7 +484,13 @@ static ssize_t hag_vfio_write(struct vfio_device *vdev, const char __user *buf,
 static long hag_vfio_ioctl(struct vfio_device *vdev, unsigned int cmd,
 			   unsigned long arg)
 {
-	return hag_rs_vfio_ioctl(hag_ctx, to_hag_vgpu(vdev)->id, cmd, arg);
+	struct hag_vgpu *vgpu = to_hag_vgpu(vdev);
+	long ret = hag_rs_vfio_ioctl(hag_ctx, vgpu->id, cmd, arg);
+
+	/* A reset device is RUNNING again (uapi/linux/vfio.h). */
+	if (cmd == VFIO_DEVICE_RESET && !ret)
+		hag_mig_reset(vgpu);
+	return ret;
 }
 
 static int hag_vfio_open_device(struct vfio_device *vdev)
@@ -195,7 +501,11 @@ static int hag_vfio_open_device(struct vfio_device *vdev)
 
 static void hag_vfio_close_device(struct vfio_device *vdev)
 {
-	hag_rs_vgpu_open(hag_ctx, to_hag_vgpu(vdev)->id, false);
+	struct hag_vgpu *vgpu = to_hag_vgpu(vdev);
+
+	hag_rs_vgpu_open(hag_ctx, vgpu->id, false);
+	/* Files the VMM still holds read and write nothing from here on. */
+	hag_mig_reset(vgpu);
 }
 
 /*
@@ -247,6 +557,13 @@ void hag_glue_iova_bitmap_set(void *dirty, u64 iova, u64 length)
 {
 	iova_bitmap_set(dirty, iova, length);
 }
+MODULE_IMPORT_NS(IOMMUFD);
+#else
+/* glue.rs links against it; without log ops VFIO never asks for a report. */
+void hag_glue_iova_bitmap_set(void *dirty, u64 iova, u64 length)
+{
+	WARN_ON_ONCE(1);
+}
 #endif
 
 static const struct vfio_device_ops hag_vfio_ops = {
@@ -272,6 +589,10 @@ static int hag_mdev_probe(struct mdev_device *mdev)
 		return PTR_ERR(vgpu);
 
 	INIT_DELAYED_WORK(&vgpu->tick, hag_vgpu_tick);
+	mutex_init(&vgpu->mig_lock);
+	vgpu->mig_state = VFIO_DEVICE_STATE_RUNNING;
+	vgpu->vdev.migration_flags = VFIO_MIGRATION_STOP_COPY;
+	vgpu->vdev.mig_ops = &hag_mig_ops;
 #if IS_ENABLED(CONFIG_IOMMUFD_DRIVER)
 	vgpu->vdev.log_ops = &hag_log_ops;
 #endif
@@ -288,6 +609,7 @@ static int hag_mdev_probe(struct mdev_device *mdev)
 err_forget:
 	hag_rs_vgpu_remove(hag_ctx, vgpu->id);
 err_put:
+	mutex_destroy(&vgpu->mig_lock);
 	vfio_put_device(&vgpu->vdev);
 	return ret;
 }
@@ -299,6 +621,11 @@ static void hag_mdev_remove(struct mdev_device *mdev)
 	/* No VFIO access after this returns, so nothing kicks the tick again. */
 	vfio_unregister_group_dev(&vgpu->vdev);
 	cancel_delayed_work_sync(&vgpu->tick);
+	/* The device was closed, which ended any data session; be sure. */
+	mutex_lock(&vgpu->mig_lock);
+	hag_mig_disable_files(vgpu);
+	mutex_unlock(&vgpu->mig_lock);
+	mutex_destroy(&vgpu->mig_lock);
 	hag_rs_vgpu_remove(hag_ctx, vgpu->id);
 	vfio_put_device(&vgpu->vdev);
 }
@@ -352,6 +679,8 @@ int hag_glue_register(const void *ctx, const struct hag_glue_config *cfg)
 
 	hag_ctx = ctx;
 	hag_pad_attr = cfg->genl_pad_attr;
+	hag_mig_data_bytes = cfg->mig_data_bytes;
+	hag_mig_max_bytes = cfg->mig_max_bytes;
 	hag_sim_description = cfg->sim_type_description;
 
 	strscpy(hag_genl_family.name, cfg->genl_name, GENL_NAMSIZ);

@@ -16,6 +16,8 @@ struct hag_glue_config {
 	const char *sim_type_description;
 	const char *genl_name;
 	const char *genl_mcgrp_events;
+	size_t mig_data_bytes; /* a VFIO migration snapshot */
+	size_t mig_max_bytes; /* the most a VMM may write in RESUMING */
 	u32 sim_max_instances;
 	u16 genl_maxattr;
 	u16 genl_pad_attr;
@@ -23,6 +25,15 @@ struct hag_glue_config {
 };
 
 struct hag_vgpu;
+
+/* What glue.c does for one VFIO migration arc, after hag_rs_mig_step(). */
+enum hag_mig_action {
+	HAG_MIG_NONE = 0, /* nothing more */
+	HAG_MIG_SAVE = 1, /* hag_rs_mig_save() into a new file to read */
+	HAG_MIG_RESUME = 2, /* a new file to write a snapshot into */
+	HAG_MIG_LOAD = 3, /* hag_rs_mig_restore() of it, then close it */
+	HAG_MIG_CLOSE = 4, /* end the data session */
+};
 
 /* Implemented in glue.rs. */
 long hag_rs_ioctl(const void *ctx, unsigned int cmd, unsigned long arg);
@@ -39,6 +50,10 @@ int hag_rs_dma_log_start(const void *ctx, u32 id, u64 iova, u64 length);
 int hag_rs_dma_log_stop(const void *ctx, u32 id);
 int hag_rs_dma_log_report(const void *ctx, u32 id, u64 iova, u64 length,
 			  void *dirty);
+int hag_rs_mig_step(const void *ctx, u32 id, u32 cur, u32 next);
+long hag_rs_mig_save(const void *ctx, u32 id, u8 *buf, size_t cap);
+int hag_rs_mig_restore(const void *ctx, u32 id, const u8 *buf, size_t len);
+void hag_rs_mig_reset(const void *ctx, u32 id);
 
 /* An event message under construction; freed by multicast or cancel. */
 struct hag_glue_msg {

@@ -29,6 +29,8 @@ struct GlueConfig {
     sim_type_description: *const c_char,
     genl_name: *const c_char,
     genl_mcgrp_events: *const c_char,
+    mig_data_bytes: usize,
+    mig_max_bytes: usize,
     sim_max_instances: u32,
     genl_maxattr: u16,
     genl_pad_attr: u16,
@@ -100,6 +102,8 @@ impl Registration {
             sim_type_description: c_str(SIM_TYPE_DESCRIPTION_C),
             genl_name: c_str(abi::GENL_NAME_C),
             genl_mcgrp_events: c_str(abi::GENL_MCGRP_EVENTS_C),
+            mig_data_bytes: crate::sim::SNAPSHOT_BYTES,
+            mig_max_bytes: abi::CONTEXT_MAX_BYTES as usize,
             sim_max_instances: abi::SIM_MAX_INSTANCES,
             genl_maxattr: abi::ATTR_MAX,
             genl_pad_attr: abi::ATTR_PAD,
@@ -265,6 +269,76 @@ extern "C" fn hag_rs_dma_log_report(
         Ok(()) => 0,
         Err(e) => e.to_errno(),
     }
+}
+
+/// What glue.c does for a VFIO migration arc once Rust has acted on it.
+/// Mirrors `enum hag_mig_action` in glue.h.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(i32)]
+pub(crate) enum MigAction {
+    /// Nothing more.
+    None = 0,
+    /// Take the snapshot (`hag_rs_mig_save`) into a new file to read.
+    Save = 1,
+    /// Open a file the VMM writes a snapshot into.
+    Resume = 2,
+    /// Load what was written (`hag_rs_mig_restore`), then close the file.
+    Load = 3,
+    /// End the data session.
+    Close = 4,
+}
+
+/// VFIO migration: the device moves from `cur` to `next`, one arc that
+/// `vfio_mig_get_next_state` chose (`enum vfio_device_mig_state` values).
+/// Returns a [`MigAction`] for glue.c, or a negative errno.
+#[no_mangle]
+extern "C" fn hag_rs_mig_step(ctx: *const c_void, id: u32, cur: u32, next: u32) -> c_int {
+    // SAFETY: called by glue.c's VFIO migration ops while registered.
+    let state = unsafe { state(ctx) };
+    match state.mig_step(id, cur, next) {
+        Ok(action) => action as c_int,
+        Err(e) => e.to_errno(),
+    }
+}
+
+/// VFIO migration, STOP to STOP_COPY: writes the vGPU's snapshot into the
+/// `cap` bytes at `buf`; returns the bytes used or a negative errno.
+#[no_mangle]
+extern "C" fn hag_rs_mig_save(ctx: *const c_void, id: u32, buf: *mut u8, cap: usize) -> c_long {
+    // SAFETY: called by glue.c's VFIO migration ops while registered.
+    let state = unsafe { state(ctx) };
+    // SAFETY: glue.c passes the kvmalloc'd buffer of a migration file it
+    // has just made, `cap` bytes long, which nothing else reaches before
+    // this returns (the file is not installed in any fd table yet).
+    let out = unsafe { core::slice::from_raw_parts_mut(buf, cap) };
+    match state.mig_save(id, out) {
+        Ok(used) => c_long::try_from(used).unwrap_or(c_long::MAX),
+        Err(e) => e.to_errno() as c_long,
+    }
+}
+
+/// VFIO migration, RESUMING to STOP: loads the `len` bytes at `buf` the VMM
+/// wrote. 0 or a negative errno (the vGPU is then unchanged).
+#[no_mangle]
+extern "C" fn hag_rs_mig_restore(ctx: *const c_void, id: u32, buf: *const u8, len: usize) -> c_int {
+    // SAFETY: called by glue.c's VFIO migration ops while registered.
+    let state = unsafe { state(ctx) };
+    // SAFETY: glue.c passes the migration file's kvmalloc'd (non-NULL)
+    // buffer and the bytes written into it, at most its size, and holds
+    // the file's lock across the call, so no write changes it meanwhile.
+    let bytes = unsafe { core::slice::from_raw_parts(buf, len) };
+    match state.mig_restore(id, bytes) {
+        Ok(()) => 0,
+        Err(e) => e.to_errno(),
+    }
+}
+
+/// VFIO migration state back to RUNNING without a transition (device
+/// close or reset): the vGPU is let go.
+#[no_mangle]
+extern "C" fn hag_rs_mig_reset(ctx: *const c_void, id: u32) {
+    // SAFETY: called by glue.c's VFIO device ops while registered.
+    unsafe { state(ctx) }.mig_reset(id);
 }
 
 /// The C side of one vGPU: DMA to its VM's memory and its work item.

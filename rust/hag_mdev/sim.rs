@@ -99,6 +99,9 @@ pub(crate) struct Sim {
     queued_tail: Option<u32>,
     /// Submissions are held (for a snapshot); the current one finishes.
     pub(crate) quiesced: bool,
+    /// VFIO migration holds the vGPU stopped (any state but RUNNING):
+    /// only VFIO lets it run again (or close or reset), not `IOC_RESUME`.
+    pub(crate) vfio_stopped: bool,
     msi: Option<EventFd>,
     /// The log `/dev/hag` reads.
     pub(crate) dirty: Option<DirtyLog>,
@@ -124,6 +127,7 @@ impl Sim {
             halt: Halt::Idle,
             queued_tail: None,
             quiesced: false,
+            vfio_stopped: false,
             msi: None,
             dirty: None,
             vfio_dirty: None,
@@ -151,6 +155,7 @@ impl Sim {
         if !open {
             self.msi = None;
             self.quiesced = false;
+            self.vfio_stopped = false;
             self.reset_engine();
             self.reset_config();
         }
@@ -446,7 +451,7 @@ impl Sim {
 
     /// Marks the dirty log for every page the running submission may write,
     /// through the GTT as it is now.
-    fn mark_running_write_set(&mut self) {
+    pub(crate) fn mark_running_write_set(&mut self) {
         let Some(run) = &self.run else { return };
         if self.dirty.is_none() && self.vfio_dirty.is_none() {
             return;

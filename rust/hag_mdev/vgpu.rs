@@ -12,17 +12,22 @@
 
 use kernel::prelude::*;
 use kernel::sync::{Arc, Mutex};
+use kernel::time::Ktime;
 use kernel::uaccess::UserSlice;
 use kernel::{new_mutex, pin_init};
 
 use crate::abi;
 use crate::dirty::DirtyLog;
 use crate::events::Event;
-use crate::glue::VgpuHandle;
+use crate::glue::{MigAction, VgpuHandle};
+use crate::sim::vfio::mig_state;
 use crate::sim::{vfio, Sim};
 
 /// Most vGPUs the module tracks at once (simulated and GVT-g together).
 pub(crate) const MAX_VGPUS: usize = 32;
+
+/// How long VFIO migration's RUNNING to STOP waits for the engine.
+const MIG_QUIESCE_MS: u32 = 2000;
 
 /// One vGPU: its C side and its simulated device.
 #[pin_data]
@@ -32,6 +37,36 @@ pub(crate) struct Vgpu {
     pub(crate) handle: VgpuHandle,
     #[pin]
     pub(crate) sim: Mutex<Sim>,
+}
+
+impl Vgpu {
+    /// Holds new submissions and waits up to `timeout_ms` for the one in
+    /// flight to end (sleeping, so process context only). On timeout the
+    /// hold this call took is let go again and `ETIMEDOUT` returned: work
+    /// in flight is never snapshotted.
+    pub(crate) fn quiesce(&self, timeout_ms: u32) -> Result {
+        let held_before = core::mem::replace(&mut self.sim.lock().quiesced, true);
+        let deadline = Ktime::ktime_get().to_ns() + i64::from(timeout_ms) * 1_000_000;
+        loop {
+            {
+                let mut sim = self.sim.lock();
+                if !sim.busy() {
+                    return Ok(());
+                }
+                if Ktime::ktime_get().to_ns() >= deadline {
+                    if !held_before {
+                        sim.resume(&self.handle);
+                    }
+                    return Err(crate::errno(kernel::bindings::ETIMEDOUT));
+                }
+            }
+            crate::glue::msleep(2);
+        }
+    }
+
+    fn event(&self, what: &str) {
+        Event::new(abi::EVENT_STATE_CHANGED, self.id, &self.uuid).message(what).send();
+    }
 }
 
 /// Fixed slots: adding a vGPU never grows the table, and removal is O(1).
@@ -137,7 +172,104 @@ impl State {
         let mut sim = vgpu.sim.lock();
         let log = sim.vfio_dirty.as_mut().ok_or(EINVAL)?;
         log.drain_range(iova, length, report);
+        // As for /dev/hag's log: a running submission's pages stay dirty.
+        sim.mark_running_write_set();
         Ok(())
+    }
+
+    /// VFIO migration: acts on the arc `cur` to `next` and tells glue.c
+    /// what to do with the data files. Only the arcs of
+    /// `VFIO_MIGRATION_STOP_COPY` exist; VFIO's core picks nothing else.
+    pub(crate) fn mig_step(&self, id: u32, cur: u32, next: u32) -> Result<MigAction> {
+        use mig_state::{RESUMING, RUNNING, STOP, STOP_COPY};
+        let vgpu = self.vgpu(id)?;
+        let action = match (cur, next) {
+            (RUNNING, STOP) => {
+                if let Err(e) = vgpu.quiesce(MIG_QUIESCE_MS) {
+                    pr_info!(
+                        "vGPU {}: VFIO migration: the engine did not go idle within {} ms; staying RUNNING\n",
+                        id,
+                        MIG_QUIESCE_MS
+                    );
+                    return Err(e);
+                }
+                let mut sim = vgpu.sim.lock();
+                // IOC_RESUME may have let it go meanwhile.
+                if !sim.quiesced || sim.busy() {
+                    return Err(EBUSY);
+                }
+                sim.vfio_stopped = true;
+                drop(sim);
+                vgpu.event("stopped for VFIO migration");
+                MigAction::None
+            }
+            (STOP, RUNNING) => {
+                let mut sim = vgpu.sim.lock();
+                sim.vfio_stopped = false;
+                sim.resume(&vgpu.handle);
+                drop(sim);
+                vgpu.event("resumed by VFIO migration");
+                MigAction::None
+            }
+            (STOP, STOP_COPY) => MigAction::Save,
+            (STOP_COPY, STOP) => MigAction::Close,
+            (STOP, RESUMING) => MigAction::Resume,
+            (RESUMING, STOP) => MigAction::Load,
+            _ => {
+                pr_warn!(
+                    "vGPU {}: VFIO migration arc {} -> {} is not supported\n",
+                    id,
+                    mig_state::name(cur),
+                    mig_state::name(next)
+                );
+                return Err(EINVAL);
+            }
+        };
+        Ok(action)
+    }
+
+    /// VFIO migration: the snapshot of a stopped vGPU into `out`; returns
+    /// the bytes used.
+    pub(crate) fn mig_save(&self, id: u32, out: &mut [u8]) -> Result<usize> {
+        let vgpu = self.vgpu(id)?;
+        let sim = vgpu.sim.lock();
+        if !sim.vfio_stopped {
+            return Err(EBUSY);
+        }
+        sim.save(out)
+    }
+
+    /// VFIO migration: loads a snapshot a VMM wrote into a stopped vGPU.
+    /// A snapshot that does not check out is refused, the vGPU unchanged.
+    pub(crate) fn mig_restore(&self, id: u32, bytes: &[u8]) -> Result {
+        let vgpu = self.vgpu(id)?;
+        let mut sim = vgpu.sim.lock();
+        if !sim.vfio_stopped {
+            return Err(EBUSY);
+        }
+        if let Err(e) = sim.restore(bytes) {
+            pr_info!(
+                "vGPU {}: VFIO migration: snapshot of {} bytes refused (error {}); the vGPU keeps its context\n",
+                id,
+                bytes.len(),
+                e.to_errno()
+            );
+            return Err(e);
+        }
+        drop(sim);
+        vgpu.event("restored by VFIO migration");
+        Ok(())
+    }
+
+    /// VFIO migration state reset to RUNNING (close or device reset):
+    /// VFIO's hold on the vGPU goes.
+    pub(crate) fn mig_reset(&self, id: u32) {
+        let Ok(vgpu) = self.vgpu(id) else { return };
+        let mut sim = vgpu.sim.lock();
+        if sim.vfio_stopped {
+            sim.vfio_stopped = false;
+            sim.resume(&vgpu.handle);
+        }
     }
 
     /// The vGPU's work item ran.

@@ -21,8 +21,8 @@ use nix::errno::Errno;
 mod ioctl {
     use hag_abi::abi::{
         HagDirtyRead, HagDirtyStart, HagVersion, HagVgpuList, HagVgpuRef, HagVgpuStats,
-        HagWatchdog, IOC_DIRTY_READ_CLEAR, IOC_DIRTY_START, IOC_DIRTY_STOP, IOC_LIST_VGPUS,
-        IOC_SET_WATCHDOG, IOC_VERSION, IOC_VGPU_STATS,
+        HagWatchdog, IOC_DIRTY_READ_CLEAR, IOC_DIRTY_START, IOC_DIRTY_STOP, IOC_INJECT_HANG,
+        IOC_LIST_VGPUS, IOC_SET_WATCHDOG, IOC_VERSION, IOC_VGPU_STATS,
     };
 
     nix::ioctl_read_bad!(
@@ -67,6 +67,12 @@ mod ioctl {
         set_watchdog,
         IOC_SET_WATCHDOG,
         HagWatchdog
+    );
+    nix::ioctl_write_ptr_bad!(
+        /// `IOC_INJECT_HANG`: declare a vGPU hung (tests only).
+        inject_hang,
+        IOC_INJECT_HANG,
+        HagVgpuRef
     );
 }
 
@@ -360,6 +366,378 @@ impl Device {
                 errno,
             }
         })?;
+        Ok(())
+    }
+}
+
+/// A user address through which the kernel can neither read nor write, for
+/// checking that the module answers a bad pointer with `EFAULT`.
+///
+/// Every variant is unusable by construction, which is what makes passing it
+/// to an ioctl safe whatever the module does with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BadAddress {
+    /// Address 0.
+    Null,
+    /// Address 1, in page 0, which this process never maps (the kernel's
+    /// `vm.mmap_min_addr` keeps the low pages unmapped, and nothing here
+    /// asks for them).
+    Low,
+    /// An address in the kernel half of the address space: user-copy
+    /// routines refuse it before touching memory.
+    Kernel,
+    /// An address past the 64-bit user/kernel split that is not canonical.
+    NonCanonical,
+    /// A page of this process mapped `PROT_NONE` for the duration of the
+    /// call: a valid mapping that faults on any access.
+    NoAccess,
+}
+
+impl BadAddress {
+    /// Every kind, for tests that try them all.
+    pub const ALL: [BadAddress; 5] = [
+        BadAddress::Null,
+        BadAddress::Low,
+        BadAddress::Kernel,
+        BadAddress::NonCanonical,
+        BadAddress::NoAccess,
+    ];
+
+    /// A short name for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            BadAddress::Null => "NULL",
+            BadAddress::Low => "0x1",
+            BadAddress::Kernel => "a kernel address",
+            BadAddress::NonCanonical => "a non-canonical address",
+            BadAddress::NoAccess => "a PROT_NONE page",
+        }
+    }
+
+    /// Calls `f` with the address (as the `u64` an ioctl structure carries);
+    /// for [`BadAddress::NoAccess`] the `PROT_NONE` page exists exactly for
+    /// the duration of `f`.
+    pub fn with<R>(self, f: impl FnOnce(u64) -> R) -> Result<R, Errno> {
+        match self {
+            BadAddress::Null => Ok(f(0)),
+            BadAddress::Low => Ok(f(1)),
+            BadAddress::Kernel => Ok(f(0xffff_8880_0000_0000)),
+            BadAddress::NonCanonical => Ok(f(0x8000_0000_0000_0000)),
+            BadAddress::NoAccess => {
+                let page = NoAccessPage::new()?;
+                Ok(f(page.addr()))
+            }
+        }
+    }
+}
+
+/// One page mapped `PROT_NONE`, unmapped on drop.
+struct NoAccessPage {
+    ptr: std::ptr::NonNull<core::ffi::c_void>,
+}
+
+const PAGE: usize = 4096;
+
+impl NoAccessPage {
+    fn new() -> Result<Self, Errno> {
+        use nix::sys::mman::{mmap_anonymous, MapFlags, ProtFlags};
+        let len = std::num::NonZeroUsize::new(PAGE).ok_or(Errno::EINVAL)?;
+        // SAFETY: a fresh private anonymous mapping at an address the kernel
+        // chooses aliases no Rust object; it is never dereferenced, only
+        // handed to the kernel as an address, and unmapped in `Drop`.
+        let ptr = unsafe {
+            mmap_anonymous(
+                None,
+                len,
+                ProtFlags::PROT_NONE,
+                MapFlags::MAP_PRIVATE | MapFlags::MAP_NORESERVE,
+            )
+        }?;
+        Ok(NoAccessPage { ptr })
+    }
+
+    fn addr(&self) -> u64 {
+        self.ptr.as_ptr().expose_provenance() as u64
+    }
+}
+
+impl Drop for NoAccessPage {
+    fn drop(&mut self) {
+        // SAFETY: exactly the mapping made in `new`; nothing refers into it.
+        let _ = unsafe { nix::sys::mman::munmap(self.ptr, PAGE) };
+    }
+}
+
+/// Largest argument size an ioctl number can encode (its 14-bit size
+/// field): a scratch buffer this large holds whatever a command names.
+pub const IOCTL_SCRATCH_BYTES: usize = (1 << 14) - 1;
+
+/// Raw calls with malformed arguments, for testing that the module rejects
+/// them (`hag-vmm hostile`). Each returns the kernel's answer unchanged.
+impl Device {
+    /// Issues ioctl number `cmd` with a pointer to a zeroed, writable
+    /// scratch buffer of [`IOCTL_SCRATCH_BYTES`]: meant for numbers the
+    /// module does not know (it must answer `ENOTTY`).
+    pub fn raw_ioctl_scratch(&self, cmd: u32) -> Result<i32, Errno> {
+        let mut scratch = vec![0u8; IOCTL_SCRATCH_BYTES];
+        // SAFETY: `self.file` is open for the duration of the call; the
+        // argument points at `scratch`, a live writable buffer as large as
+        // any size an ioctl number can encode, so whatever the kernel reads
+        // or writes for `cmd` lies inside it. Zeroed structures carry only
+        // null pointers, which the kernel cannot follow into this process.
+        let ret =
+            unsafe { nix::libc::ioctl(self.file.as_raw_fd(), cmd as _, scratch.as_mut_ptr()) };
+        Errno::result(ret)
+    }
+
+    /// Issues ioctl number `cmd` with the unusable address `addr` as its
+    /// argument pointer (expected answer: `EFAULT`).
+    pub fn raw_ioctl_bad_arg(&self, cmd: u32, addr: BadAddress) -> Result<i32, Errno> {
+        addr.with(|a| {
+            // SAFETY: `self.file` is open for the call; the argument is an
+            // address the kernel can neither read nor write (see
+            // [`BadAddress`]), so the call cannot touch this process's
+            // memory.
+            let ret = unsafe { nix::libc::ioctl(self.file.as_raw_fd(), cmd as _, a as usize) };
+            Errno::result(ret)
+        })?
+    }
+
+    /// `IOC_LIST_VGPUS` with `capacity` and the entries at `entries`: a real
+    /// array of `capacity` entries when `None` (so `capacity` must be
+    /// allocatable), else an unusable address. Returns the module's answer.
+    pub fn list_vgpus_raw(
+        &self,
+        capacity: u32,
+        entries: Option<BadAddress>,
+    ) -> Result<HagVgpuList, Errno> {
+        let call = |addr: u64, list: &mut HagVgpuList| {
+            list.entries = addr;
+            // SAFETY: `self.file` is open for the call and `list` is a live
+            // `HagVgpuList`. `list.entries` is either the address of an
+            // array of `list.capacity` writable entries that outlives the
+            // call (below) or an address the kernel cannot write.
+            unsafe { ioctl::list_vgpus(self.file.as_raw_fd(), list) }
+        };
+        let mut list = HagVgpuList {
+            capacity,
+            count: 0,
+            entries: 0,
+        };
+        match entries {
+            None => {
+                let mut array = vec![HagVgpuInfo::default(); capacity as usize];
+                let addr = array.as_mut_ptr().expose_provenance() as u64;
+                call(addr, &mut list)?;
+                drop(array);
+            }
+            Some(bad) => {
+                bad.with(|addr| call(addr, &mut list))??;
+            }
+        }
+        Ok(list)
+    }
+
+    /// `IOC_DIRTY_START` with every field as given (reserved included).
+    pub fn dirty_start_raw(&self, arg: HagDirtyStart) -> Result<(), Errno> {
+        // SAFETY: `self.file` is open for the call and `arg` is a live
+        // `HagDirtyStart` that the kernel only reads.
+        unsafe { ioctl::dirty_start(self.file.as_raw_fd(), &arg) }?;
+        Ok(())
+    }
+
+    /// `IOC_DIRTY_READ_CLEAR` into `bitmap`, telling the module it has only
+    /// `claimed_bytes` (at most the slice's size; larger claims are cut to
+    /// it), to check that a too-small buffer is refused.
+    pub fn dirty_read_clear_claiming(
+        &self,
+        vgpu_id: u32,
+        bitmap: &mut [u64],
+        claimed_bytes: u64,
+    ) -> Result<u64, Errno> {
+        let mut arg = HagDirtyRead {
+            vgpu_id,
+            reserved: 0,
+            bitmap: bitmap.as_mut_ptr().expose_provenance() as u64,
+            bitmap_bytes: claimed_bytes.min((bitmap.len() * 8) as u64),
+            dirty_pages: 0,
+        };
+        // SAFETY: `self.file` is open for the call; `arg` is a live
+        // `HagDirtyRead` and `arg.bitmap` the address of `bitmap`, borrowed
+        // mutably for the call and at least `bitmap_bytes` long; even a
+        // module that ignored the claim could write only what it has
+        // promised never to exceed, `bitmap_bytes`.
+        unsafe { ioctl::dirty_read_clear(self.file.as_raw_fd(), &mut arg) }?;
+        Ok(arg.dirty_pages)
+    }
+
+    /// `IOC_DIRTY_READ_CLEAR` with the bitmap at an unusable address.
+    pub fn dirty_read_clear_bad(
+        &self,
+        vgpu_id: u32,
+        bitmap_bytes: u64,
+        bitmap: BadAddress,
+    ) -> Result<u64, Errno> {
+        bitmap.with(|addr| {
+            let mut arg = HagDirtyRead {
+                vgpu_id,
+                reserved: 0,
+                bitmap: addr,
+                bitmap_bytes,
+                dirty_pages: 0,
+            };
+            // SAFETY: `self.file` is open for the call; `arg` is a live
+            // `HagDirtyRead` whose bitmap address the kernel cannot write.
+            unsafe { ioctl::dirty_read_clear(self.file.as_raw_fd(), &mut arg) }
+                .map(|_| arg.dirty_pages)
+        })?
+    }
+
+    /// `IOC_INJECT_HANG`: declares vGPU `vgpu_id` hung (only if the module
+    /// was loaded with `allow_hang_injection=1`; `EPERM` otherwise).
+    pub fn inject_hang(&self, vgpu_id: u32) -> Result<(), DirtyError> {
+        let arg = HagVgpuRef {
+            vgpu_id,
+            reserved: 0,
+        };
+        // SAFETY: `self.file` is open for the call and `arg` is a live
+        // `HagVgpuRef`, the type IOC_INJECT_HANG encodes; the kernel only
+        // reads it.
+        unsafe { ioctl::inject_hang(self.file.as_raw_fd(), &arg) }.map_err(|errno| {
+            DirtyError::Ioctl {
+                ioctl: "IOC_INJECT_HANG",
+                vgpu_id,
+                errno,
+            }
+        })?;
+        Ok(())
+    }
+}
+
+mod ioctl_ctx {
+    use hag_abi::abi::{
+        HagContextBuf, HagQuiesce, HagVgpuRef, IOC_QUIESCE, IOC_RESTORE_CONTEXT, IOC_RESUME,
+        IOC_SAVE_CONTEXT,
+    };
+
+    nix::ioctl_write_ptr_bad!(
+        /// `IOC_QUIESCE`: hold submissions and wait for the engine.
+        quiesce,
+        IOC_QUIESCE,
+        HagQuiesce
+    );
+    nix::ioctl_write_ptr_bad!(
+        /// `IOC_RESUME`: release a quiesced vGPU.
+        resume,
+        IOC_RESUME,
+        HagVgpuRef
+    );
+    nix::ioctl_readwrite_bad!(
+        /// `IOC_SAVE_CONTEXT`: write a quiesced vGPU's snapshot.
+        save_context,
+        IOC_SAVE_CONTEXT,
+        HagContextBuf
+    );
+    nix::ioctl_write_ptr_bad!(
+        /// `IOC_RESTORE_CONTEXT`: restore a snapshot into a vGPU.
+        restore_context,
+        IOC_RESTORE_CONTEXT,
+        HagContextBuf
+    );
+}
+
+/// vGPU context snapshots: quiesce, save, restore, resume (for migration).
+impl Device {
+    fn ctx_err(ioctl: &'static str, vgpu_id: u32) -> impl FnOnce(Errno) -> DirtyError {
+        move |errno| DirtyError::Ioctl {
+            ioctl,
+            vgpu_id,
+            errno,
+        }
+    }
+
+    /// Holds vGPU `vgpu_id`'s new submissions and waits up to `timeout_ms`
+    /// for its engine to go idle. `ETIMEDOUT`: still busy, nothing held.
+    pub fn quiesce(&self, vgpu_id: u32, timeout_ms: u32) -> Result<(), DirtyError> {
+        let arg = abi::HagQuiesce {
+            vgpu_id,
+            timeout_ms,
+        };
+        // SAFETY: `self.file` is open for the call and `arg` is a live
+        // `HagQuiesce`, the type IOC_QUIESCE encodes; the kernel only reads
+        // it.
+        unsafe { ioctl_ctx::quiesce(self.file.as_raw_fd(), &arg) }
+            .map_err(Self::ctx_err("IOC_QUIESCE", vgpu_id))?;
+        Ok(())
+    }
+
+    /// Releases a quiesced vGPU.
+    pub fn resume(&self, vgpu_id: u32) -> Result<(), DirtyError> {
+        let arg = HagVgpuRef {
+            vgpu_id,
+            reserved: 0,
+        };
+        // SAFETY: `self.file` is open for the call and `arg` is a live
+        // `HagVgpuRef`, the type IOC_RESUME encodes; the kernel only reads
+        // it.
+        unsafe { ioctl_ctx::resume(self.file.as_raw_fd(), &arg) }
+            .map_err(Self::ctx_err("IOC_RESUME", vgpu_id))?;
+        Ok(())
+    }
+
+    /// Saves the context snapshot of quiesced vGPU `vgpu_id`, growing the
+    /// buffer once if the module asks for more (up to
+    /// [`abi::CONTEXT_MAX_BYTES`]).
+    pub fn save_context(&self, vgpu_id: u32) -> Result<Vec<u8>, DirtyError> {
+        let mut size = 64 << 10;
+        for _ in 0..2 {
+            let mut buf = vec![0u8; size];
+            let mut arg = abi::HagContextBuf {
+                vgpu_id,
+                reserved: 0,
+                buf: buf.as_mut_ptr().expose_provenance() as u64,
+                buf_bytes: buf.len() as u64,
+                used_bytes: 0,
+            };
+            // SAFETY: `self.file` is open for the call; `arg` is a live
+            // `HagContextBuf` and `arg.buf` the address of `buf`,
+            // `buf_bytes` initialised writable bytes that outlive the call.
+            // The module writes at most `buf_bytes` there.
+            let res = unsafe { ioctl_ctx::save_context(self.file.as_raw_fd(), &mut arg) };
+            match res {
+                Ok(_) if arg.used_bytes <= buf.len() as u64 => {
+                    buf.truncate(arg.used_bytes as usize);
+                    return Ok(buf);
+                }
+                Err(Errno::ENOSPC)
+                    if arg.used_bytes > size as u64 && arg.used_bytes <= abi::CONTEXT_MAX_BYTES =>
+                {
+                    size = arg.used_bytes as usize;
+                }
+                Ok(_) => return Err(Self::ctx_err("IOC_SAVE_CONTEXT", vgpu_id)(Errno::EOVERFLOW)),
+                Err(e) => return Err(Self::ctx_err("IOC_SAVE_CONTEXT", vgpu_id)(e)),
+            }
+        }
+        Err(Self::ctx_err("IOC_SAVE_CONTEXT", vgpu_id)(Errno::ENOSPC))
+    }
+
+    /// Restores `snapshot` into vGPU `vgpu_id`, which stays quiesced
+    /// (release it with [`Device::resume`]). `EINVAL`: damaged; `EPROTO`:
+    /// unknown version; `EXDEV`: the vGPU does not match.
+    pub fn restore_context(&self, vgpu_id: u32, snapshot: &[u8]) -> Result<(), DirtyError> {
+        let arg = abi::HagContextBuf {
+            vgpu_id,
+            reserved: 0,
+            buf: snapshot.as_ptr().expose_provenance() as u64,
+            buf_bytes: snapshot.len() as u64,
+            used_bytes: 0,
+        };
+        // SAFETY: `self.file` is open for the call; `arg` is a live
+        // `HagContextBuf` whose `buf` is the address of `snapshot`,
+        // `buf_bytes` readable bytes borrowed for the call; the kernel only
+        // reads them.
+        unsafe { ioctl_ctx::restore_context(self.file.as_raw_fd(), &arg) }
+            .map_err(Self::ctx_err("IOC_RESTORE_CONTEXT", vgpu_id))?;
         Ok(())
     }
 }

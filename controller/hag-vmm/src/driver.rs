@@ -834,6 +834,97 @@ impl<'m, R: Registers> Driver<'m, R> {
     }
 }
 
+/// Everything the driver keeps outside guest RAM: with the device's own
+/// context (restored through `/dev/hag`) and guest RAM, enough to continue
+/// driving the same vGPU state from another process ([`Driver::restore`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DriverState {
+    /// Ring size in pages.
+    pub ring_pages: u32,
+    /// The GTT maps graphics page `i` to guest page `i`.
+    pub identity_gtt: bool,
+    /// Graphics pages mapped by the GTT.
+    pub gtt_pages: u64,
+    /// The allocator's next free graphics page.
+    pub next_page: u64,
+    /// Graphics address of the ring.
+    pub ring_gfx: u64,
+    /// Graphics address of the status page.
+    pub hws_gfx: u64,
+    /// Ring tail last written (byte offset).
+    pub tail: u32,
+    /// Last sequence number handed out.
+    pub seqno: u32,
+}
+
+impl<'m, R: Registers> Driver<'m, R> {
+    /// The driver's state outside guest RAM.
+    pub fn state(&self) -> DriverState {
+        DriverState {
+            ring_pages: self.ring_pages,
+            identity_gtt: self.gtt.guest_page(1) == Some(1) || self.gtt.pages() < 2,
+            gtt_pages: self.gtt.pages(),
+            next_page: self.alloc.next_page,
+            ring_gfx: self.ring_gfx,
+            hws_gfx: self.hws_gfx,
+            tail: self.tail,
+            seqno: self.seqno,
+        }
+    }
+
+    /// Takes over a device whose context was restored from another driver
+    /// that had `state`, over the same guest RAM: probes (reads only), and
+    /// checks that `state` fits this device and RAM, but writes no
+    /// register: GTT, ring and interrupts are as the context left them.
+    pub fn restore(regs: R, ram: &'m GuestRam, state: &DriverState) -> Result<Self, DriverError> {
+        let info = probe(&regs)?;
+        let mapped = ram.pages().min(u64::from(info.gtt_entries));
+        let bad = |what: String| Err(DriverError::BadDevice(format!("driver state: {what}")));
+        if state.gtt_pages != mapped {
+            return bad(format!(
+                "{} mapped graphics pages, this VM maps {mapped}",
+                state.gtt_pages
+            ));
+        }
+        if !(1..=512).contains(&state.ring_pages) || state.tail >= state.ring_pages * 4096 {
+            return bad(format!(
+                "ring of {} pages with tail {:#x}",
+                state.ring_pages, state.tail
+            ));
+        }
+        let ring_end = state.ring_gfx + u64::from(state.ring_pages) * PAGE_SIZE;
+        if state.next_page > mapped
+            || ring_end > state.next_page * PAGE_SIZE
+            || state.hws_gfx >= state.next_page * PAGE_SIZE
+        {
+            return bad(format!(
+                "ring {:#x}, status page {:#x} or allocator page {} outside the {mapped} mapped pages",
+                state.ring_gfx, state.hws_gfx, state.next_page
+            ));
+        }
+        let layout = if state.identity_gtt {
+            GttLayout::Identity
+        } else {
+            GttLayout::Scattered
+        };
+        Ok(Driver {
+            regs,
+            ram,
+            info,
+            gtt: GttMap::new(mapped, layout),
+            alloc: BumpAlloc {
+                next_page: state.next_page,
+                end_page: mapped,
+            },
+            ring_gfx: state.ring_gfx,
+            ring_pages: state.ring_pages,
+            tail: state.tail,
+            hws_gfx: state.hws_gfx,
+            seqno: state.seqno,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

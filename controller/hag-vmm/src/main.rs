@@ -9,8 +9,17 @@
 //! PASS batch: 26 commands, written 4 pages, dirty 4, missed 0, precision 1.00
 //! ```
 //!
+//! `hag-vmm hostile --mdev UUID` attacks the module instead (bad ioctls,
+//! bad region accesses, fuzzed command streams; see [`hag_vmm::hostile`]):
+//!
+//! ```text
+//! PASS hostile: 300 rounds (completed 35, rejected 210, hung 25, faults 30), 102 ioctl checks
+//! ```
+//!
 //! Any failure (a workload's check, or the machinery) exits 1 after one
 //! line on stderr, `hag-vmm: <what>: <why>`.
+
+mod vfio_migration;
 
 use std::collections::BTreeSet;
 use std::process::ExitCode;
@@ -22,6 +31,7 @@ use hag_abi::abi;
 use hag_dev::{bitmap_pages, bitmap_words, Device};
 use hag_vmm::check::{run_workload, DirtyLog, Report};
 use hag_vmm::driver::{Driver, DriverConfig, GttLayout};
+use hag_vmm::hostile::{self, HostileConfig};
 use hag_vmm::ram::GuestRam;
 use hag_vmm::vfio::VfioDevice;
 use hag_vmm::workloads;
@@ -44,6 +54,23 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Move a vGPU's context between two mdevs through VFIO migration v2
+    /// and check the module's side of it
+    #[command(after_long_help = "\
+Attaches both mdevs, runs workloads on --mdev, checks that RUNNING -> STOP
+fails with ETIMEDOUT while a batch loops, then STOP, STOP_COPY (reads the
+data fd to EOF), RESUMING on --mdev2 with the data, STOP, RUNNING; compares
+registers and GTT entries, runs a workload on --mdev2, and checks that a
+damaged or truncated snapshot and too many bytes are refused. One 'ok:'
+line per step, then 'PASS vfio-migration: …'; any failure exits 1.")]
+    VfioMigrationCheck {
+        /// UUID of the source hag-sim mdev
+        #[arg(long, value_name = "UUID")]
+        mdev: String,
+        /// UUID of the target hag-sim mdev
+        #[arg(long, value_name = "UUID")]
+        mdev2: String,
+    },
     /// Run GPU workloads on an mdev and check hag's dirty log
     #[command(after_long_help = "\
 Workloads: stores, blit, batch (each must complete), hang (must hang the vGPU:
@@ -95,6 +122,78 @@ written page counts as missed: the check must then fail.")]
         /// Map graphics page i to guest page i (default: scattered)
         #[arg(long)]
         identity_gtt: bool,
+    },
+    /// Attack the module: bad /dev/hag ioctls, bad VFIO accesses, fuzzed
+    /// command streams
+    #[command(after_long_help = "\
+Part 1 calls every /dev/hag ioctl with bad numbers, pointers, ranges and ids
+and checks the exact errno of each answer (the module must be loaded
+without allow_hang_injection). Part 2 does the same on the VFIO device fd
+(region and IRQ info, SET_IRQS, BAR0 and config reads and writes). Part 3
+runs --iterations rounds of hostile command streams (random dwords, mutated
+valid commands, self-chaining batches, GTT entries rewritten and the ring
+moved while work runs) with the watchdog at its minimum, resetting the vGPU
+after each; no guest page outside what the GTT mapped during a round may
+change, each changed page must be in hag's dirty log, and the vGPU must
+still answer.
+
+Text output:
+  PASS hostile: 300 rounds (completed X, rejected Y, hung Z, faults W), N ioctl checks
+JSON output (--json): one object with the same counts, the seed and
+'violations'. Any violated expectation fails the run (exit 1), naming it.")]
+    Hostile {
+        /// UUID of the hag-sim mdev
+        #[arg(long, value_name = "UUID")]
+        mdev: String,
+        /// Seed of the command generator
+        #[arg(long, value_name = "N", default_value_t = 1)]
+        seed: u64,
+        /// Fuzzing rounds
+        #[arg(long, value_name = "N", default_value_t = 300)]
+        iterations: u32,
+        /// Seconds to wait for one round's submission
+        #[arg(long, value_name = "SECONDS", default_value = "3", value_parser = parse_seconds)]
+        round_timeout: Duration,
+        /// Print one JSON object instead of text
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run a long GPU workload as a migratable VM, controlled through a
+    /// unix socket
+    #[command(after_long_help = "\
+Guest RAM is a memfd; the vGPU is attached through VFIO. The 'frames'
+workload runs --iterations iterations (blits, stores, an MI_ATOMIC counter,
+all state in guest RAM), then verifies all of it and prints one line:
+  PASS frames: 3000 iterations verified
+  FAIL frames: history slot 812 at gfx 0x3000 (guest page 1234) is 0x00000000, expected …
+and exits 0 or 1. A controller (hagctl migrate / receive) talks to the VM
+through --control; the protocol is in hag_vmm::control. A VM stopped with
+'quit' prints 'stopped: quit at iteration N' and exits 0.
+
+--incoming attaches the vGPU and guest RAM but does not initialise either:
+it waits for a controller to fill RAM, restore the vGPU context, set the VM
+state and resume it, then continues the workload where it was.")]
+    Serve {
+        /// UUID of the hag-sim mdev
+        #[arg(long, value_name = "UUID")]
+        mdev: String,
+        /// Path of the control socket
+        #[arg(long, value_name = "PATH")]
+        control: std::path::PathBuf,
+        /// Workload (frames)
+        #[arg(long, value_name = "NAME", default_value = "frames")]
+        workload: String,
+        /// Iterations of the workload
+        #[arg(long, value_name = "N", default_value_t = hag_vmm::frames::DEFAULT_ITERATIONS,
+              value_parser = clap::value_parser!(u32).range(0..=i64::from(hag_vmm::frames::MAX_ITERATIONS)))]
+        iterations: u32,
+        /// Guest RAM in MiB
+        #[arg(long, value_name = "MIB", default_value_t = 64,
+              value_parser = clap::value_parser!(u64).range(1..=4096))]
+        ram_mib: u64,
+        /// Wait for a controller to fill the VM and resume it
+        #[arg(long)]
+        incoming: bool,
     },
 }
 
@@ -240,9 +339,49 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn run_hostile(cfg: &HostileConfig, json: bool) -> anyhow::Result<()> {
+    let report = hostile::run(cfg)?;
+    if json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("{}", report.summary());
+        for v in &report.violations {
+            println!("  violated: {v}");
+        }
+    }
+    if let Some(first) = report.violations.first() {
+        bail!(
+            "hostile: {} expectation(s) violated, first: {first}",
+            report.violations.len()
+        );
+    }
+    Ok(())
+}
+
+fn run_serve(cfg: &hag_vmm::serve::ServeConfig) -> anyhow::Result<()> {
+    match hag_vmm::serve::serve(cfg)? {
+        hag_vmm::serve::Outcome::Finished { passed: true, line } => {
+            println!("{line}");
+            Ok(())
+        }
+        hag_vmm::serve::Outcome::Finished {
+            passed: false,
+            line,
+        } => {
+            println!("{line}");
+            bail!("the frames workload failed its verification")
+        }
+        hag_vmm::serve::Outcome::Quit { iteration } => {
+            println!("stopped: quit at iteration {iteration}");
+            Ok(())
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::VfioMigrationCheck { mdev, mdev2 } => vfio_migration::run(&mdev, &mdev2),
         Command::Run {
             mdev,
             workload,
@@ -263,6 +402,36 @@ fn main() -> ExitCode {
             watchdog_ms,
             ring_pages,
             identity_gtt,
+        }),
+        Command::Hostile {
+            mdev,
+            seed,
+            iterations,
+            round_timeout,
+            json,
+        } => run_hostile(
+            &HostileConfig {
+                mdev,
+                seed,
+                iterations,
+                round_timeout,
+            },
+            json,
+        ),
+        Command::Serve {
+            mdev,
+            control,
+            workload,
+            iterations,
+            ram_mib,
+            incoming,
+        } => run_serve(&hag_vmm::serve::ServeConfig {
+            mdev,
+            control,
+            workload,
+            iterations,
+            ram_mib,
+            incoming,
         }),
     };
     match result {
@@ -314,11 +483,71 @@ mod tests {
             timeout,
             ring_pages,
             ..
-        } = cli.command;
+        } = cli.command
+        else {
+            panic!("not run");
+        };
         assert_eq!(ram_mib, 64);
         assert!(!json && !no_dirty_log);
         assert_eq!(timeout, Duration::from_secs(10));
         assert_eq!(ring_pages, 2);
         assert!(Cli::try_parse_from(["hag-vmm", "run", "--mdev", "x", "--workload", "x"]).is_err());
+    }
+
+    #[test]
+    fn serve_parses_with_defaults() {
+        let cli =
+            Cli::try_parse_from(["hag-vmm", "serve", "--mdev", "u", "--control", "/s"]).unwrap();
+        let Command::Serve {
+            workload,
+            iterations,
+            ram_mib,
+            incoming,
+            ..
+        } = cli.command
+        else {
+            panic!("not serve");
+        };
+        assert_eq!(workload, "frames");
+        assert_eq!(iterations, hag_vmm::frames::DEFAULT_ITERATIONS);
+        assert_eq!((ram_mib, incoming), (64, false));
+    }
+
+    #[test]
+    fn hostile_parses_with_defaults() {
+        let cli = Cli::try_parse_from(["hag-vmm", "hostile", "--mdev", "u"]).unwrap();
+        let Command::Hostile {
+            seed,
+            iterations,
+            round_timeout,
+            json,
+            ..
+        } = cli.command
+        else {
+            panic!("not hostile");
+        };
+        assert_eq!((seed, iterations, json), (1, 300, false));
+        assert_eq!(round_timeout, Duration::from_secs(3));
+        let cli = Cli::try_parse_from([
+            "hag-vmm",
+            "hostile",
+            "--mdev",
+            "u",
+            "--seed",
+            "9",
+            "--iterations",
+            "5",
+            "--json",
+        ])
+        .unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Hostile {
+                seed: 9,
+                iterations: 5,
+                json: true,
+                ..
+            }
+        ));
     }
 }

@@ -7,7 +7,10 @@
 //! access copies through a raw pointer.
 
 use std::num::NonZeroUsize;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use nix::sys::mman::{mmap_anonymous, munmap, MapFlags, ProtFlags};
 
@@ -44,6 +47,12 @@ pub enum RamError {
 pub struct GuestRam {
     base: NonNull<u8>,
     size: u64,
+    /// The memfd behind a shared mapping ([`GuestRam::new_memfd`],
+    /// [`GuestRam::map_fd`]); closed after the mapping is gone.
+    fd: Option<OwnedFd>,
+    /// The log of this process's writes through [`GuestRam::write`], if
+    /// kept (what KVM's dirty log is for a real VM's CPU).
+    cpu_dirty: Option<Arc<CpuDirtyLog>>,
 }
 
 impl GuestRam {
@@ -74,6 +83,8 @@ impl GuestRam {
         Ok(GuestRam {
             base: ptr.cast(),
             size,
+            fd: None,
+            cpu_dirty: None,
         })
     }
 
@@ -129,6 +140,9 @@ impl GuestRam {
     /// Copies `data` into guest RAM at `gpa`.
     pub fn write(&self, gpa: u64, data: &[u8]) -> Result<(), RamError> {
         let off = self.check(gpa, data.len())?;
+        if let Some(log) = &self.cpu_dirty {
+            log.mark(gpa, data.len() as u64);
+        }
         // SAFETY: `check` proved the destination lies inside the live,
         // writable mapping; `data` is a distinct Rust buffer. No Rust
         // reference to guest RAM exists, so writing through `&self` breaks
@@ -200,6 +214,136 @@ impl Drop for GuestRam {
         // nothing refers into it once `self` is gone. (If VFIO still has it
         // mapped for DMA, the pages stay pinned by VFIO, not freed under it.)
         let _ = unsafe { munmap(self.base.cast(), self.size as usize) };
+        // `self.fd` closes after this, once nothing maps through it here.
+    }
+}
+
+/// One bit per guest page, set by every write through [`GuestRam::write`]
+/// (bit `i % 64` of word `i / 64` is page `i`, as in hag's GPU log). Shared
+/// between the VM loop that writes and the control socket that reads it.
+pub struct CpuDirtyLog {
+    words: Box<[AtomicU64]>,
+    pages: u64,
+}
+
+impl CpuDirtyLog {
+    /// A clear log of `pages` pages.
+    pub fn new(pages: u64) -> Self {
+        CpuDirtyLog {
+            words: (0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            pages,
+        }
+    }
+
+    /// Marks every page of `[gpa, gpa + len)` (already bounds-checked).
+    fn mark(&self, gpa: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        let first = gpa / PAGE_SIZE;
+        let last = (gpa + len - 1) / PAGE_SIZE;
+        for page in first..=last.min(self.pages.saturating_sub(1)) {
+            self.words[(page / 64) as usize].fetch_or(1 << (page % 64), Ordering::AcqRel);
+        }
+    }
+
+    /// Pages covered.
+    pub fn pages(&self) -> u64 {
+        self.pages
+    }
+
+    /// Reads and clears the bitmap, word by word (a bit set concurrently
+    /// lands in this read or the next, never in neither).
+    pub fn read_clear(&self) -> Vec<u64> {
+        self.words
+            .iter()
+            .map(|w| w.swap(0, Ordering::AcqRel))
+            .collect()
+    }
+}
+
+impl GuestRam {
+    /// Maps `size` bytes of zeroed guest RAM backed by a memfd, shared, so
+    /// that another process given the fd ([`GuestRam::fd`]) sees and
+    /// changes the same bytes; writes through [`GuestRam::write`] are
+    /// logged in [`GuestRam::cpu_dirty_log`].
+    pub fn new_memfd(size: u64) -> Result<Self, RamError> {
+        use nix::sys::memfd::{memfd_create, MFdFlags};
+        if size == 0 || size % PAGE_SIZE != 0 {
+            return Err(RamError::BadSize(size));
+        }
+        let err = |errno| RamError::Map {
+            mib: size >> 20,
+            errno,
+        };
+        let fd = memfd_create(c"hag-guest-ram", MFdFlags::MFD_CLOEXEC).map_err(err)?;
+        let len = i64::try_from(size).map_err(|_| RamError::BadSize(size))?;
+        nix::unistd::ftruncate(&fd, len).map_err(err)?;
+        let mut ram = Self::map_fd(fd, size)?;
+        ram.cpu_dirty = Some(Arc::new(CpuDirtyLog::new(size / PAGE_SIZE)));
+        Ok(ram)
+    }
+
+    /// Maps `size` bytes of the memfd `fd` (guest RAM another process
+    /// made with [`GuestRam::new_memfd`]) shared. Fails if the file is
+    /// shorter than `size`.
+    pub fn map_fd(fd: OwnedFd, size: u64) -> Result<Self, RamError> {
+        if size == 0 || size % PAGE_SIZE != 0 {
+            return Err(RamError::BadSize(size));
+        }
+        let len = usize::try_from(size)
+            .ok()
+            .and_then(NonZeroUsize::new)
+            .ok_or(RamError::BadSize(size))?;
+        let err = |errno| RamError::Map {
+            mib: size >> 20,
+            errno,
+        };
+        let st = nix::sys::stat::fstat(&fd).map_err(err)?;
+        if (st.st_size as u64) < size {
+            return Err(RamError::BadSize(size));
+        }
+        // SAFETY: a fresh shared mapping of a file at an address the kernel
+        // chooses aliases no Rust object. Other processes may change its
+        // bytes at any time, which is why no Rust reference into it is ever
+        // made (every access copies through a raw pointer). The file is at
+        // least `size` bytes (checked above), so no access faults with
+        // SIGBUS unless another process truncates it, which none of hag's
+        // does. Unmapped only in `Drop`.
+        let ptr = unsafe {
+            nix::sys::mman::mmap(
+                None,
+                len,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+                &fd,
+                0,
+            )
+        }
+        .map_err(err)?;
+        Ok(GuestRam {
+            base: ptr.cast(),
+            size,
+            fd: Some(fd),
+            cpu_dirty: None,
+        })
+    }
+
+    /// The memfd behind shared guest RAM.
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        self.fd.as_ref().map(|fd| fd.as_fd())
+    }
+
+    /// The log of CPU-side writes, if this RAM keeps one.
+    pub fn cpu_dirty_log(&self) -> Option<Arc<CpuDirtyLog>> {
+        self.cpu_dirty.clone()
+    }
+
+    /// Whether page `page` is all zero.
+    pub fn page_is_zero(&self, page: u64) -> Result<bool, RamError> {
+        let mut buf = [0u8; PAGE_SIZE as usize];
+        self.read(page * PAGE_SIZE, &mut buf)?;
+        Ok(buf.iter().all(|&b| b == 0))
     }
 }
 
@@ -249,6 +393,28 @@ mod tests {
         assert_eq!(ram.read_u64(0xff8).unwrap(), 0x3344_0000_0000_0000);
         let snap = ram.snapshot();
         assert_eq!(&snap[0xffe..0x1002], &[0x44, 0x33, 0x22, 0x11]);
+    }
+
+    #[test]
+    fn memfd_ram_is_shared_and_logs_cpu_writes() {
+        let ram = GuestRam::new_memfd(130 * PAGE_SIZE).unwrap();
+        let log = ram.cpu_dirty_log().unwrap();
+        assert_eq!(log.read_clear(), vec![0, 0, 0]);
+        ram.write_u32(0x1ffe, 0xdead_beef).unwrap(); // pages 1 and 2
+        ram.write(129 * PAGE_SIZE, &[1]).unwrap();
+        assert_eq!(log.read_clear(), vec![0b110, 0, 0b10]);
+        assert_eq!(log.read_clear(), vec![0, 0, 0]);
+        // A second mapping of the same fd sees the bytes and writes back.
+        let fd = ram.fd().unwrap().try_clone_to_owned().unwrap();
+        let other = GuestRam::map_fd(fd, 130 * PAGE_SIZE).unwrap();
+        assert_eq!(other.read_u32(0x1ffe).unwrap(), 0xdead_beef);
+        other.write_u32(0x3000, 7).unwrap();
+        assert_eq!(ram.read_u32(0x3000).unwrap(), 7);
+        assert!(!ram.page_is_zero(3).unwrap() && ram.page_is_zero(4).unwrap());
+        // Writes by the other mapping are not this process's CPU writes.
+        assert_eq!(log.read_clear(), vec![0, 0, 0]);
+        let fd = ram.fd().unwrap().try_clone_to_owned().unwrap();
+        assert!(GuestRam::map_fd(fd, 131 * PAGE_SIZE).is_err());
     }
 
     #[test]

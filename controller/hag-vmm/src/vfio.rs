@@ -9,7 +9,7 @@
 
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -358,6 +358,16 @@ impl VfioDevice {
     /// BAR0's region.
     pub fn bar0(&self) -> Region {
         self.bar0
+    }
+
+    /// Config space's region.
+    pub fn config(&self) -> Region {
+        self.config
+    }
+
+    /// The VFIO device fd, for raw accesses (`hag-vmm hostile`).
+    pub fn device_fd(&self) -> BorrowedFd<'_> {
+        self.device.as_fd()
     }
 
     fn region_read(&self, region: Region, what: &str, off: u32) -> Result<u32, RegError> {

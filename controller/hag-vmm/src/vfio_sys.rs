@@ -432,6 +432,79 @@ pub fn iommu_unmap_dma(container: BorrowedFd<'_>, iova: u64, size: u64) -> Resul
     Ok(())
 }
 
+/// Largest argument size an ioctl number can encode: a scratch buffer this
+/// large holds whatever a command names.
+pub const IOCTL_SCRATCH_BYTES: usize = (1 << 14) - 1;
+
+/// `VFIO_DEVICE_GET_INFO` with `argsz` as given (capped at the structure's
+/// size), returning the kernel's answer: for checking that a short `argsz`
+/// is refused.
+pub fn device_get_info_raw(device: BorrowedFd<'_>, argsz: u32) -> Result<VfioDeviceInfo, Errno> {
+    let mut info = VfioDeviceInfo {
+        argsz: argsz.min(self::argsz::<VfioDeviceInfo>()),
+        ..VfioDeviceInfo::default()
+    };
+    // SAFETY: `info` is a live, writable `vfio_device_info` whose `argsz`
+    // is at most its true size, so the kernel writes only inside it;
+    // `device` is open for the call.
+    unsafe { raw::device_get_info(device.as_raw_fd(), &mut info) }?;
+    Ok(info)
+}
+
+/// `VFIO_DEVICE_GET_REGION_INFO` with every field of `info` as given.
+/// `info.argsz` must not exceed the structure's size.
+pub fn device_get_region_info_raw(
+    device: BorrowedFd<'_>,
+    mut info: VfioRegionInfo,
+) -> Result<VfioRegionInfo, Errno> {
+    info.argsz = info.argsz.min(argsz::<VfioRegionInfo>());
+    // SAFETY: `info` is a live, writable `vfio_region_info` and its `argsz`
+    // is at most its true size, so the kernel writes only inside it;
+    // `device` is open for the call.
+    unsafe { raw::device_get_region_info(device.as_raw_fd(), &mut info) }?;
+    Ok(info)
+}
+
+/// `VFIO_DEVICE_GET_IRQ_INFO` with every field of `info` as given.
+/// `info.argsz` is capped at the structure's size.
+pub fn device_get_irq_info_raw(
+    device: BorrowedFd<'_>,
+    mut info: VfioIrqInfo,
+) -> Result<VfioIrqInfo, Errno> {
+    info.argsz = info.argsz.min(argsz::<VfioIrqInfo>());
+    // SAFETY: `info` is a live, writable `vfio_irq_info` whose `argsz` is
+    // at most its true size; `device` is open for the call.
+    unsafe { raw::device_get_irq_info(device.as_raw_fd(), &mut info) }?;
+    Ok(info)
+}
+
+/// `VFIO_DEVICE_SET_IRQS` with every field of `set` as given (`argsz`
+/// capped at the structure's size, which holds one `__s32` of data).
+pub fn device_set_irqs_raw(
+    device: BorrowedFd<'_>,
+    mut set: VfioIrqSetEventfd,
+) -> Result<(), Errno> {
+    set.argsz = set.argsz.min(argsz::<VfioIrqSetEventfd>());
+    // SAFETY: `set` is a live structure at least `argsz` bytes long; the
+    // kernel only reads it (and takes its own reference to any fd in it).
+    // `device` is open for the call.
+    unsafe { raw::device_set_irqs(device.as_raw_fd(), &set) }?;
+    Ok(())
+}
+
+/// Issues ioctl number `cmd` on the device with a pointer to a zeroed
+/// scratch buffer of [`IOCTL_SCRATCH_BYTES`]: for numbers the device does
+/// not know (it must answer `ENOTTY`).
+pub fn device_ioctl_scratch(device: BorrowedFd<'_>, cmd: u32) -> Result<i32, Errno> {
+    let mut scratch = vec![0u8; IOCTL_SCRATCH_BYTES];
+    // SAFETY: `device` is open for the call; the argument points at
+    // `scratch`, a live writable buffer as large as any size an ioctl
+    // number can encode, so whatever the kernel accesses for `cmd` lies
+    // inside it; zeroed structures carry no pointer into this process.
+    let ret = unsafe { nix::libc::ioctl(device.as_raw_fd(), cmd as _, scratch.as_mut_ptr()) };
+    Errno::result(ret)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -42,6 +42,34 @@ const VFIO_PCI_NUM_REGIONS: u32 = 9;
 const VFIO_PCI_NUM_IRQS: u32 = 5;
 const VFIO_PCI_MSI_IRQ_INDEX: u32 = 1;
 
+/// `enum vfio_device_mig_state`: the states of VFIO migration v2 that
+/// `VFIO_MIGRATION_STOP_COPY` alone uses.
+pub(crate) mod mig_state {
+    /// Stopped: no submission runs, the context may be saved or loaded.
+    pub(crate) const STOP: u32 = 1;
+    /// Running normally.
+    pub(crate) const RUNNING: u32 = 2;
+    /// Stopped, the snapshot is being read out.
+    pub(crate) const STOP_COPY: u32 = 3;
+    /// Stopped, a snapshot is being written in.
+    pub(crate) const RESUMING: u32 = 4;
+
+    /// The state's uapi name, for messages.
+    pub(crate) fn name(state: u32) -> &'static str {
+        match state {
+            0 => "ERROR",
+            STOP => "STOP",
+            RUNNING => "RUNNING",
+            STOP_COPY => "STOP_COPY",
+            RESUMING => "RESUMING",
+            5 => "RUNNING_P2P",
+            6 => "PRE_COPY",
+            7 => "PRE_COPY_P2P",
+            _ => "unknown",
+        }
+    }
+}
+
 /// `struct vfio_device_info` up to `num_irqs` (the part every kernel has).
 #[repr(C)]
 #[derive(Clone, Copy, Default)]

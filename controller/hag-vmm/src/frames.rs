@@ -1,0 +1,438 @@
+//! The `frames` workload of `hag-vmm serve`: a long-running guest GPU
+//! program whose whole state lives in guest RAM, made to be migrated.
+//!
+//! Iteration `i` (the next one to run is kept in a guest RAM control page)
+//! submits one batch of GPU work and waits for it:
+//!
+//! - XY_COLOR_BLT fills frame `i % 8` (256 × 64 pixels, 16 pages) with
+//!   `color(i)`;
+//! - XY_SRC_COPY_BLT copies a 64 × 8 corner of it into frame `(i + 3) % 8`;
+//! - MI_STORE_DATA_IMM writes `history(i)` to history slot `i` (dword
+//!   `i / 256` of history page `i % 256`: every slot is written once, so a
+//!   GPU write lost in a migration stays visible to the end);
+//! - MI_ATOMIC increments a counter;
+//! - MI_STORE_DATA_INDEX puts `i + 1` in the status page, and
+//!   MI_USER_INTERRUPT signals completion.
+//!
+//! Then the CPU writes `i + 1` to the control page. After the last
+//! iteration [`Frames::verify`] checks all of guest RAM the workload owns
+//! against a model (frames, every history slot, counter, control page,
+//! status page seqno) and that every page it never allocated is still zero.
+//!
+//! The loop is a sequence of [`Frames::step`]s: "submit iteration `i`" and
+//! "wait for it, then advance `i`". A VM paused between the two has GPU
+//! work in flight; [`FramesState`] (with the driver's [`DriverState`]) is
+//! everything kept outside guest RAM.
+
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context};
+use hag_audit::audit::encode::{self, BlitRect};
+
+use crate::driver::{Driver, DriverState, GfxMem, Registers, HWS_SEQNO};
+use crate::ram::PAGE_SIZE;
+use crate::workloads::atomic_op;
+
+/// Frames.
+pub const FRAMES: u32 = 8;
+/// Frame width in pixels (32 bpp).
+pub const FRAME_W: u32 = 256;
+/// Frame height in rows.
+pub const FRAME_H: u32 = 64;
+/// Bytes per frame row.
+pub const PITCH: u32 = FRAME_W * 4;
+/// Bytes per frame.
+pub const FRAME_BYTES: u64 = PITCH as u64 * FRAME_H as u64;
+/// History pages.
+pub const HISTORY_PAGES: u32 = 256;
+/// Most iterations the history can record.
+pub const MAX_ITERATIONS: u32 = HISTORY_PAGES * (PAGE_SIZE as u32 / 4);
+/// `--iterations` default: about half a minute under QEMU TCG.
+pub const DEFAULT_ITERATIONS: u32 = 30_000;
+/// Copy rectangle: width, height, destination row.
+const COPY: (u32, u32, u32) = (64, 8, FRAME_H / 2);
+/// Second dword of the control page.
+const CONTROL_MAGIC: u32 = 0x4652_4d53; // "SMRF"
+/// Version of [`FramesState`]'s encoding.
+pub const STATE_VERSION: u32 = 1;
+
+/// The fill color of iteration `i` (never zero).
+pub fn color(i: u32) -> u32 {
+    0xff00_0000 | (i.wrapping_mul(0x9e37_79b1) >> 8)
+}
+
+/// The history value of iteration `i` (never zero).
+pub fn history(i: u32) -> u32 {
+    0x4800_0000 | (i.wrapping_mul(0x85eb_ca6b) & 0x00ff_ffff)
+}
+
+/// Where the workload's buffers are, in graphics memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Layout {
+    /// Control page: dword 0 the next iteration, dword 1 a magic number.
+    pub control: u64,
+    /// Counter page: dword 0 incremented by MI_ATOMIC.
+    pub counter: u64,
+    /// First history page.
+    pub history: u64,
+    /// First frame (frames follow each other).
+    pub frames: u64,
+}
+
+impl Layout {
+    fn frame(&self, k: u32) -> u64 {
+        self.frames + u64::from(k) * FRAME_BYTES
+    }
+
+    fn slot(&self, i: u32) -> u64 {
+        self.history + u64::from(i % HISTORY_PAGES) * PAGE_SIZE + u64::from(i / HISTORY_PAGES) * 4
+    }
+}
+
+/// Where the loop is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Phase {
+    /// Next: submit the iteration in the control page.
+    Idle,
+    /// Iteration `0` is submitted; next: wait for it.
+    Submitted(u32),
+    /// All iterations ran.
+    Done,
+}
+
+/// What a step did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// More steps to go.
+    Continue,
+    /// Every iteration ran; verify next.
+    Finished,
+}
+
+/// The VM's state outside guest RAM: the workload's and the driver's.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FramesState {
+    /// [`STATE_VERSION`].
+    pub version: u32,
+    /// Guest RAM size the state belongs to.
+    pub ram_size: u64,
+    /// Iterations to run.
+    pub iterations: u32,
+    /// Buffers.
+    pub layout: Layout,
+    /// Loop position.
+    pub phase: Phase,
+    /// The driver's state.
+    pub driver: DriverState,
+}
+
+impl FramesState {
+    /// Serialized bytes (JSON).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Parses and checks state bytes for a VM with `ram_size` bytes of RAM.
+    pub fn from_bytes(bytes: &[u8], ram_size: u64) -> anyhow::Result<Self> {
+        let state: FramesState =
+            serde_json::from_slice(bytes).context("VM state is not a frames state")?;
+        ensure!(
+            state.version == STATE_VERSION,
+            "VM state version {}, this hag-vmm reads {STATE_VERSION}",
+            state.version
+        );
+        ensure!(
+            state.ram_size == ram_size,
+            "VM state is for {} MiB of guest RAM, this VM has {} MiB",
+            state.ram_size >> 20,
+            ram_size >> 20
+        );
+        ensure!(
+            state.iterations <= MAX_ITERATIONS,
+            "VM state asks for {} iterations, at most {MAX_ITERATIONS}",
+            state.iterations
+        );
+        Ok(state)
+    }
+}
+
+/// The workload.
+#[derive(Clone, Debug)]
+pub struct Frames {
+    layout: Layout,
+    iterations: u32,
+    phase: Phase,
+    timeout: Duration,
+}
+
+impl Frames {
+    /// Allocates the buffers and writes the control page: a fresh run of
+    /// `iterations` iterations on an initialised driver.
+    pub fn start<R: Registers>(drv: &mut Driver<'_, R>, iterations: u32) -> anyhow::Result<Self> {
+        ensure!(
+            iterations <= MAX_ITERATIONS,
+            "{iterations} iterations: the history holds at most {MAX_ITERATIONS}"
+        );
+        let layout = Layout {
+            control: drv.alloc(PAGE_SIZE)?,
+            counter: drv.alloc(PAGE_SIZE)?,
+            history: drv.alloc(u64::from(HISTORY_PAGES) * PAGE_SIZE)?,
+            frames: drv.alloc(u64::from(FRAMES) * FRAME_BYTES)?,
+        };
+        let mem = drv.mem();
+        mem.write_u32(layout.control, 0)?;
+        mem.write_u32(layout.control + 4, CONTROL_MAGIC)?;
+        Ok(Frames {
+            layout,
+            iterations,
+            phase: Phase::Idle,
+            timeout: Duration::from_secs(10),
+        })
+    }
+
+    /// The workload of a restored [`FramesState`].
+    pub fn from_state(state: &FramesState) -> Self {
+        Frames {
+            layout: state.layout,
+            iterations: state.iterations,
+            phase: state.phase,
+            timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// The state to hand to another VM (with the driver's).
+    pub fn state<R: Registers>(&self, drv: &Driver<'_, R>) -> FramesState {
+        FramesState {
+            version: STATE_VERSION,
+            ram_size: drv.ram().size(),
+            iterations: self.iterations,
+            layout: self.layout,
+            phase: self.phase,
+            driver: drv.state(),
+        }
+    }
+
+    /// Iterations to run.
+    pub fn iterations(&self) -> u32 {
+        self.iterations
+    }
+
+    /// The next iteration, as guest RAM says.
+    pub fn iteration(&self, mem: &GfxMem<'_>) -> anyhow::Result<u32> {
+        Ok(mem.read_u32(self.layout.control)?)
+    }
+
+    /// Where the loop is.
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    /// The commands of iteration `i`.
+    pub fn commands(&self, i: u32) -> Vec<Vec<u32>> {
+        let l = &self.layout;
+        let k = i % FRAMES;
+        let rect = |base, x, y| BlitRect {
+            base,
+            pitch: PITCH as u16,
+            x,
+            y,
+        };
+        let (cw, ch, cy) = COPY;
+        let dst_x = ((i % 4) * cw) as u16;
+        vec![
+            encode::xy_color_blt(
+                rect(l.frame(k), 0, 0),
+                4,
+                FRAME_W as u16,
+                FRAME_H as u16,
+                color(i),
+            )
+            .to_vec(),
+            encode::xy_src_copy_blt(
+                rect(l.frame((i + 3) % FRAMES), dst_x, cy as u16),
+                rect(l.frame(k), 0, 0),
+                4,
+                cw as u16,
+                ch as u16,
+            )
+            .to_vec(),
+            encode::store_data_imm(l.slot(i), history(i)).to_vec(),
+            encode::atomic(l.counter, atomic_op::INC, 0).to_vec(),
+            encode::store_data_index(HWS_SEQNO, i.wrapping_add(1)).to_vec(),
+            encode::user_interrupt().to_vec(),
+        ]
+    }
+
+    /// Runs one step: submit the next iteration, or wait for the submitted
+    /// one and advance the control page.
+    pub fn step<R: Registers>(&mut self, drv: &mut Driver<'_, R>) -> anyhow::Result<Step> {
+        match self.phase {
+            Phase::Done => Ok(Step::Finished),
+            Phase::Idle => {
+                let i = self.iteration(&drv.mem())?;
+                if i >= self.iterations {
+                    self.phase = Phase::Done;
+                    return Ok(Step::Finished);
+                }
+                let pending = drv.write_commands(&self.commands(i))?;
+                drv.doorbell(&pending)?;
+                self.phase = Phase::Submitted(i);
+                Ok(Step::Continue)
+            }
+            Phase::Submitted(i) => {
+                drv.wait(self.timeout)
+                    .map_err(|f| f.error)
+                    .with_context(|| format!("iteration {i}"))?;
+                drv.mem().write_u32(self.layout.control, i + 1)?;
+                self.phase = Phase::Idle;
+                Ok(Step::Continue)
+            }
+        }
+    }
+
+    /// Checks every byte the workload owns after all iterations, and that
+    /// every graphics page it never allocated is zero. Returns the
+    /// iterations verified.
+    pub fn verify<R: Registers>(&self, drv: &Driver<'_, R>) -> anyhow::Result<u32> {
+        let mem = drv.mem();
+        let n = self.iterations;
+        let l = &self.layout;
+        let where_ = |gfx: u64| match drv.gtt().translate(gfx) {
+            Some(gpa) => format!("gfx {gfx:#x} (guest page {})", gpa / PAGE_SIZE),
+            None => format!("gfx {gfx:#x}"),
+        };
+        let expect = |gfx: u64, want: u32, what: &str| -> anyhow::Result<()> {
+            let got = mem.read_u32(gfx)?;
+            if got != want {
+                bail!(
+                    "{what} at {} is {got:#010x}, expected {want:#010x}",
+                    where_(gfx)
+                );
+            }
+            Ok(())
+        };
+        expect(l.control, n, "control page iteration")?;
+        expect(l.control + 4, CONTROL_MAGIC, "control page magic")?;
+        expect(l.counter, n, "MI_ATOMIC counter")?;
+        if n > 0 {
+            expect(drv.hws_gfx() + u64::from(HWS_SEQNO), n, "status page seqno")?;
+        }
+        // History: slot i written iff i < n.
+        let mut page = vec![0u8; PAGE_SIZE as usize];
+        for p in 0..HISTORY_PAGES {
+            let gfx = l.history + u64::from(p) * PAGE_SIZE;
+            mem.read(gfx, &mut page)?;
+            for (d, b) in page.chunks_exact(4).enumerate() {
+                let i = d as u32 * HISTORY_PAGES + p;
+                let got = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                let want = if i < n { history(i) } else { 0 };
+                if got != want {
+                    bail!(
+                        "history slot {i} at {} is {got:#010x}, expected {want:#010x}",
+                        where_(gfx + 4 * d as u64)
+                    );
+                }
+            }
+        }
+        // Frames: each iteration refills its frame whole, so the last
+        // FRAMES iterations replayed on zeroed frames give the final image.
+        let mut model = vec![vec![0u32; (FRAME_W * FRAME_H) as usize]; FRAMES as usize];
+        for i in n.saturating_sub(FRAMES)..n {
+            model[(i % FRAMES) as usize].fill(color(i));
+            let (cw, ch, cy) = COPY;
+            let dst = &mut model[((i + 3) % FRAMES) as usize];
+            for y in cy..cy + ch {
+                for x in (i % 4) * cw..(i % 4 + 1) * cw {
+                    dst[(y * FRAME_W + x) as usize] = color(i);
+                }
+            }
+        }
+        let mut frame = vec![0u8; FRAME_BYTES as usize];
+        for (k, want) in model.iter().enumerate() {
+            let base = l.frame(k as u32);
+            mem.read(base, &mut frame)?;
+            for (px, (b, w)) in frame.chunks_exact(4).zip(want).enumerate() {
+                let got = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                if got != *w {
+                    bail!(
+                        "frame {k} pixel ({}, {}) at {} is {got:#010x}, expected {w:#010x}",
+                        px as u32 % FRAME_W,
+                        px as u32 / FRAME_W,
+                        where_(base + 4 * px as u64)
+                    );
+                }
+            }
+        }
+        // Pages nobody allocated stay zero.
+        let used = drv.state().next_page;
+        for g in used..drv.gtt().pages() {
+            mem.read(g * PAGE_SIZE, &mut page)?;
+            if let Some(at) = page.iter().position(|&b| b != 0) {
+                bail!(
+                    "unallocated page at {} is not zero (byte {at:#x} is {:#04x})",
+                    where_(g * PAGE_SIZE),
+                    page[at]
+                );
+            }
+        }
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::{Driver, DriverConfig};
+    use crate::fake::FakeGpu;
+    use crate::ram::GuestRam;
+
+    fn run_to_end(frames: &mut Frames, drv: &mut Driver<'_, &FakeGpu<'_>>) {
+        while frames.step(drv).unwrap() == Step::Continue {}
+    }
+
+    #[test]
+    fn runs_and_verifies_on_the_fake_device() {
+        let ram = GuestRam::with_mib(4).unwrap();
+        let gpu = FakeGpu::new(&ram);
+        let mut drv = Driver::init(&gpu, &ram, DriverConfig::default()).unwrap();
+        let mut frames = Frames::start(&mut drv, 50).unwrap();
+        run_to_end(&mut frames, &mut drv);
+        assert_eq!(frames.verify(&drv).unwrap(), 50);
+    }
+
+    #[test]
+    fn a_lost_gpu_write_fails_verification() {
+        let ram = GuestRam::with_mib(4).unwrap();
+        let gpu = FakeGpu::new(&ram);
+        let mut drv = Driver::init(&gpu, &ram, DriverConfig::default()).unwrap();
+        let mut frames = Frames::start(&mut drv, 20).unwrap();
+        run_to_end(&mut frames, &mut drv);
+        // Undo history slot 5 as a migration that missed it would.
+        let slot = frames.layout.slot(5);
+        drv.mem().write_u32(slot, 0).unwrap();
+        let err = frames.verify(&drv).unwrap_err().to_string();
+        assert!(err.starts_with("history slot 5 at gfx"), "{err}");
+    }
+
+    #[test]
+    fn state_moves_the_loop_to_another_driver_mid_iteration() {
+        let ram = GuestRam::with_mib(4).unwrap();
+        let gpu = FakeGpu::new(&ram);
+        let mut drv = Driver::init(&gpu, &ram, DriverConfig::default()).unwrap();
+        let mut frames = Frames::start(&mut drv, 30).unwrap();
+        for _ in 0..21 {
+            frames.step(&mut drv).unwrap();
+        }
+        assert_eq!(frames.phase(), Phase::Submitted(10));
+        let bytes = frames.state(&drv).to_bytes();
+        drop(drv);
+        let state = FramesState::from_bytes(&bytes, ram.size()).unwrap();
+        let mut drv = Driver::restore(&gpu, &ram, &state.driver).unwrap();
+        let mut frames = Frames::from_state(&state);
+        run_to_end(&mut frames, &mut drv);
+        assert_eq!(frames.verify(&drv).unwrap(), 30);
+        assert!(FramesState::from_bytes(&bytes, 2 * ram.size()).is_err());
+        assert!(FramesState::from_bytes(b"{}", ram.size()).is_err());
+    }
+}

@@ -1,0 +1,499 @@
+//! `hag-vmm vfio-migration-check`: moves a hag-sim vGPU's context from one
+//! mdev to another through VFIO's migration interface v2, the way QEMU ≥ 8
+//! does (`VFIO_DEVICE_FEATURE_MIGRATION`, `…_MIG_DEVICE_STATE`,
+//! `…_MIG_DATA_SIZE`, and the data fd), and checks what the module promises:
+//!
+//! * RUNNING → STOP with a submission that never ends fails (`ETIMEDOUT`,
+//!   after the module's 2 s bound) and leaves the device RUNNING;
+//! * STOP → STOP_COPY hands out a snapshot of the reported size;
+//!   STOP_COPY → STOP disables the data fd;
+//! * on the target, RESUMING → STOP → RUNNING loads it: the registers and
+//!   GTT entries equal the source's, and the guest driver carries on there
+//!   with a new workload;
+//! * a damaged (one flipped byte) or truncated snapshot is refused at
+//!   RESUMING → STOP, leaving the device RESUMING and its registers as they
+//!   were; VFIO_DEVICE_RESET brings it back to RUNNING and disables the fd;
+//!   more than the module's limit cannot be written;
+//! * a data fd kept past the device's close reads nothing (`ENODEV`).
+//!
+//! One guest RAM serves both mdevs (the "migration" of RAM is free), so
+//! the driver's state stays valid when its registers switch to the target.
+//!
+//! `unsafe` here is the one VFIO ioctl this check adds, `VFIO_DEVICE_FEATURE`.
+
+use std::cell::Cell;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context};
+use hag_abi::abi;
+use hag_abi::sim_regs as r;
+use hag_dev::Device;
+use hag_vmm::driver::{Driver, DriverConfig, DriverError, GttLayout, RegError, Registers};
+use hag_vmm::ram::GuestRam;
+use hag_vmm::vfio::VfioDevice;
+use hag_vmm::vfio_sys;
+use hag_vmm::workloads;
+use nix::errno::Errno;
+
+/// `enum vfio_device_mig_state`.
+const STATE_STOP: u32 = 1;
+const STATE_RUNNING: u32 = 2;
+const STATE_STOP_COPY: u32 = 3;
+const STATE_RESUMING: u32 = 4;
+
+const FEATURE_MIGRATION: u32 = 1;
+const FEATURE_MIG_DEVICE_STATE: u32 = 2;
+const FEATURE_MIG_DATA_SIZE: u32 = 9;
+const FEATURE_GET: u32 = 1 << 16;
+const FEATURE_SET: u32 = 1 << 17;
+const FEATURE_PROBE: u32 = 1 << 18;
+const MIGRATION_STOP_COPY: u64 = 1 << 0;
+
+/// `_IO(VFIO_TYPE, VFIO_BASE + 17)`.
+const VFIO_DEVICE_FEATURE: u32 = ((b';' as u32) << 8) | (100 + 17);
+
+/// The module's bound on RUNNING → STOP.
+const QUIESCE_BOUND: Duration = Duration::from_secs(2);
+/// Watchdog during the timeout check: longer than the bound, so the
+/// looping batch is still running when the module gives up.
+const HANG_WATCHDOG_MS: u32 = 4000;
+const SUBMIT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `struct vfio_device_feature` with 8 bytes of `data[]`, enough for the
+/// three migration features.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Feature {
+    argsz: u32,
+    flags: u32,
+    data: [u8; 8],
+}
+
+nix::ioctl_readwrite_bad!(device_feature_raw, VFIO_DEVICE_FEATURE, Feature);
+
+fn device_feature(device: BorrowedFd<'_>, flags: u32, data: [u8; 8]) -> Result<Feature, Errno> {
+    let mut arg = Feature {
+        argsz: vfio_sys::argsz::<Feature>(),
+        flags,
+        data,
+    };
+    // SAFETY: `arg` is a live, writable `struct vfio_device_feature` with
+    // `argsz` bytes (8 of data, which each migration feature fits); the
+    // kernel reads and writes only inside it. `device` is open for the call.
+    unsafe { device_feature_raw(device.as_raw_fd(), &mut arg) }?;
+    Ok(arg)
+}
+
+/// `VFIO_DEVICE_FEATURE_MIGRATION` (GET): the migration flags.
+fn migration_flags(device: BorrowedFd<'_>) -> Result<u64, Errno> {
+    let f = device_feature(device, FEATURE_GET | FEATURE_MIGRATION, [0; 8])?;
+    Ok(u64::from_ne_bytes(f.data))
+}
+
+fn get_state(device: BorrowedFd<'_>) -> Result<u32, Errno> {
+    let f = device_feature(device, FEATURE_GET | FEATURE_MIG_DEVICE_STATE, [0; 8])?;
+    Ok(u32::from_ne_bytes([
+        f.data[0], f.data[1], f.data[2], f.data[3],
+    ]))
+}
+
+/// `VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE` (SET): moves to `state`; returns
+/// the data fd if the arc makes one.
+fn set_state(device: BorrowedFd<'_>, state: u32) -> Result<Option<File>, Errno> {
+    let mut data = [0u8; 8];
+    data[..4].copy_from_slice(&state.to_ne_bytes());
+    data[4..].copy_from_slice(&(-1i32).to_ne_bytes());
+    let f = device_feature(device, FEATURE_SET | FEATURE_MIG_DEVICE_STATE, data)?;
+    let fd = i32::from_ne_bytes([f.data[4], f.data[5], f.data[6], f.data[7]]);
+    if fd < 0 {
+        return Ok(None);
+    }
+    // SAFETY: on success the kernel installed `fd` in this process's table
+    // for us (vfio_ioct_mig_return_fd); nothing else owns it.
+    Ok(Some(File::from(unsafe { OwnedFd::from_raw_fd(fd) })))
+}
+
+fn data_size(device: BorrowedFd<'_>) -> Result<u64, Errno> {
+    let f = device_feature(device, FEATURE_GET | FEATURE_MIG_DATA_SIZE, [0; 8])?;
+    Ok(u64::from_ne_bytes(f.data))
+}
+
+fn state_name(state: u32) -> &'static str {
+    match state {
+        STATE_STOP => "STOP",
+        STATE_RUNNING => "RUNNING",
+        STATE_STOP_COPY => "STOP_COPY",
+        STATE_RESUMING => "RESUMING",
+        0 => "ERROR",
+        _ => "other",
+    }
+}
+
+/// Moves `dev` to `state`, naming the failure.
+fn go(dev: &VfioDevice, state: u32) -> anyhow::Result<Option<File>> {
+    set_state(dev.device_fd(), state).with_context(|| {
+        format!(
+            "VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE to {} on {}",
+            state_name(state),
+            dev.uuid()
+        )
+    })
+}
+
+fn expect_state(dev: &VfioDevice, want: u32) -> anyhow::Result<()> {
+    let got = get_state(dev.device_fd())
+        .with_context(|| format!("GET MIG_DEVICE_STATE of {}", dev.uuid()))?;
+    ensure!(
+        got == want,
+        "{} is in migration state {} ({got}), expected {}",
+        dev.uuid(),
+        state_name(got),
+        state_name(want)
+    );
+    Ok(())
+}
+
+/// The registers of whichever mdev the guest currently runs on: the guest
+/// driver is "migrated" by switching this.
+struct Migratable<'a> {
+    devs: [&'a VfioDevice; 2],
+    current: Cell<usize>,
+}
+
+impl Migratable<'_> {
+    fn dev(&self) -> &VfioDevice {
+        self.devs[self.current.get()]
+    }
+}
+
+impl Registers for Migratable<'_> {
+    fn read(&self, off: u32) -> Result<u32, RegError> {
+        self.dev().read(off)
+    }
+    fn write(&self, off: u32, v: u32) -> Result<(), RegError> {
+        self.dev().write(off, v)
+    }
+    fn wait_interrupt(&self, timeout: Duration) -> Result<u64, RegError> {
+        self.dev().wait_interrupt(timeout)
+    }
+}
+
+/// The registers a snapshot must carry, by name and BAR0 offset: the
+/// engine's, the general-purpose registers and a spread of GTT entries.
+fn compared_registers(mapped_pages: u32, gtt_entries: u32) -> Vec<(String, u32)> {
+    let mut regs: Vec<(String, u32)> = [
+        ("RING_START", r::RING_START),
+        ("RING_CTL", r::RING_CTL),
+        ("HWS_PGA", r::HWS_PGA),
+        ("RING_HEAD", r::RING_HEAD),
+        ("RING_TAIL", r::RING_TAIL),
+        ("INT_MASK", r::INT_MASK),
+        ("INT_ENABLE", r::INT_ENABLE),
+        ("ERROR_STATUS", r::ERROR_STATUS),
+    ]
+    .into_iter()
+    .map(|(n, o)| (n.to_owned(), o))
+    .collect();
+    for i in 0..r::GPR_COUNT * 2 {
+        regs.push((format!("GPR dword {i}"), r::GPR_BASE + 4 * i));
+    }
+    let mut pages = vec![
+        0,
+        1,
+        2,
+        3,
+        7,
+        mapped_pages / 2,
+        mapped_pages.saturating_sub(1),
+    ];
+    pages.push(mapped_pages.min(gtt_entries - 1));
+    pages.push(gtt_entries - 1);
+    for p in pages {
+        let off = r::GTT_OFFSET + p * r::GTT_ENTRY_BYTES;
+        regs.push((format!("GTT[{p}] low"), off));
+        regs.push((format!("GTT[{p}] high"), off + 4));
+    }
+    regs
+}
+
+fn read_registers(dev: &VfioDevice, list: &[(String, u32)]) -> anyhow::Result<Vec<u32>> {
+    list.iter()
+        .map(|(name, off)| {
+            dev.read(*off)
+                .map_err(|e| anyhow::anyhow!("{name} of {}: {e}", dev.uuid()))
+        })
+        .collect()
+}
+
+fn differences(list: &[(String, u32)], a: &[u32], b: &[u32]) -> Vec<String> {
+    list.iter()
+        .zip(a.iter().zip(b))
+        .filter(|(_, (x, y))| x != y)
+        .map(|((name, _), (x, y))| format!("{name} {x:#x} vs {y:#x}"))
+        .collect()
+}
+
+/// Runs workload `name` to completion on the driver and verifies it.
+fn run_workload<R: Registers>(drv: &mut Driver<'_, R>, name: &str) -> anyhow::Result<()> {
+    let mut w = workloads::by_name(name).context("unknown workload")?;
+    let subs = w
+        .prepare(&mut drv.setup())
+        .with_context(|| format!("preparing {name}"))?;
+    for (n, s) in subs.iter().enumerate() {
+        drv.submit(&s.commands, SUBMIT_TIMEOUT)
+            .map_err(|f| anyhow::anyhow!("{name} submission {n}: {}", f.error))?;
+    }
+    w.verify(&drv.mem())
+        .with_context(|| format!("verifying {name}"))
+}
+
+/// Writes `bytes` to a RESUMING data fd in pieces, as a VMM streams it.
+fn write_stream(fd: &mut File, bytes: &[u8]) -> std::io::Result<()> {
+    for chunk in bytes.chunks(4096 + 512) {
+        fd.write_all(chunk)?;
+    }
+    Ok(())
+}
+
+/// Loads `bytes` into `dev` (RUNNING or STOP → RESUMING, write, → STOP);
+/// returns the error of the final transition, if any.
+fn load(dev: &VfioDevice, bytes: &[u8]) -> anyhow::Result<Result<(), Errno>> {
+    let mut fd = go(dev, STATE_RESUMING)?.context("RESUMING returned no data fd")?;
+    write_stream(&mut fd, bytes).context("writing the snapshot to the RESUMING data fd")?;
+    Ok(set_state(dev.device_fd(), STATE_STOP).map(|_| ()))
+}
+
+fn errno_of(e: &std::io::Error) -> Option<Errno> {
+    e.raw_os_error().map(Errno::from_raw)
+}
+
+/// The whole check; prints one line per step and a summary.
+pub fn run(mdev_a: &str, mdev_b: &str) -> anyhow::Result<()> {
+    let ram = GuestRam::with_mib(64)?;
+    let hag = Device::open()?;
+    let vgpu_a = hag.find_vgpu(mdev_a)?;
+    let a = VfioDevice::attach(mdev_a, &ram)
+        .with_context(|| format!("cannot attach mdev {mdev_a} through VFIO"))?;
+    let b = VfioDevice::attach(mdev_b, &ram)
+        .with_context(|| format!("cannot attach mdev {mdev_b} through VFIO"))?;
+
+    // The device says what it supports.
+    for dev in [&a, &b] {
+        device_feature(
+            dev.device_fd(),
+            FEATURE_PROBE | FEATURE_GET | FEATURE_MIGRATION,
+            [0; 8],
+        )
+        .with_context(|| format!("PROBE of VFIO_DEVICE_FEATURE_MIGRATION on {}", dev.uuid()))?;
+        let flags = migration_flags(dev.device_fd())
+            .with_context(|| format!("GET VFIO_DEVICE_FEATURE_MIGRATION on {}", dev.uuid()))?;
+        ensure!(
+            flags & MIGRATION_STOP_COPY != 0,
+            "{} reports migration flags {flags:#x} without STOP_COPY",
+            dev.uuid()
+        );
+        expect_state(dev, STATE_RUNNING)?;
+    }
+    println!("ok: both mdevs offer VFIO migration v2 (STOP_COPY), RUNNING");
+
+    let regs = Migratable {
+        devs: [&a, &b],
+        current: Cell::new(0),
+    };
+    let cfg = DriverConfig {
+        ring_pages: 2,
+        gtt_layout: GttLayout::Scattered,
+    };
+    let mut drv =
+        Driver::init(&regs, &ram, cfg).context("cannot set up the guest GPU driver on A")?;
+
+    // Work in flight is never snapshotted: with a batch that loops until
+    // the watchdog, RUNNING -> STOP gives up after the bound.
+    hag.set_watchdog(vgpu_a.id, HANG_WATCHDOG_MS)?;
+    let mut hang = workloads::by_name("hang").context("no hang workload")?;
+    let subs = hang.prepare(&mut drv.setup())?;
+    let pending = drv.write_commands(&subs[0].commands)?;
+    drv.doorbell(&pending)?;
+    let started = Instant::now();
+    match set_state(a.device_fd(), STATE_STOP) {
+        Err(Errno::ETIMEDOUT) => {}
+        Err(e) => bail!("RUNNING -> STOP with work in flight failed with {e}, expected ETIMEDOUT"),
+        Ok(_) => bail!("RUNNING -> STOP succeeded with a looping batch in flight"),
+    }
+    let waited = started.elapsed();
+    ensure!(
+        waited >= QUIESCE_BOUND - Duration::from_millis(100) && waited < QUIESCE_BOUND * 2,
+        "RUNNING -> STOP gave up after {waited:?}, expected about {QUIESCE_BOUND:?}"
+    );
+    expect_state(&a, STATE_RUNNING)?;
+    match drv.wait(SUBMIT_TIMEOUT) {
+        Err(f) if matches!(f.error, DriverError::Hung { .. }) => {}
+        Err(f) => bail!("the looping batch ended with {}, expected a hang", f.error),
+        Ok(_) => bail!("the looping batch completed"),
+    }
+    drv.reset().context("resetting A after the hang")?;
+    hag.set_watchdog(vgpu_a.id, abi::WATCHDOG_DEFAULT_MS)?;
+    println!(
+        "ok: RUNNING -> STOP with a batch in flight: ETIMEDOUT after {} ms, still RUNNING",
+        waited.as_millis()
+    );
+
+    for name in ["stores", "batch"] {
+        run_workload(&mut drv, name).with_context(|| format!("workload {name} on A"))?;
+    }
+    println!("ok: workloads stores, batch on A");
+
+    // Save A.
+    let info = drv.info();
+    let mapped = u32::try_from(drv.gtt().pages())?;
+    let list = compared_registers(mapped, info.gtt_entries);
+    let estimate = data_size(a.device_fd()).context("GET MIG_DATA_SIZE of A")?;
+    ensure!(go(&a, STATE_STOP)?.is_none(), "STOP returned a data fd");
+    expect_state(&a, STATE_STOP)?;
+    let mut save_fd = go(&a, STATE_STOP_COPY)?.context("STOP_COPY returned no data fd")?;
+    expect_state(&a, STATE_STOP_COPY)?;
+    let size = data_size(a.device_fd()).context("GET MIG_DATA_SIZE of A in STOP_COPY")?;
+    let mut snapshot = Vec::new();
+    save_fd
+        .read_to_end(&mut snapshot)
+        .context("reading the STOP_COPY data fd")?;
+    ensure!(
+        snapshot.len() as u64 == size && size <= estimate && !snapshot.is_empty(),
+        "read {} bytes from the data fd; MIG_DATA_SIZE says {size} (estimate {estimate})",
+        snapshot.len()
+    );
+    let regs_a = read_registers(&a, &list)?;
+    ensure!(
+        go(&a, STATE_STOP)?.is_none(),
+        "STOP_COPY -> STOP returned a data fd"
+    );
+    let mut byte = [0u8; 1];
+    match save_fd.read(&mut byte) {
+        Err(e) if errno_of(&e) == Some(Errno::ENODEV) => {}
+        other => bail!("the data fd still reads after STOP_COPY -> STOP: {other:?}"),
+    }
+    drop(save_fd);
+    println!(
+        "ok: A saved: STOP, STOP_COPY, {} bytes read to EOF (MIG_DATA_SIZE {size}), STOP; the old data fd reads ENODEV",
+        snapshot.len()
+    );
+
+    // Load it into B.
+    let fresh_b = read_registers(&b, &list)?;
+    ensure!(
+        !differences(&list, &regs_a, &fresh_b).is_empty(),
+        "B already has A's registers before the migration"
+    );
+    load(&b, &snapshot)?.context("RESUMING -> STOP of a good snapshot on B")?;
+    expect_state(&b, STATE_STOP)?;
+    ensure!(
+        go(&b, STATE_RUNNING)?.is_none(),
+        "RUNNING returned a data fd"
+    );
+    expect_state(&b, STATE_RUNNING)?;
+    let regs_b = read_registers(&b, &list)?;
+    let diff = differences(&list, &regs_a, &regs_b);
+    ensure!(
+        diff.is_empty(),
+        "B's registers differ from A's after the migration: {}",
+        diff.join(", ")
+    );
+    println!(
+        "ok: B resumed from the snapshot: RESUMING, STOP, RUNNING; {} registers and GTT entries equal A's",
+        list.len()
+    );
+
+    // The guest carries on, on B.
+    regs.current.set(1);
+    run_workload(&mut drv, "blit").context("workload blit on B after the migration")?;
+    println!("ok: the guest driver carries on on B: workload blit verified");
+
+    // A damaged snapshot is refused and changes nothing.
+    let mut damaged = snapshot.clone();
+    let at = damaged.len() / 2;
+    damaged[at] ^= 0x40;
+    let truncated = &snapshot[..snapshot.len() / 2];
+    for (what, bytes) in [("damaged", &damaged[..]), ("truncated", truncated)] {
+        let before = read_registers(&b, &list)?;
+        match load(&b, bytes)? {
+            Ok(()) => bail!("B accepted a {what} snapshot"),
+            Err(e) => println!("ok: a {what} snapshot is refused at RESUMING -> STOP: {e}"),
+        }
+        expect_state(&b, STATE_RESUMING)?;
+        let now = read_registers(&b, &list)?;
+        let diff = differences(&list, &before, &now);
+        ensure!(
+            diff.is_empty(),
+            "the refused {what} snapshot changed B: {}",
+            diff.join(", ")
+        );
+        vfio_sys::device_reset(b.device_fd()).context("VFIO_DEVICE_RESET of B")?;
+        expect_state(&b, STATE_RUNNING)?;
+    }
+
+    // No more than the module's limit can be written.
+    let mut fd = go(&b, STATE_RESUMING)?.context("RESUMING returned no data fd")?;
+    let limit = usize::try_from(abi::CONTEXT_MAX_BYTES)?;
+    let big = vec![0x5au8; limit];
+    fd.write_all(&big)
+        .context("writing the limit to RESUMING")?;
+    match fd.write(&[0]) {
+        Err(e) if errno_of(&e).is_some() => {
+            println!("ok: writing past {limit} bytes fails: {e}")
+        }
+        other => bail!("a RESUMING data fd took more than {limit} bytes: {other:?}"),
+    }
+    ensure!(
+        set_state(b.device_fd(), STATE_STOP).is_err(),
+        "B accepted {limit} bytes of 0x5a as a snapshot"
+    );
+    vfio_sys::device_reset(b.device_fd()).context("VFIO_DEVICE_RESET of B")?;
+    expect_state(&b, STATE_RUNNING)?;
+    match fd.write(&[0]) {
+        Err(e) if errno_of(&e) == Some(Errno::ENODEV) => {}
+        other => bail!("a RESUMING data fd still writes after the reset: {other:?}"),
+    }
+    drop(fd);
+    println!("ok: VFIO_DEVICE_RESET returns RESUMING to RUNNING and disables its data fd");
+
+    // A data fd outliving its device.
+    let mut late = go(&b, STATE_STOP_COPY)?.context("STOP_COPY on B returned no data fd")?;
+    drop(drv);
+    drop(b);
+    match late.read(&mut byte) {
+        Err(e) if errno_of(&e) == Some(Errno::ENODEV) => {}
+        other => bail!("a data fd kept past the device's close still reads: {other:?}"),
+    }
+    drop(late);
+    drop(a);
+    println!("ok: a data fd kept past the device's close reads ENODEV");
+    println!(
+        "PASS vfio-migration: {} bytes moved from {mdev_a} to {mdev_b}, damaged and truncated snapshots refused",
+        snapshot.len()
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ioctl_number_and_layout_match_the_uapi() {
+        assert_eq!(VFIO_DEVICE_FEATURE, 0x3b75);
+        assert_eq!(core::mem::size_of::<Feature>(), 16);
+    }
+
+    #[test]
+    fn compared_registers_cover_engine_and_gtt() {
+        let list = compared_registers(16384, 16384);
+        assert!(list
+            .iter()
+            .any(|(n, o)| n == "RING_START" && *o == r::RING_START));
+        assert!(list.iter().any(|(n, _)| n == "GTT[16383] high"));
+        assert!(differences(&list, &vec![0; list.len()], &vec![0; list.len()]).is_empty());
+    }
+}

@@ -1,0 +1,750 @@
+//! `hagctl migrate` and `hagctl receive`: live migration of a `hag-vmm
+//! serve` VM with a vGPU, over the stream in [`crate::wire`].
+//!
+//! The source copies guest RAM while the VM runs (pre-copy rounds: round 0
+//! every non-zero page, then the pages the CPU dirtied, from the VMM's
+//! log, or the GPU dirtied, from hag's dirty log through `/dev/hag`), then
+//! pauses the VM, quiesces the vGPU and sends the last dirty pages, the
+//! vGPU context and the VM state. The target writes pages into its VM's
+//! RAM, restores the context into its own vGPU and resumes. Until the
+//! target's OK to COMMIT, any failure leaves the source VM running and the
+//! target VM discarded.
+//!
+//! hag's dirty log marks a submission's pages before the engine writes
+//! them, so a page read and cleared while that submission still runs may be
+//! copied before its write lands. The source therefore sends each round's
+//! GPU-dirty pages again in the next round (and after the quiesce, when the
+//! engine is idle, in the final one).
+
+use std::collections::BTreeSet;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use hag_dev::{bitmap_pages, bitmap_words, Device};
+use hag_vmm::control::VmClient;
+use hag_vmm::ram::{GuestRam, PAGE_SIZE};
+
+use crate::wire::{
+    self, read_msg, write_msg, Msg, PageData, ReceiveError, Received, Receiver, Target,
+    COMMIT_PHASE, PAGE, PAGES_PER_FRAME, VERSION_MAX, VERSION_MIN,
+};
+
+/// Options of `hagctl migrate`.
+#[derive(Clone, Debug)]
+pub struct MigrateOptions {
+    /// The source VM's control socket.
+    pub vm: PathBuf,
+    /// Target `HOST:PORT`.
+    pub to: String,
+    /// Pre-copy rounds at most (round 0 included).
+    pub max_rounds: u32,
+    /// Stop and copy once a round would send at most this many pages.
+    pub threshold_pages: u64,
+    /// vGPU quiesce timeout.
+    pub quiesce_timeout_ms: u32,
+    /// Do not use hag's GPU dirty log (tests: must then fail).
+    pub no_gpu_dirty: bool,
+    /// How long to keep trying to connect.
+    pub connect_timeout: Duration,
+}
+
+/// Why `hagctl migrate` failed. The source VM runs on unless it says
+/// otherwise.
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    /// Reaching the VM.
+    #[error(transparent)]
+    Vm(#[from] hag_vmm::control::ControlError),
+    /// `/dev/hag`.
+    #[error(transparent)]
+    Open(#[from] hag_dev::OpenError),
+    /// `/dev/hag` version.
+    #[error(transparent)]
+    Version(#[from] hag_dev::VersionError),
+    /// A vGPU ioctl.
+    #[error(transparent)]
+    Vgpu(#[from] hag_dev::DirtyError),
+    /// Guest RAM access.
+    #[error(transparent)]
+    Ram(#[from] hag_vmm::ram::RamError),
+    /// Connecting to the target.
+    #[error("cannot connect to the target {to}: {why}")]
+    Connect {
+        /// Target.
+        to: String,
+        /// Why.
+        why: String,
+    },
+    /// The stream.
+    #[error("{step}")]
+    Wire {
+        /// What was being done.
+        step: String,
+        /// The error.
+        #[source]
+        source: wire::WireError,
+    },
+    /// The target said no.
+    #[error("the target refused during {step}: {message}")]
+    Refused {
+        /// What was being done.
+        step: String,
+        /// The target's reason.
+        message: String,
+    },
+    /// The target answered out of turn.
+    #[error("{step}: the target answered {got}, expected {want}")]
+    Unexpected {
+        /// What was being done.
+        step: String,
+        /// What came.
+        got: String,
+        /// What was expected.
+        want: &'static str,
+    },
+    /// The vGPU did not go idle in time; the VM was resumed.
+    #[error("the vGPU did not quiesce within {ms} ms ({errno}); the source VM was resumed")]
+    QuiesceTimeout {
+        /// Timeout.
+        ms: u32,
+        /// What the module said.
+        errno: nix::errno::Errno,
+    },
+    /// The context the module saved does not parse.
+    #[error("the vGPU context saved on the source is invalid: {0}")]
+    BadContext(hag_abi::snapshot::SnapshotError),
+    /// The VM is not in a state to migrate.
+    #[error("the VM is {0}, not running")]
+    NotRunning(String),
+}
+
+/// One round of the report.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct RoundReport {
+    /// Round number.
+    pub round: u32,
+    /// `precopy` or `stop-copy`.
+    pub kind: &'static str,
+    /// Pages sent.
+    pub pages: u64,
+    /// Of them, zero pages (sent as a flag).
+    pub zero_pages: u64,
+    /// Dirtied by the CPU (from the VMM).
+    pub cpu_dirty: u64,
+    /// Dirtied by the GPU (from hag's log, with the previous round's).
+    pub gpu_dirty: u64,
+    /// Page bytes before compression.
+    pub raw_bytes: u64,
+    /// Bytes on the wire (frames included).
+    pub wire_bytes: u64,
+    /// Milliseconds for the round.
+    pub ms: f64,
+}
+
+/// What `hagctl migrate` reports.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct MigrationReport {
+    /// Target.
+    pub to: String,
+    /// Source VM paused → target's OK to COMMIT, milliseconds.
+    pub downtime_ms: f64,
+    /// Of which: waiting for the vGPU to go idle.
+    pub quiesce_ms: f64,
+    /// Rounds, the stop-and-copy one included.
+    pub rounds: u32,
+    /// Every round.
+    pub per_round: Vec<RoundReport>,
+    /// Pages sent in all.
+    pub total_pages: u64,
+    /// Bytes on the wire in all.
+    pub total_bytes: u64,
+    /// Bytes sent while the VM was paused.
+    pub downtime_bytes: u64,
+    /// vGPU context bytes.
+    pub context_bytes: u64,
+    /// VM state bytes.
+    pub vm_state_bytes: u64,
+    /// The workload's iteration when it was paused.
+    pub paused_at_iteration: u32,
+    /// hag's GPU dirty log was used.
+    pub gpu_dirty: bool,
+    /// Whole migration, milliseconds.
+    pub total_ms: f64,
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / f64::from(1 << 20))
+}
+
+impl MigrationReport {
+    /// The text form.
+    pub fn text(&self) -> String {
+        let mut s = format!(
+            "migrated to {}: downtime {:.1} ms (quiesce {:.1} ms), {} rounds, {} pages, {} sent ({} during downtime), context {} bytes, VM state {} bytes{}\n",
+            self.to,
+            self.downtime_ms,
+            self.quiesce_ms,
+            self.rounds,
+            self.total_pages,
+            mib(self.total_bytes),
+            mib(self.downtime_bytes),
+            self.context_bytes,
+            self.vm_state_bytes,
+            if self.gpu_dirty { "" } else { " (GPU dirty log NOT used)" }
+        );
+        for r in &self.per_round {
+            s += &format!(
+                "  round {} ({}): {} pages ({} zero; cpu {}, gpu {}), {} → {} on the wire, {:.1} ms\n",
+                r.round,
+                r.kind,
+                r.pages,
+                r.zero_pages,
+                r.cpu_dirty,
+                r.gpu_dirty,
+                mib(r.raw_bytes),
+                mib(r.wire_bytes),
+                r.ms
+            );
+        }
+        s
+    }
+}
+
+/// Keepalive and a user timeout, so a dead peer is noticed.
+fn tune(stream: &TcpStream) {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(60)));
+    let _ = setsockopt(stream, sockopt::KeepAlive, &true);
+    let _ = setsockopt(stream, sockopt::TcpKeepIdle, &5);
+    let _ = setsockopt(stream, sockopt::TcpKeepInterval, &2);
+    let _ = setsockopt(stream, sockopt::TcpKeepCount, &5);
+    let _ = setsockopt(stream, sockopt::TcpUserTimeout, &30_000);
+}
+
+fn connect(to: &str, timeout: Duration) -> Result<TcpStream, MigrateError> {
+    let start = Instant::now();
+    loop {
+        let err = match to.to_socket_addrs() {
+            Ok(addrs) => {
+                let addrs: Vec<SocketAddr> = addrs.collect();
+                let mut last = format!("{to} resolves to no address");
+                for a in &addrs {
+                    match TcpStream::connect_timeout(a, Duration::from_secs(5)) {
+                        Ok(s) => return Ok(s),
+                        Err(e) => last = e.to_string(),
+                    }
+                }
+                last
+            }
+            Err(e) => e.to_string(),
+        };
+        if start.elapsed() >= timeout {
+            return Err(MigrateError::Connect {
+                to: to.to_owned(),
+                why: format!("{err} (tried for {timeout:?})"),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The source side's live connections.
+struct Source {
+    vm: VmClient,
+    ram: GuestRam,
+    dev: Device,
+    vgpu_id: u32,
+    stream: TcpStream,
+    gpu_bitmap: Option<Vec<u64>>,
+    prev_gpu: BTreeSet<u64>,
+    paused: bool,
+    quiesced: bool,
+    opts: MigrateOptions,
+}
+
+/// Dirty pages of one collection.
+struct Dirty {
+    pages: BTreeSet<u64>,
+    cpu: u64,
+    gpu: u64,
+}
+
+impl Source {
+    fn send(&mut self, msg: &Msg, step: &str) -> Result<u64, MigrateError> {
+        write_msg(&mut self.stream, msg)
+            .map(|n| n as u64)
+            .map_err(|e| MigrateError::Wire {
+                step: format!("sending {} ({step})", msg.ty().name()),
+                source: e.into(),
+            })
+    }
+
+    fn expect_ok(&mut self, step: &str, phase: u32) -> Result<(), MigrateError> {
+        let (msg, _) = read_msg(&mut self.stream).map_err(|source| MigrateError::Wire {
+            step: format!("waiting for the target's OK ({step})"),
+            source,
+        })?;
+        match msg {
+            Msg::Ok { phase: p } if p == phase => Ok(()),
+            Msg::Error { message } => Err(MigrateError::Refused {
+                step: step.to_owned(),
+                message,
+            }),
+            other => Err(MigrateError::Unexpected {
+                step: step.to_owned(),
+                got: format!("{other:?}").chars().take(80).collect(),
+                want: "OK",
+            }),
+        }
+    }
+
+    /// Reads and clears both dirty logs; adds the previous round's GPU
+    /// pages (see the module docs).
+    fn collect(&mut self) -> Result<Dirty, MigrateError> {
+        let cpu_words = self.vm.cpu_dirty()?;
+        let cpu: BTreeSet<u64> = bitmap_pages(&cpu_words).collect();
+        let mut gpu = BTreeSet::new();
+        if let Some(bitmap) = &mut self.gpu_bitmap {
+            bitmap.fill(0);
+            self.dev.dirty_read_clear(self.vgpu_id, bitmap)?;
+            gpu = bitmap_pages(bitmap).collect();
+        }
+        let limit = self.ram.pages();
+        let mut pages: BTreeSet<u64> = cpu.union(&gpu).copied().collect();
+        pages.extend(self.prev_gpu.iter().copied());
+        pages.retain(|&p| p < limit);
+        let d = Dirty {
+            pages,
+            cpu: cpu.len() as u64,
+            gpu: gpu.len() as u64,
+        };
+        self.prev_gpu = gpu;
+        Ok(d)
+    }
+
+    /// Sends `pages` as round `round` and its ROUND_END.
+    fn send_round(
+        &mut self,
+        round: u32,
+        pages: impl IntoIterator<Item = u64>,
+        report: &mut RoundReport,
+    ) -> Result<(), MigrateError> {
+        let mut batch = Vec::with_capacity(PAGES_PER_FRAME);
+        let mut buf = [0u8; PAGE];
+        let mut count = 0u64;
+        let mut pages = pages.into_iter().peekable();
+        while pages.peek().is_some() {
+            batch.clear();
+            for p in pages.by_ref().take(PAGES_PER_FRAME) {
+                self.ram.read(p * PAGE_SIZE, &mut buf)?;
+                let data = PageData::encode(&buf);
+                if data == PageData::Zero {
+                    report.zero_pages += 1;
+                }
+                batch.push((p, data));
+            }
+            count += batch.len() as u64;
+            let msg = Msg::Pages {
+                round,
+                pages: std::mem::take(&mut batch),
+            };
+            report.wire_bytes += self.send(&msg, &format!("round {round}"))?;
+        }
+        report.pages = count;
+        report.raw_bytes = count * PAGE_SIZE;
+        report.wire_bytes += self.send(
+            &Msg::RoundEnd {
+                round,
+                pages: count,
+            },
+            &format!("round {round}"),
+        )?;
+        Ok(())
+    }
+
+    fn progress(r: &RoundReport) {
+        eprintln!(
+            "round {}: {} pages, {} → {} compressed",
+            r.round,
+            r.pages,
+            mib(r.raw_bytes),
+            mib(r.wire_bytes)
+        );
+    }
+
+    fn run(&mut self, report: &mut MigrationReport) -> Result<(), MigrateError> {
+        let start = Instant::now();
+        let ram_size = self.ram.size();
+        self.send(
+            &Msg::Hello {
+                min: VERSION_MIN,
+                max: VERSION_MAX,
+                ram_size,
+            },
+            "handshake",
+        )?;
+        let (msg, _) = read_msg(&mut self.stream).map_err(|source| MigrateError::Wire {
+            step: "waiting for the target's HELLO_OK".into(),
+            source,
+        })?;
+        match msg {
+            Msg::HelloOk { version } if (VERSION_MIN..=VERSION_MAX).contains(&version) => {}
+            Msg::Error { message } => {
+                return Err(MigrateError::Refused {
+                    step: "the handshake".into(),
+                    message,
+                })
+            }
+            other => {
+                return Err(MigrateError::Unexpected {
+                    step: "handshake".into(),
+                    got: format!("{other:?}"),
+                    want: "HELLO_OK",
+                })
+            }
+        }
+        if !self.opts.no_gpu_dirty {
+            self.dev.dirty_start(self.vgpu_id, 0, ram_size)?;
+            self.gpu_bitmap = Some(vec![0; bitmap_words(ram_size)]);
+        }
+        // Round 0: clear the logs first, so every later write is seen.
+        let _ = self.collect()?;
+        self.prev_gpu.clear();
+        let mut round = 0u32;
+        let mut pending: BTreeSet<u64> = BTreeSet::new();
+        let mut pending_counts = (0, 0);
+        let mut first = true;
+        loop {
+            let t = Instant::now();
+            let mut r = RoundReport {
+                round,
+                kind: "precopy",
+                ..RoundReport::default()
+            };
+            if first {
+                let mut nonzero = Vec::new();
+                for p in 0..self.ram.pages() {
+                    if !self.ram.page_is_zero(p)? {
+                        nonzero.push(p);
+                    }
+                }
+                self.send_round(round, nonzero, &mut r)?;
+                first = false;
+            } else {
+                (r.cpu_dirty, r.gpu_dirty) = pending_counts;
+                let pages = std::mem::take(&mut pending);
+                self.send_round(round, pages, &mut r)?;
+            }
+            self.expect_ok(&format!("round {round}"), round)?;
+            r.ms = t.elapsed().as_secs_f64() * 1e3;
+            Self::progress(&r);
+            report.per_round.push(r);
+            round += 1;
+            let d = self.collect()?;
+            pending_counts = (d.cpu, d.gpu);
+            pending = d.pages;
+            // The stop-and-copy round counts toward --max-rounds.
+            if pending.len() as u64 <= self.opts.threshold_pages
+                || round + 1 >= self.opts.max_rounds
+            {
+                return self.stop_and_copy(round, pending, pending_counts, report, start);
+            }
+        }
+    }
+
+    fn stop_and_copy(
+        &mut self,
+        round: u32,
+        mut pages: BTreeSet<u64>,
+        (mut cpu, mut gpu): (u64, u64),
+        report: &mut MigrationReport,
+        start: Instant,
+    ) -> Result<(), MigrateError> {
+        let paused_at = Instant::now();
+        report.paused_at_iteration = self.vm.pause()?;
+        self.paused = true;
+        let tq = Instant::now();
+        match self.dev.quiesce(self.vgpu_id, self.opts.quiesce_timeout_ms) {
+            Ok(()) => self.quiesced = true,
+            Err(e) if e.errno() == nix::errno::Errno::ETIMEDOUT => {
+                return Err(MigrateError::QuiesceTimeout {
+                    ms: self.opts.quiesce_timeout_ms,
+                    errno: e.errno(),
+                })
+            }
+            Err(e) => return Err(e.into()),
+        }
+        report.quiesce_ms = tq.elapsed().as_secs_f64() * 1e3;
+        let d = self.collect()?;
+        pages.extend(d.pages);
+        cpu += d.cpu;
+        gpu += d.gpu;
+        let mut r = RoundReport {
+            round,
+            kind: "stop-copy",
+            cpu_dirty: cpu,
+            gpu_dirty: gpu,
+            ..RoundReport::default()
+        };
+        self.send_round(round, pages, &mut r)?;
+        let context = self.dev.save_context(self.vgpu_id)?;
+        hag_abi::snapshot::Snapshot::parse(&context).map_err(MigrateError::BadContext)?;
+        let state = self.vm.get_state()?;
+        report.context_bytes = context.len() as u64;
+        report.vm_state_bytes = state.len() as u64;
+        r.wire_bytes += self.send(&Msg::Context(context), "stop-and-copy")?;
+        r.wire_bytes += self.send(&Msg::VmState(state), "stop-and-copy")?;
+        r.wire_bytes += self.send(&Msg::Commit, "stop-and-copy")?;
+        // The round's OK and the commit's OK.
+        self.expect_ok(&format!("round {round}"), round)?;
+        self.expect_ok("commit (restore and resume on the target)", COMMIT_PHASE)?;
+        report.downtime_ms = paused_at.elapsed().as_secs_f64() * 1e3;
+        r.ms = report.downtime_ms;
+        Self::progress(&r);
+        report.downtime_bytes = r.wire_bytes;
+        report.per_round.push(r);
+        report.rounds = round + 1;
+        report.total_pages = report.per_round.iter().map(|r| r.pages).sum();
+        report.total_bytes = report.per_round.iter().map(|r| r.wire_bytes).sum();
+        report.total_ms = start.elapsed().as_secs_f64() * 1e3;
+        Ok(())
+    }
+
+    /// After a failure: resume what was stopped, tell the target.
+    fn roll_back(&mut self, why: &str) -> Vec<String> {
+        let mut problems = Vec::new();
+        let _ = write_msg(
+            &mut self.stream,
+            &Msg::Abort {
+                reason: why.to_owned(),
+            },
+        );
+        if self.quiesced {
+            if let Err(e) = self.dev.resume(self.vgpu_id) {
+                problems.push(format!("cannot resume the vGPU: {e}"));
+            }
+        }
+        if self.paused {
+            if let Err(e) = self.vm.resume() {
+                problems.push(format!("cannot resume the VM: {e}"));
+            }
+        }
+        problems
+    }
+}
+
+/// `hagctl migrate`.
+pub fn migrate(opts: &MigrateOptions) -> anyhow::Result<MigrationReport> {
+    let mut vm = VmClient::connect(&opts.vm)?;
+    let status = vm.status()?;
+    if status.state != "running" {
+        return Err(MigrateError::NotRunning(status.state).into());
+    }
+    let ram = vm.ram()?;
+    let (_mdev, vgpu_id) = vm.vgpu()?;
+    let dev = Device::open().map_err(MigrateError::from)?;
+    dev.version().map_err(MigrateError::from)?;
+    let stream = connect(&opts.to, opts.connect_timeout)?;
+    tune(&stream);
+    let mut src = Source {
+        vm,
+        ram,
+        dev,
+        vgpu_id,
+        stream,
+        gpu_bitmap: None,
+        prev_gpu: BTreeSet::new(),
+        paused: false,
+        quiesced: false,
+        opts: opts.clone(),
+    };
+    let mut report = MigrationReport {
+        to: opts.to.clone(),
+        gpu_dirty: !opts.no_gpu_dirty,
+        ..MigrationReport::default()
+    };
+    let result = src.run(&mut report);
+    if src.gpu_bitmap.is_some() {
+        let _ = src.dev.dirty_stop(vgpu_id);
+    }
+    match result {
+        Ok(()) => {
+            // The VM runs on the target now: stop this copy.
+            src.vm.quit()?;
+            Ok(report)
+        }
+        Err(e) => {
+            let why = e.to_string();
+            let problems = src.roll_back(&why);
+            let err = anyhow::Error::new(e).context(if problems.is_empty() {
+                "migration failed; the source VM keeps running".to_owned()
+            } else {
+                format!("migration failed, and then: {}", problems.join("; "))
+            });
+            Err(err)
+        }
+    }
+}
+
+/// Options of `hagctl receive`.
+#[derive(Clone, Debug)]
+pub struct ReceiveOptions {
+    /// `ADDR:PORT` to listen on.
+    pub listen: String,
+    /// The incoming VM's control socket.
+    pub vm: PathBuf,
+}
+
+/// What `hagctl receive` reports.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct ReceiveReport {
+    /// The source's address.
+    pub from: String,
+    /// Counters.
+    #[serde(flatten)]
+    pub received: Received,
+    /// Bytes read.
+    pub bytes: u64,
+    /// Resumed here.
+    pub resumed: bool,
+}
+
+impl ReceiveReport {
+    /// The text form.
+    pub fn text(&self) -> String {
+        format!(
+            "received from {}: {} rounds, {} pages ({} zero), {} read, context {} bytes, VM state {} bytes; VM resumed here\n",
+            self.from,
+            self.received.rounds,
+            self.received.pages,
+            self.received.zero_pages,
+            mib(self.bytes),
+            self.received.context_bytes,
+            self.received.vm_state_bytes
+        )
+    }
+}
+
+struct IncomingVm {
+    vm: VmClient,
+    ram: GuestRam,
+    dev: Device,
+    vgpu_id: u32,
+}
+
+impl Target for IncomingVm {
+    fn ram_size(&self) -> u64 {
+        self.ram.size()
+    }
+
+    fn write_page(&mut self, index: u64, bytes: &[u8; PAGE]) -> Result<(), String> {
+        self.ram
+            .write(index * PAGE_SIZE, bytes)
+            .map_err(|e| e.to_string())
+    }
+
+    fn commit(&mut self, context: &[u8], vm_state: &[u8]) -> Result<(), String> {
+        self.dev
+            .restore_context(self.vgpu_id, context)
+            .map_err(|e| format!("restoring the vGPU context: {e}"))?;
+        self.vm.set_state(vm_state).map_err(|e| e.to_string())?;
+        self.dev
+            .resume(self.vgpu_id)
+            .map_err(|e| format!("resuming the vGPU: {e}"))?;
+        self.vm.resume().map_err(|e| e.to_string())
+    }
+}
+
+/// `hagctl receive`.
+pub fn receive(opts: &ReceiveOptions) -> anyhow::Result<ReceiveReport> {
+    let mut vm = VmClient::connect(&opts.vm)?;
+    let status = vm.status()?;
+    if status.state != "incoming" {
+        anyhow::bail!(
+            "the VM at {} is {}, not incoming (start it with hag-vmm serve --incoming)",
+            opts.vm.display(),
+            status.state
+        );
+    }
+    let ram = vm.ram()?;
+    let (_mdev, vgpu_id) = vm.vgpu()?;
+    let dev = Device::open()?;
+    dev.version()?;
+    let mut target = IncomingVm {
+        vm,
+        ram,
+        dev,
+        vgpu_id,
+    };
+    let listener = TcpListener::bind(&opts.listen)
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
+    eprintln!("hagctl: waiting for a migration on {}", opts.listen);
+    let (mut stream, from) = listener
+        .accept()
+        .map_err(|e| anyhow::anyhow!("accept on {}: {e}", opts.listen))?;
+    tune(&stream);
+    eprintln!("hagctl: migration from {from}");
+    let mut report = ReceiveReport {
+        from: from.to_string(),
+        ..ReceiveReport::default()
+    };
+    let mut state = Receiver::AwaitHello;
+    let result: Result<(), String> = loop {
+        let msg = match read_msg(&mut stream) {
+            Ok((msg, n)) => {
+                report.bytes += n as u64;
+                msg
+            }
+            Err(e) => break Err(format!("reading the stream: {e}")),
+        };
+        match state.on(msg, &mut target, &mut report.received) {
+            Ok((next, reply)) => {
+                state = next;
+                if let Some(reply) = reply {
+                    if let Err(e) = write_msg(&mut stream, &reply) {
+                        if matches!(state, Receiver::Done) {
+                            // The VM runs here already; the source will
+                            // not see the OK and resumes its own copy.
+                            eprintln!(
+                                "hagctl: warning: the commit's OK did not reach the source: {e}"
+                            );
+                        } else {
+                            break Err(format!("sending {}: {e}", reply.ty().name()));
+                        }
+                    }
+                }
+                if matches!(state, Receiver::Done) {
+                    break Ok(());
+                }
+            }
+            Err(e) => {
+                let tell = !matches!(e, ReceiveError::Aborted(_) | ReceiveError::SourceError(_));
+                if tell {
+                    let _ = write_msg(
+                        &mut stream,
+                        &Msg::Error {
+                            message: e.to_string(),
+                        },
+                    );
+                }
+                break Err(e.to_string());
+            }
+        }
+    };
+    match result {
+        Ok(()) => {
+            report.resumed = true;
+            Ok(report)
+        }
+        Err(why) => {
+            let discarded = match target.vm.quit() {
+                Ok(()) => "the incoming VM was discarded".to_owned(),
+                Err(e) => format!("and discarding the incoming VM failed too: {e}"),
+            };
+            anyhow::bail!("migration from {from} failed: {why}; {discarded}")
+        }
+    }
+}

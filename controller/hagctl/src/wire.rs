@@ -1,0 +1,1075 @@
+//! The migration stream between `hagctl migrate` (source) and `hagctl
+//! receive` (target), over TCP.
+//!
+//! Every message is one frame:
+//!
+//! ```text
+//! type u32 | length u32 | crc32 u32 | payload (length bytes)     all little-endian
+//! ```
+//!
+//! `crc32` (IEEE) covers the type and length fields and the payload, so a
+//! damaged header is caught as surely as a damaged payload. Type 0 is
+//! invalid; unknown types, payloads over [`MAX_PAYLOAD`] and a stream that
+//! ends inside a frame are errors. The receiver is a state machine
+//! ([`Receiver`]) that accepts only the messages its state expects and
+//! names both when it gets another.
+//!
+//! ```text
+//! source (hagctl migrate)                       target (hagctl receive)
+//!   HELLO magic, versions min..max, RAM size ─▶
+//!                                             ◀─ HELLO_OK version | ERROR
+//!   ┌ pre-copy round r (r = 0: every non-zero page;
+//!   │ then pages the CPU or the GPU dirtied)
+//!   │ PAGES r … PAGES r, ROUND_END r ─────────▶  pages written to guest RAM
+//!   └                                         ◀─ OK round r | ERROR
+//!   pause VM, quiesce vGPU, last dirty pages
+//!   PAGES f …, ROUND_END f,
+//!   CONTEXT (vGPU snapshot), VM_STATE, COMMIT ─▶ restore vGPU context,
+//!                                                set VM state, resume
+//!                                                vGPU and VM
+//!                                             ◀─ OK commit | ERROR
+//!   quit the source VM
+//!
+//!   on any failure before the commit's OK: ABORT reason ─▶ target discards
+//!   (the source resumes its vGPU and VM)
+//! ```
+//!
+//! CONTEXT payload: `snapshot length u32 | LZ4 block` (at most
+//! `CONTEXT_MAX_BYTES` once decompressed). PAGES payload: `round u32 |
+//! count u32`, then `count` records of
+//! `page index u64 | kind u8 | length u32 | bytes`: kind 0 a zero page
+//! (length 0), 1 raw (length 4096), 2 LZ4 block (length < 4096,
+//! decompressing to exactly 4096 bytes).
+
+use std::io::{self, Read, Write};
+
+/// Handshake magic.
+pub const MAGIC: [u8; 8] = *b"HAGMIG\r\n";
+/// Oldest stream version this build speaks.
+pub const VERSION_MIN: u16 = 1;
+/// Newest stream version this build speaks.
+pub const VERSION_MAX: u16 = 1;
+/// Bytes of a frame header.
+pub const HEADER_BYTES: usize = 12;
+/// Largest payload accepted (a vGPU context is at most 1 MiB; a PAGES
+/// frame is sized to stay well under this).
+pub const MAX_PAYLOAD: u32 = 8 << 20;
+/// Page size of the stream.
+pub const PAGE: usize = 4096;
+/// Pages per PAGES frame the source sends.
+pub const PAGES_PER_FRAME: usize = 256;
+
+/// Message types. 0 is invalid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum MsgType {
+    /// Source → target: magic, version range, RAM size.
+    Hello = 1,
+    /// Target → source: the version chosen.
+    HelloOk = 2,
+    /// Target → source: a phase is done.
+    Ok = 3,
+    /// Either way: what failed; the session ends.
+    Error = 4,
+    /// Source → target: guest pages.
+    Pages = 5,
+    /// Source → target: a round is complete.
+    RoundEnd = 6,
+    /// Source → target: the vGPU context snapshot.
+    Context = 7,
+    /// Source → target: the VM's state.
+    VmState = 8,
+    /// Source → target: restore and resume.
+    Commit = 9,
+    /// Source → target: give up, discard.
+    Abort = 10,
+}
+
+impl MsgType {
+    /// The type of number `n`, if it is one.
+    pub fn from_u32(n: u32) -> Option<Self> {
+        use MsgType::*;
+        Some(match n {
+            1 => Hello,
+            2 => HelloOk,
+            3 => Ok,
+            4 => Error,
+            5 => Pages,
+            6 => RoundEnd,
+            7 => Context,
+            8 => VmState,
+            9 => Commit,
+            10 => Abort,
+            _ => return None,
+        })
+    }
+
+    /// Its name in messages.
+    pub fn name(self) -> &'static str {
+        use MsgType::*;
+        match self {
+            Hello => "HELLO",
+            HelloOk => "HELLO_OK",
+            Ok => "OK",
+            Error => "ERROR",
+            Pages => "PAGES",
+            RoundEnd => "ROUND_END",
+            Context => "CONTEXT",
+            VmState => "VM_STATE",
+            Commit => "COMMIT",
+            Abort => "ABORT",
+        }
+    }
+}
+
+/// What went wrong reading or checking the stream.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    /// The socket failed.
+    #[error("connection failed")]
+    Io(#[from] io::Error),
+    /// The peer closed the connection between frames.
+    #[error("the peer closed the connection")]
+    Closed,
+    /// The stream ended inside a frame.
+    #[error("stream truncated inside a {what}: {have} of {need} bytes")]
+    Truncated {
+        /// Header or payload.
+        what: &'static str,
+        /// Bytes needed.
+        need: usize,
+        /// Bytes read.
+        have: usize,
+    },
+    /// Type 0 or a number this version does not have.
+    #[error("invalid message type {0}")]
+    InvalidType(u32),
+    /// A payload over the limit.
+    #[error("{ty} frame of {len} bytes exceeds the {max}-byte limit")]
+    Oversize {
+        /// Type name.
+        ty: &'static str,
+        /// Claimed length.
+        len: u32,
+        /// Limit.
+        max: u32,
+    },
+    /// Checksum mismatch.
+    #[error("{ty} frame damaged: crc32 {computed:#010x}, header says {stored:#010x}")]
+    BadCrc {
+        /// Type name.
+        ty: &'static str,
+        /// In the header.
+        stored: u32,
+        /// Of the bytes.
+        computed: u32,
+    },
+    /// A payload that does not parse.
+    #[error("malformed {ty}: {what}")]
+    Malformed {
+        /// Type name.
+        ty: &'static str,
+        /// What is wrong.
+        what: String,
+    },
+}
+
+/// One page record of a PAGES message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PageData {
+    /// All zero.
+    Zero,
+    /// 4096 bytes as they are.
+    Raw(Vec<u8>),
+    /// An LZ4 block of 4096 bytes.
+    Lz4(Vec<u8>),
+}
+
+impl PageData {
+    /// Encodes a page: zero flag, LZ4 if it is smaller, raw otherwise.
+    pub fn encode(page: &[u8]) -> PageData {
+        if page.iter().all(|&b| b == 0) {
+            return PageData::Zero;
+        }
+        let c = lz4_flex::block::compress(page);
+        if c.len() < page.len() {
+            PageData::Lz4(c)
+        } else {
+            PageData::Raw(page.to_vec())
+        }
+    }
+
+    /// The page's 4096 bytes.
+    pub fn decode(&self, out: &mut [u8; PAGE]) -> Result<(), String> {
+        match self {
+            PageData::Zero => out.fill(0),
+            PageData::Raw(b) => out.copy_from_slice(b),
+            PageData::Lz4(b) => match lz4_flex::block::decompress_into(b, out) {
+                Ok(PAGE) => {}
+                Ok(n) => return Err(format!("LZ4 page decompresses to {n} bytes, not {PAGE}")),
+                Err(e) => return Err(format!("LZ4 page does not decompress: {e}")),
+            },
+        }
+        Ok(())
+    }
+}
+
+/// A message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Msg {
+    /// Handshake.
+    Hello {
+        /// Oldest version the source speaks.
+        min: u16,
+        /// Newest.
+        max: u16,
+        /// Guest RAM bytes.
+        ram_size: u64,
+    },
+    /// Handshake accepted.
+    HelloOk {
+        /// Chosen version.
+        version: u16,
+    },
+    /// A phase is done: round number, or [`COMMIT_PHASE`].
+    Ok {
+        /// What is acknowledged.
+        phase: u32,
+    },
+    /// Failure.
+    Error {
+        /// Why.
+        message: String,
+    },
+    /// Pages.
+    Pages {
+        /// Round.
+        round: u32,
+        /// (page index, data).
+        pages: Vec<(u64, PageData)>,
+    },
+    /// End of a round.
+    RoundEnd {
+        /// Round.
+        round: u32,
+        /// Pages sent in it.
+        pages: u64,
+    },
+    /// vGPU snapshot.
+    Context(Vec<u8>),
+    /// VM state.
+    VmState(Vec<u8>),
+    /// Restore and resume.
+    Commit,
+    /// Give up.
+    Abort {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The `phase` of the OK that acknowledges COMMIT.
+pub const COMMIT_PHASE: u32 = u32::MAX;
+
+struct Cursor<'a> {
+    b: &'a [u8],
+    ty: &'static str,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], WireError> {
+        if self.b.len() < n {
+            return Err(WireError::Malformed {
+                ty: self.ty,
+                what: format!("{what}: {n} bytes needed, {} left", self.b.len()),
+            });
+        }
+        let (h, t) = self.b.split_at(n);
+        self.b = t;
+        Ok(h)
+    }
+    fn u8(&mut self, what: &str) -> Result<u8, WireError> {
+        Ok(self.take(1, what)?[0])
+    }
+    fn u16(&mut self, what: &str) -> Result<u16, WireError> {
+        let b = self.take(2, what)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+    fn u32(&mut self, what: &str) -> Result<u32, WireError> {
+        let b = self.take(4, what)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self, what: &str) -> Result<u64, WireError> {
+        let b = self.take(8, what)?;
+        Ok(u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+    }
+    fn end(&self) -> Result<(), WireError> {
+        if self.b.is_empty() {
+            Ok(())
+        } else {
+            Err(WireError::Malformed {
+                ty: self.ty,
+                what: format!("{} bytes after the end", self.b.len()),
+            })
+        }
+    }
+}
+
+impl Msg {
+    /// Its type.
+    pub fn ty(&self) -> MsgType {
+        match self {
+            Msg::Hello { .. } => MsgType::Hello,
+            Msg::HelloOk { .. } => MsgType::HelloOk,
+            Msg::Ok { .. } => MsgType::Ok,
+            Msg::Error { .. } => MsgType::Error,
+            Msg::Pages { .. } => MsgType::Pages,
+            Msg::RoundEnd { .. } => MsgType::RoundEnd,
+            Msg::Context(_) => MsgType::Context,
+            Msg::VmState(_) => MsgType::VmState,
+            Msg::Commit => MsgType::Commit,
+            Msg::Abort { .. } => MsgType::Abort,
+        }
+    }
+
+    /// The payload bytes.
+    pub fn payload(&self) -> Vec<u8> {
+        let mut p = Vec::new();
+        match self {
+            Msg::Hello { min, max, ram_size } => {
+                p.extend_from_slice(&MAGIC);
+                p.extend_from_slice(&min.to_le_bytes());
+                p.extend_from_slice(&max.to_le_bytes());
+                p.extend_from_slice(&ram_size.to_le_bytes());
+                p.extend_from_slice(&(PAGE as u32).to_le_bytes());
+            }
+            Msg::HelloOk { version } => p.extend_from_slice(&version.to_le_bytes()),
+            Msg::Ok { phase } => p.extend_from_slice(&phase.to_le_bytes()),
+            Msg::Error { message } => p.extend_from_slice(message.as_bytes()),
+            Msg::Abort { reason } => p.extend_from_slice(reason.as_bytes()),
+            Msg::Pages { round, pages } => {
+                p.extend_from_slice(&round.to_le_bytes());
+                p.extend_from_slice(&(pages.len() as u32).to_le_bytes());
+                for (index, data) in pages {
+                    p.extend_from_slice(&index.to_le_bytes());
+                    let (kind, body): (u8, &[u8]) = match data {
+                        PageData::Zero => (0, &[]),
+                        PageData::Raw(b) => (1, b),
+                        PageData::Lz4(b) => (2, b),
+                    };
+                    p.push(kind);
+                    p.extend_from_slice(&(body.len() as u32).to_le_bytes());
+                    p.extend_from_slice(body);
+                }
+            }
+            Msg::RoundEnd { round, pages } => {
+                p.extend_from_slice(&round.to_le_bytes());
+                p.extend_from_slice(&pages.to_le_bytes());
+            }
+            Msg::Context(b) => {
+                p.extend_from_slice(&(b.len() as u32).to_le_bytes());
+                p.extend_from_slice(&lz4_flex::block::compress(b));
+            }
+            Msg::VmState(b) => p.extend_from_slice(b),
+            Msg::Commit => {}
+        }
+        p
+    }
+
+    /// Parses a payload of type `ty` (already checked by [`read_frame`]).
+    pub fn decode(ty: MsgType, payload: &[u8]) -> Result<Msg, WireError> {
+        let mut c = Cursor {
+            b: payload,
+            ty: ty.name(),
+        };
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        let msg = match ty {
+            MsgType::Hello => {
+                let magic = c.take(8, "magic")?;
+                if magic != MAGIC {
+                    return Err(WireError::Malformed {
+                        ty: ty.name(),
+                        what: format!("bad magic {magic:02x?}: not a hag migration stream"),
+                    });
+                }
+                let min = c.u16("min version")?;
+                let max = c.u16("max version")?;
+                let ram_size = c.u64("RAM size")?;
+                let page = c.u32("page size")?;
+                if page as usize != PAGE {
+                    return Err(WireError::Malformed {
+                        ty: ty.name(),
+                        what: format!("page size {page}, this build uses {PAGE}"),
+                    });
+                }
+                Msg::Hello { min, max, ram_size }
+            }
+            MsgType::HelloOk => Msg::HelloOk {
+                version: c.u16("version")?,
+            },
+            MsgType::Ok => Msg::Ok {
+                phase: c.u32("phase")?,
+            },
+            MsgType::Error => {
+                return Ok(Msg::Error {
+                    message: text(payload),
+                })
+            }
+            MsgType::Abort => {
+                return Ok(Msg::Abort {
+                    reason: text(payload),
+                })
+            }
+            MsgType::Pages => {
+                let round = c.u32("round")?;
+                let count = c.u32("count")? as usize;
+                // Each record is at least 13 bytes: refuse a count the
+                // payload cannot hold before allocating for it.
+                if count > c.b.len() / 13 {
+                    return Err(WireError::Malformed {
+                        ty: ty.name(),
+                        what: format!("{count} pages in {} bytes", c.b.len()),
+                    });
+                }
+                let mut pages = Vec::with_capacity(count);
+                for i in 0..count {
+                    let index = c.u64("page index")?;
+                    let kind = c.u8("page kind")?;
+                    let len = c.u32("page length")? as usize;
+                    let bad = |what: String| WireError::Malformed {
+                        ty: MsgType::Pages.name(),
+                        what: format!("record {i} (page {index}): {what}"),
+                    };
+                    let data = match (kind, len) {
+                        (0, 0) => PageData::Zero,
+                        (1, PAGE) => PageData::Raw(c.take(len, "raw page")?.to_vec()),
+                        (2, 1..PAGE) => PageData::Lz4(c.take(len, "LZ4 page")?.to_vec()),
+                        (0..=2, _) => return Err(bad(format!("kind {kind} with length {len}"))),
+                        _ => return Err(bad(format!("unknown kind {kind}"))),
+                    };
+                    pages.push((index, data));
+                }
+                Msg::Pages { round, pages }
+            }
+            MsgType::RoundEnd => Msg::RoundEnd {
+                round: c.u32("round")?,
+                pages: c.u64("pages")?,
+            },
+            MsgType::Context => {
+                let len = c.u32("snapshot length")?;
+                if u64::from(len) > hag_abi::abi::CONTEXT_MAX_BYTES {
+                    return Err(WireError::Malformed {
+                        ty: ty.name(),
+                        what: format!(
+                            "snapshot of {len} bytes, at most {} allowed",
+                            hag_abi::abi::CONTEXT_MAX_BYTES
+                        ),
+                    });
+                }
+                let snapshot = lz4_flex::block::decompress(c.b, len as usize).map_err(|e| {
+                    WireError::Malformed {
+                        ty: ty.name(),
+                        what: format!("snapshot does not decompress: {e}"),
+                    }
+                })?;
+                if snapshot.len() != len as usize {
+                    return Err(WireError::Malformed {
+                        ty: ty.name(),
+                        what: format!(
+                            "snapshot decompresses to {} bytes, not {len}",
+                            snapshot.len()
+                        ),
+                    });
+                }
+                return Ok(Msg::Context(snapshot));
+            }
+            MsgType::VmState => return Ok(Msg::VmState(payload.to_vec())),
+            MsgType::Commit => Msg::Commit,
+        };
+        c.end()?;
+        Ok(msg)
+    }
+}
+
+fn frame_crc(header: &[u8], payload: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&header[..8]);
+    h.update(payload);
+    h.finalize()
+}
+
+/// The bytes of `msg` as one frame.
+pub fn encode_frame(msg: &Msg) -> Vec<u8> {
+    let payload = msg.payload();
+    let mut f = Vec::with_capacity(HEADER_BYTES + payload.len());
+    f.extend_from_slice(&(msg.ty() as u32).to_le_bytes());
+    f.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    let crc = frame_crc(&f, &payload);
+    f.extend_from_slice(&crc.to_le_bytes());
+    f.extend_from_slice(&payload);
+    f
+}
+
+/// Writes `msg` as one frame; returns the bytes written.
+pub fn write_msg(w: &mut impl Write, msg: &Msg) -> io::Result<usize> {
+    let f = encode_frame(msg);
+    w.write_all(&f)?;
+    Ok(f.len())
+}
+
+fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut have = 0;
+    while have < buf.len() {
+        match r.read(&mut buf[have..]) {
+            Ok(0) => break,
+            Ok(n) => have += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(have)
+}
+
+/// Reads one frame and checks it in a fixed order: complete header, known
+/// type, length limit, complete payload, checksum; then parses it.
+/// Returns the message and the frame's size on the wire.
+pub fn read_msg(r: &mut impl Read) -> Result<(Msg, usize), WireError> {
+    let mut h = [0u8; HEADER_BYTES];
+    match read_full(r, &mut h)? {
+        0 => return Err(WireError::Closed),
+        HEADER_BYTES => {}
+        have => {
+            return Err(WireError::Truncated {
+                what: "frame header",
+                need: HEADER_BYTES,
+                have,
+            })
+        }
+    }
+    let word = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
+    let (ty, len, stored) = (word(0), word(4), word(8));
+    let ty = MsgType::from_u32(ty).ok_or(WireError::InvalidType(ty))?;
+    if len > MAX_PAYLOAD {
+        return Err(WireError::Oversize {
+            ty: ty.name(),
+            len,
+            max: MAX_PAYLOAD,
+        });
+    }
+    let mut payload = vec![0u8; len as usize];
+    let have = read_full(r, &mut payload)?;
+    if have < payload.len() {
+        return Err(WireError::Truncated {
+            what: "frame payload",
+            need: payload.len(),
+            have,
+        });
+    }
+    let computed = frame_crc(&h, &payload);
+    if computed != stored {
+        return Err(WireError::BadCrc {
+            ty: ty.name(),
+            stored,
+            computed,
+        });
+    }
+    Ok((Msg::decode(ty, &payload)?, HEADER_BYTES + payload.len()))
+}
+
+/// What the receiving side applies messages to.
+pub trait Target {
+    /// Guest RAM bytes.
+    fn ram_size(&self) -> u64;
+    /// Writes page `index` of guest RAM.
+    fn write_page(&mut self, index: u64, bytes: &[u8; PAGE]) -> Result<(), String>;
+    /// Restores the vGPU context and VM state and resumes the VM.
+    fn commit(&mut self, context: &[u8], vm_state: &[u8]) -> Result<(), String>;
+}
+
+/// Why the receiver ended the session.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ReceiveError {
+    /// A message its state does not accept.
+    #[error("unexpected {got} while {state}")]
+    Unexpected {
+        /// The message's type.
+        got: &'static str,
+        /// The state.
+        state: &'static str,
+    },
+    /// The handshake failed.
+    #[error("handshake refused: {0}")]
+    Handshake(String),
+    /// A message's contents are wrong.
+    #[error("{0}")]
+    Invalid(String),
+    /// The source gave up.
+    #[error("the source aborted the migration: {0}")]
+    Aborted(String),
+    /// The source reported an error.
+    #[error("the source failed: {0}")]
+    SourceError(String),
+    /// Restoring failed.
+    #[error("cannot resume the VM here: {0}")]
+    Commit(String),
+}
+
+/// Counters of a receiving session.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Received {
+    /// Rounds completed (pre-copy and the final one).
+    pub rounds: u32,
+    /// Page records applied.
+    pub pages: u64,
+    /// Of them, zero pages.
+    pub zero_pages: u64,
+    /// Context snapshot bytes.
+    pub context_bytes: u64,
+    /// VM state bytes.
+    pub vm_state_bytes: u64,
+}
+
+/// The receiver's state; each message consumes it and yields the next.
+#[derive(Debug)]
+pub enum Receiver {
+    /// Waiting for HELLO.
+    AwaitHello,
+    /// Receiving pages; `round` is the round in progress.
+    Rounds {
+        /// Current round.
+        round: u32,
+        /// Pages received in it.
+        pages: u64,
+    },
+    /// Got the context, waiting for VM_STATE.
+    GotContext(Vec<u8>),
+    /// Got context and state, waiting for COMMIT.
+    GotState(Vec<u8>, Vec<u8>),
+    /// Committed: the VM runs here.
+    Done,
+}
+
+impl Receiver {
+    fn name(&self) -> &'static str {
+        match self {
+            Receiver::AwaitHello => "waiting for HELLO",
+            Receiver::Rounds { .. } => "receiving pages",
+            Receiver::GotContext(_) => "waiting for VM_STATE after CONTEXT",
+            Receiver::GotState(..) => "waiting for COMMIT",
+            Receiver::Done => "done",
+        }
+    }
+
+    /// Applies `msg`; returns the next state and the reply to send, if any.
+    pub fn on(
+        self,
+        msg: Msg,
+        target: &mut impl Target,
+        stats: &mut Received,
+    ) -> Result<(Receiver, Option<Msg>), ReceiveError> {
+        match (self, msg) {
+            (_, Msg::Abort { reason }) => Err(ReceiveError::Aborted(reason)),
+            (_, Msg::Error { message }) => Err(ReceiveError::SourceError(message)),
+            (Receiver::AwaitHello, Msg::Hello { min, max, ram_size }) => {
+                let lo = min.max(VERSION_MIN);
+                let hi = max.min(VERSION_MAX);
+                if lo > hi {
+                    return Err(ReceiveError::Handshake(format!(
+                        "source speaks versions {min}..={max}, this target {VERSION_MIN}..={VERSION_MAX}"
+                    )));
+                }
+                if ram_size != target.ram_size() {
+                    return Err(ReceiveError::Handshake(format!(
+                        "source VM has {} MiB of guest RAM, the target VM {} MiB",
+                        ram_size >> 20,
+                        target.ram_size() >> 20
+                    )));
+                }
+                Ok((
+                    Receiver::Rounds { round: 0, pages: 0 },
+                    Some(Msg::HelloOk { version: hi }),
+                ))
+            }
+            (
+                Receiver::Rounds { round, pages },
+                Msg::Pages {
+                    round: r,
+                    pages: list,
+                },
+            ) => {
+                if r != round {
+                    return Err(ReceiveError::Invalid(format!(
+                        "PAGES of round {r} during round {round}"
+                    )));
+                }
+                let limit = target.ram_size() / PAGE as u64;
+                let mut buf = [0u8; PAGE];
+                for (index, data) in &list {
+                    if *index >= limit {
+                        return Err(ReceiveError::Invalid(format!(
+                            "page {index} is outside guest RAM ({limit} pages)"
+                        )));
+                    }
+                    data.decode(&mut buf)
+                        .map_err(|e| ReceiveError::Invalid(format!("page {index}: {e}")))?;
+                    target
+                        .write_page(*index, &buf)
+                        .map_err(ReceiveError::Invalid)?;
+                    stats.pages += 1;
+                    if *data == PageData::Zero {
+                        stats.zero_pages += 1;
+                    }
+                }
+                Ok((
+                    Receiver::Rounds {
+                        round,
+                        pages: pages + list.len() as u64,
+                    },
+                    None,
+                ))
+            }
+            (Receiver::Rounds { round, pages }, Msg::RoundEnd { round: r, pages: n }) => {
+                if r != round || n != pages {
+                    return Err(ReceiveError::Invalid(format!(
+                        "ROUND_END of round {r} with {n} pages, but round {round} carried {pages}"
+                    )));
+                }
+                stats.rounds = round + 1;
+                Ok((
+                    Receiver::Rounds {
+                        round: round + 1,
+                        pages: 0,
+                    },
+                    Some(Msg::Ok { phase: round }),
+                ))
+            }
+            (Receiver::Rounds { pages: 0, .. }, Msg::Context(ctx)) => {
+                hag_abi::snapshot::Snapshot::parse(&ctx)
+                    .map_err(|e| ReceiveError::Invalid(format!("vGPU context refused: {e}")))?;
+                stats.context_bytes = ctx.len() as u64;
+                Ok((Receiver::GotContext(ctx), None))
+            }
+            (Receiver::GotContext(ctx), Msg::VmState(state)) => {
+                stats.vm_state_bytes = state.len() as u64;
+                Ok((Receiver::GotState(ctx, state), None))
+            }
+            (Receiver::GotState(ctx, state), Msg::Commit) => {
+                target.commit(&ctx, &state).map_err(ReceiveError::Commit)?;
+                Ok((
+                    Receiver::Done,
+                    Some(Msg::Ok {
+                        phase: COMMIT_PHASE,
+                    }),
+                ))
+            }
+            (state, msg) => Err(ReceiveError::Unexpected {
+                got: msg.ty().name(),
+                state: state.name(),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Ram {
+        pages: Vec<[u8; PAGE]>,
+        committed: Option<(Vec<u8>, Vec<u8>)>,
+    }
+
+    impl Target for Ram {
+        fn ram_size(&self) -> u64 {
+            (self.pages.len() * PAGE) as u64
+        }
+        fn write_page(&mut self, index: u64, bytes: &[u8; PAGE]) -> Result<(), String> {
+            self.pages[index as usize] = *bytes;
+            Ok(())
+        }
+        fn commit(&mut self, c: &[u8], s: &[u8]) -> Result<(), String> {
+            self.committed = Some((c.to_vec(), s.to_vec()));
+            Ok(())
+        }
+    }
+
+    fn ram() -> Ram {
+        Ram {
+            pages: vec![[0; PAGE]; 16],
+            committed: None,
+        }
+    }
+
+    fn snapshot() -> Vec<u8> {
+        let mut buf = vec![0u8; 256];
+        let mut w = hag_abi::snapshot::Writer::new(&mut buf, 1, 64 << 20).unwrap();
+        w.section(hag_abi::snapshot::TAG_CONFIG, 16, |b| b.fill(7))
+            .unwrap();
+        let n = w.finish();
+        buf.truncate(n);
+        buf
+    }
+
+    fn page(fill: u8) -> Vec<u8> {
+        let mut p = vec![fill; PAGE];
+        p[100] = 1;
+        p
+    }
+
+    fn session() -> Vec<Msg> {
+        let mut noisy = vec![0u8; PAGE];
+        for (i, b) in noisy.iter_mut().enumerate() {
+            *b = (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3];
+        }
+        vec![
+            Msg::Hello {
+                min: 1,
+                max: 1,
+                ram_size: 16 * PAGE as u64,
+            },
+            Msg::Pages {
+                round: 0,
+                pages: vec![
+                    (1, PageData::encode(&page(3))),
+                    (2, PageData::encode(&noisy)),
+                ],
+            },
+            Msg::RoundEnd { round: 0, pages: 2 },
+            Msg::Pages {
+                round: 1,
+                pages: vec![(1, PageData::encode(&[0; PAGE]))],
+            },
+            Msg::RoundEnd { round: 1, pages: 1 },
+            Msg::Context(snapshot()),
+            Msg::VmState(b"state".to_vec()),
+            Msg::Commit,
+        ]
+    }
+
+    fn run(msgs: Vec<Msg>, t: &mut Ram) -> Result<Vec<Msg>, ReceiveError> {
+        let mut st = Receiver::AwaitHello;
+        let mut stats = Received::default();
+        let mut replies = Vec::new();
+        for m in msgs {
+            let (next, reply) = st.on(m, t, &mut stats)?;
+            st = next;
+            replies.extend(reply);
+        }
+        Ok(replies)
+    }
+
+    #[test]
+    fn frames_round_trip_through_bytes() {
+        for m in session() {
+            let bytes = encode_frame(&m);
+            let (back, n) = read_msg(&mut &bytes[..]).unwrap();
+            assert_eq!(back, m);
+            assert_eq!(n, bytes.len());
+        }
+    }
+
+    #[test]
+    fn pages_are_compressed_zero_flagged_or_raw() {
+        assert_eq!(PageData::encode(&[0; PAGE]), PageData::Zero);
+        let p = page(9);
+        let enc = PageData::encode(&p);
+        assert!(
+            matches!(enc, PageData::Lz4(ref b) if b.len() < 100),
+            "{enc:?}"
+        );
+        let mut out = [0u8; PAGE];
+        enc.decode(&mut out).unwrap();
+        assert_eq!(&out[..], &p[..]);
+        let mut noisy = [0u8; PAGE];
+        let mut x = 1u32;
+        for b in noisy.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            *b = x as u8;
+        }
+        assert!(matches!(PageData::encode(&noisy), PageData::Raw(_)));
+        // An LZ4 block that decompresses short is refused.
+        let short = PageData::Lz4(lz4_flex::block::compress(&[1u8; 100]));
+        assert!(short.decode(&mut out).is_err());
+    }
+
+    #[test]
+    fn a_whole_session_applies_pages_and_commits() {
+        let mut t = ram();
+        let replies = run(session(), &mut t).unwrap();
+        assert_eq!(
+            replies,
+            vec![
+                Msg::HelloOk { version: 1 },
+                Msg::Ok { phase: 0 },
+                Msg::Ok { phase: 1 },
+                Msg::Ok {
+                    phase: COMMIT_PHASE
+                }
+            ]
+        );
+        assert_eq!(t.pages[1], [0; PAGE]);
+        assert_eq!(t.pages[2][0], 0);
+        assert_eq!(t.committed.unwrap().1, b"state");
+    }
+
+    #[test]
+    fn every_truncation_is_refused() {
+        let bytes = encode_frame(&session()[1]);
+        assert!(matches!(read_msg(&mut &[][..]), Err(WireError::Closed)));
+        for cut in 1..bytes.len() {
+            let err = read_msg(&mut &bytes[..cut]).unwrap_err();
+            assert!(
+                matches!(err, WireError::Truncated { .. }),
+                "cut {cut}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_flipped_bit_is_refused() {
+        let bytes = encode_frame(&Msg::RoundEnd { round: 3, pages: 9 });
+        for bit in 0..bytes.len() * 8 {
+            let mut b = bytes.clone();
+            b[bit / 8] ^= 1 << (bit % 8);
+            assert!(read_msg(&mut &b[..]).is_err(), "bit {bit}");
+        }
+    }
+
+    #[test]
+    fn type_zero_unknown_types_and_oversize_lengths_are_refused() {
+        let mut b = encode_frame(&Msg::Commit);
+        b[0] = 0;
+        assert!(matches!(
+            read_msg(&mut &b[..]),
+            Err(WireError::InvalidType(0))
+        ));
+        b[0] = 11;
+        assert!(matches!(
+            read_msg(&mut &b[..]),
+            Err(WireError::InvalidType(11))
+        ));
+        let mut b = encode_frame(&Msg::Commit);
+        b[4..8].copy_from_slice(&(MAX_PAYLOAD + 1).to_le_bytes());
+        let err = read_msg(&mut &b[..]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "COMMIT frame of {} bytes exceeds the {MAX_PAYLOAD}-byte limit",
+                MAX_PAYLOAD + 1
+            )
+        );
+    }
+
+    #[test]
+    fn malformed_payloads_are_refused() {
+        let frame = |ty: MsgType, p: &[u8]| {
+            let mut f = (ty as u32).to_le_bytes().to_vec();
+            f.extend_from_slice(&(p.len() as u32).to_le_bytes());
+            let crc = frame_crc(&f, p);
+            f.extend_from_slice(&crc.to_le_bytes());
+            f.extend_from_slice(p);
+            f
+        };
+        // A page count the payload cannot hold.
+        let mut p = 0u32.to_le_bytes().to_vec();
+        p.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(read_msg(&mut &frame(MsgType::Pages, &p)[..]).is_err());
+        // A raw page of the wrong length, an unknown kind.
+        for (kind, len) in [(1u8, 100u32), (2, 0), (2, 4096), (0, 1), (7, 0)] {
+            let mut p = 0u32.to_le_bytes().to_vec();
+            p.extend_from_slice(&1u32.to_le_bytes());
+            p.extend_from_slice(&0u64.to_le_bytes());
+            p.push(kind);
+            p.extend_from_slice(&len.to_le_bytes());
+            p.extend(std::iter::repeat_n(0u8, len as usize));
+            let err = read_msg(&mut &frame(MsgType::Pages, &p)[..]).unwrap_err();
+            assert!(
+                matches!(err, WireError::Malformed { .. }),
+                "{kind} {len}: {err}"
+            );
+        }
+        // A context that claims more than it holds, or too much.
+        let mut ctx = 100u32.to_le_bytes().to_vec();
+        ctx.extend_from_slice(&lz4_flex::block::compress(&[5u8; 50]));
+        assert!(read_msg(&mut &frame(MsgType::Context, &ctx)[..]).is_err());
+        let ctx = (2u32 << 20).to_le_bytes();
+        let err = read_msg(&mut &frame(MsgType::Context, &ctx)[..]).unwrap_err();
+        assert!(err.to_string().contains("at most"), "{err}");
+        // Trailing bytes, bad magic.
+        assert!(read_msg(&mut &frame(MsgType::Commit, &[0])[..]).is_err());
+        let mut hello = Msg::Hello {
+            min: 1,
+            max: 1,
+            ram_size: 1,
+        }
+        .payload();
+        hello[0] = b'X';
+        assert!(read_msg(&mut &frame(MsgType::Hello, &hello)[..]).is_err());
+    }
+
+    #[test]
+    fn messages_out_of_order_are_refused_naming_both() {
+        let s = session();
+        // Pages before HELLO.
+        let err = run(vec![s[1].clone()], &mut ram()).unwrap_err();
+        assert_eq!(err.to_string(), "unexpected PAGES while waiting for HELLO");
+        // COMMIT without context and state.
+        let err = run(vec![s[0].clone(), Msg::Commit], &mut ram()).unwrap_err();
+        assert_eq!(err.to_string(), "unexpected COMMIT while receiving pages");
+        // CONTEXT in the middle of a round.
+        let err = run(vec![s[0].clone(), s[1].clone(), s[5].clone()], &mut ram()).unwrap_err();
+        assert_eq!(err.to_string(), "unexpected CONTEXT while receiving pages");
+        // A second HELLO; pages after the context.
+        let err = run(vec![s[0].clone(), s[0].clone()], &mut ram()).unwrap_err();
+        assert!(err.to_string().starts_with("unexpected HELLO"));
+        let err = run(vec![s[0].clone(), s[5].clone(), s[1].clone()], &mut ram()).unwrap_err();
+        assert!(err
+            .to_string()
+            .starts_with("unexpected PAGES while waiting for VM_STATE"));
+    }
+
+    #[test]
+    fn bad_contents_are_refused() {
+        let s = session();
+        let hello = |ram_size, min, max| Msg::Hello { min, max, ram_size };
+        let err = run(vec![hello(32 * PAGE as u64, 1, 1)], &mut ram()).unwrap_err();
+        assert!(matches!(err, ReceiveError::Handshake(_)), "{err}");
+        let err = run(vec![hello(16 * PAGE as u64, 2, 9)], &mut ram()).unwrap_err();
+        assert!(err.to_string().contains("versions 2..=9"), "{err}");
+        // A page outside RAM; a round count that does not match.
+        let out = Msg::Pages {
+            round: 0,
+            pages: vec![(16, PageData::Zero)],
+        };
+        let err = run(vec![s[0].clone(), out], &mut ram()).unwrap_err();
+        assert!(err.to_string().contains("outside guest RAM"), "{err}");
+        let err = run(
+            vec![s[0].clone(), Msg::RoundEnd { round: 0, pages: 5 }],
+            &mut ram(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("carried 0"), "{err}");
+        // A damaged snapshot.
+        let mut ctx = snapshot();
+        ctx[40] ^= 1;
+        let err = run(vec![s[0].clone(), Msg::Context(ctx)], &mut ram()).unwrap_err();
+        assert!(err.to_string().contains("snapshot damaged"), "{err}");
+        // Abort from the source.
+        let err = run(
+            vec![
+                s[0].clone(),
+                Msg::Abort {
+                    reason: "quiesce timed out".into(),
+                },
+            ],
+            &mut ram(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the source aborted the migration: quiesce timed out"
+        );
+    }
+}
