@@ -190,7 +190,10 @@ def scenario_header(script, key, default):
 
 
 def run_scenario(build, initramfs, script, logdir, on_output=None):
-    """Boots the hosts `script` asks for, runs it on each, and judges it."""
+    """Boots the hosts `script` asks for, runs it on each, and judges it.
+
+    `on_output(host_index, text)`, if given, receives each host's serial
+    output as it arrives."""
     name = script.stem
     n_hosts = scenario_header(script, "hosts", 1)
     timeout = scenario_header(script, "timeout", 300)
@@ -219,12 +222,17 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
                 start_new_session=True,
             )
             hosts.append(host)
-        shown = 0
+        shown = [0] * n_hosts
+
+        def show_new_output():
+            for h in hosts:
+                text = h.text()
+                on_output(h.index, text[shown[h.index]:])
+                shown[h.index] = len(text)
+
         while time.monotonic() - start < timeout:
             if on_output:
-                text = hosts[0].text()
-                on_output(text[shown:])
-                shown = len(text)
+                show_new_output()
             if all(h.finished() for h in hosts):
                 break
             time.sleep(0.2)
@@ -233,7 +241,7 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
         while time.monotonic() < deadline and any(h.process.poll() is None for h in hosts):
             time.sleep(0.1)
         if on_output:
-            on_output(hosts[0].text()[shown:])
+            show_new_output()
     finally:
         for h in hosts:
             if h.process.poll() is None:
