@@ -155,6 +155,9 @@ impl Sim {
         if !open {
             self.msi = None;
             self.quiesced = false;
+            // VFIO's DMA logging belongs to the closing VMM (as in the
+            // in-tree migration drivers); hag's own log is /dev/hag's.
+            self.vfio_dirty = None;
             self.vfio_stopped = false;
             self.reset_engine();
             self.reset_config();
@@ -486,9 +489,14 @@ impl Sim {
     }
 
     /// Starts VFIO's DMA log, marking a running submission at once.
-    pub(crate) fn start_vfio_dirty_log(&mut self, log: DirtyLog) {
+    /// VFIO allows one start until a stop (`include/uapi/linux/vfio.h`).
+    pub(crate) fn start_vfio_dirty_log(&mut self, log: DirtyLog) -> Result {
+        if self.vfio_dirty.is_some() {
+            return Err(EINVAL);
+        }
         self.vfio_dirty = Some(log);
         self.mark_running_write_set();
+        Ok(())
     }
 
     /// Declares the vGPU hung, as the watchdog does.

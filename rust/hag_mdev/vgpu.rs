@@ -155,8 +155,7 @@ impl State {
     /// VFIO DMA logging: start over `[iova, iova + length)`.
     pub(crate) fn dma_log_start(&self, id: u32, iova: u64, length: u64) -> Result {
         let log = DirtyLog::new(iova, length)?;
-        self.vgpu(id)?.sim.lock().start_vfio_dirty_log(log);
-        Ok(())
+        self.vgpu(id)?.sim.lock().start_vfio_dirty_log(log)
     }
 
     /// VFIO DMA logging: stop.
