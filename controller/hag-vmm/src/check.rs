@@ -8,6 +8,10 @@
 //! diff (ring and batch buffers are written before the copy), so every
 //! changed page was written by the GPU. After the workload, the dirty
 //! bitmap is read and cleared; `missed` = changed pages not in it.
+//!
+//! [`run_workload_with`] checks a second log the same way: VFIO's standard
+//! DMA log (`VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT`), which an unmodified
+//! VMM reads instead of `/dev/hag`; it too must hold every changed page.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -46,6 +50,17 @@ pub struct Report {
     pub missed: usize,
     /// Up to 16 of them, as guest physical addresses.
     pub missed_gpas: Vec<String>,
+    /// Guest pages VFIO's DMA-logging report marked (absent when VFIO's
+    /// log was not checked).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vfio_dirty_pages: Option<usize>,
+    /// Changed pages VFIO's report did not mark (must be 0; absent when
+    /// VFIO's log was not checked).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vfio_missed: Option<usize>,
+    /// Up to 16 of them, as guest physical addresses.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vfio_missed_gpas: Option<Vec<String>>,
     /// written / dirty (`None` when nothing was marked).
     pub precision: Option<f64>,
     /// MSIs received.
@@ -62,8 +77,12 @@ impl Report {
         let precision = self
             .precision
             .map_or_else(|| "n/a".to_owned(), |p| format!("{p:.2}"));
+        let (vfio_dirty, vfio_missed) = match (self.vfio_dirty_pages, self.vfio_missed) {
+            (Some(d), Some(m)) => (format!(" (vfio {d})"), format!(" (vfio {m})")),
+            _ => (String::new(), String::new()),
+        };
         let mut line = format!(
-            "{} {}: {} commands, written {} pages, dirty {}, missed {}, precision {}",
+            "{} {}: {} commands, written {} pages, dirty {}{vfio_dirty}, missed {}{vfio_missed}, precision {}",
             if self.passed { "PASS" } else { "FAIL" },
             self.workload,
             self.commands,
@@ -137,9 +156,24 @@ pub fn run_workload<R: Registers>(
     w: &mut dyn Workload,
     timeout: Duration,
 ) -> anyhow::Result<Report> {
+    run_workload_with(drv, log, None, w, timeout)
+}
+
+/// [`run_workload`], also checking `vfio_log` (VFIO's DMA log) when given:
+/// every changed page must be in it too.
+pub fn run_workload_with<R: Registers>(
+    drv: &mut Driver<'_, R>,
+    log: &mut dyn DirtyLog,
+    mut vfio_log: Option<&mut dyn DirtyLog>,
+    w: &mut dyn Workload,
+    timeout: Duration,
+) -> anyhow::Result<Report> {
     let name = w.name();
     // Start from a clear bitmap: setup and earlier workloads do not count.
     log.read_clear().context("clearing the dirty log")?;
+    if let Some(vfio) = vfio_log.as_deref_mut() {
+        vfio.read_clear().context("clearing VFIO's DMA log")?;
+    }
     let subs = w
         .prepare(&mut drv.setup())
         .with_context(|| format!("preparing workload {name}"))?;
@@ -153,6 +187,9 @@ pub fn run_workload<R: Registers>(
         dirty_pages: 0,
         missed: 0,
         missed_gpas: Vec::new(),
+        vfio_dirty_pages: None,
+        vfio_missed: None,
+        vfio_missed_gpas: None,
         precision: None,
         interrupts: 0,
         outcome: "completed".to_owned(),
@@ -268,6 +305,20 @@ pub fn run_workload<R: Registers>(
         .map(|p| format!("{:#x}", p * crate::ram::PAGE_SIZE))
         .collect();
     report.precision = (!dirty.is_empty()).then(|| written.len() as f64 / dirty.len() as f64);
+    let mut vfio_missed = Vec::new();
+    if let Some(vfio) = vfio_log {
+        let vfio_dirty = vfio.read_clear().context("reading VFIO's DMA log")?;
+        vfio_missed = written.difference(&vfio_dirty).copied().collect();
+        report.vfio_dirty_pages = Some(vfio_dirty.len());
+        report.vfio_missed = Some(vfio_missed.len());
+        report.vfio_missed_gpas = Some(
+            vfio_missed
+                .iter()
+                .take(16)
+                .map(|p| format!("{:#x}", p * crate::ram::PAGE_SIZE))
+                .collect(),
+        );
+    }
 
     if failure.is_none() {
         if let Err(e) = w.verify(&drv.mem()) {
@@ -279,6 +330,17 @@ pub fn run_workload<R: Registers>(
             "{} guest pages written by the GPU are not in hag's dirty log (first: {})",
             missed.len(),
             report.missed_gpas.join(", ")
+        ));
+    }
+    if failure.is_none() && !vfio_missed.is_empty() {
+        failure = Some(format!(
+            "{} guest pages written by the GPU are not in VFIO's DMA-logging report (first: {})",
+            vfio_missed.len(),
+            report
+                .vfio_missed_gpas
+                .as_deref()
+                .unwrap_or_default()
+                .join(", ")
         ));
     }
     if reset_needed {
@@ -412,6 +474,95 @@ mod tests {
         assert_eq!(reports[0].missed, 129);
         assert_eq!(reports[0].dirty_pages, 0);
         assert_eq!(reports[0].precision, None);
+    }
+
+    /// hag's log from the fake, with a copy kept for [`VfioCopy`].
+    struct TeeLog<'a, 'b, 'c>(&'b FakeGpu<'a>, &'c std::cell::RefCell<BTreeSet<u64>>);
+
+    impl DirtyLog for TeeLog<'_, '_, '_> {
+        fn read_clear(&mut self) -> anyhow::Result<BTreeSet<u64>> {
+            let pages = self.0.take_dirty();
+            self.1.borrow_mut().extend(pages.iter().copied());
+            Ok(pages)
+        }
+    }
+
+    /// VFIO's DMA log as the fake would report it: the same pages, minus
+    /// `drop` (a broken VFIO report).
+    struct VfioCopy<'c> {
+        pages: &'c std::cell::RefCell<BTreeSet<u64>>,
+        drop: Option<u64>,
+    }
+
+    impl DirtyLog for VfioCopy<'_> {
+        fn read_clear(&mut self) -> anyhow::Result<BTreeSet<u64>> {
+            let mut pages = std::mem::take(&mut *self.pages.borrow_mut());
+            if let Some(page) = self.drop {
+                pages.remove(&page);
+            }
+            Ok(pages)
+        }
+    }
+
+    fn run_with_vfio(name: &str, drop: Option<u64>) -> Report {
+        let ram = GuestRam::with_mib(16).unwrap();
+        let gpu = FakeGpu::new(&ram);
+        let cfg = DriverConfig {
+            ring_pages: 2,
+            gtt_layout: GttLayout::Identity,
+        };
+        let mut drv = Driver::init(&gpu, &ram, cfg).unwrap();
+        let copy = std::cell::RefCell::new(BTreeSet::new());
+        let mut hag = TeeLog(&gpu, &copy);
+        let mut vfio = VfioCopy { pages: &copy, drop };
+        let mut w = by_name(name).unwrap();
+        run_workload_with(
+            &mut drv,
+            &mut hag,
+            Some(&mut vfio),
+            w.as_mut(),
+            Duration::from_secs(1),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn the_vfio_log_is_checked_and_reported_too() {
+        let r = run_with_vfio("stores", None);
+        assert!(r.passed, "{}", r.summary());
+        assert_eq!(
+            r.summary(),
+            "PASS stores: 528 commands, written 129 pages, dirty 129 (vfio 129), missed 0 (vfio 0), precision 1.00"
+        );
+        assert_eq!((r.vfio_dirty_pages, r.vfio_missed), (Some(129), Some(0)));
+        let json = serde_json::to_string(&r).unwrap();
+        assert!(
+            json.contains(r#""vfio_dirty_pages":129,"vfio_missed":0,"vfio_missed_gpas":[]"#),
+            "{json}"
+        );
+        // Without a VFIO log the fields are left out.
+        let plain = run(&["stores"], GttLayout::Identity, |_| {}, false);
+        let json = serde_json::to_string(&plain[0]).unwrap();
+        assert!(!json.contains("vfio"), "{json}");
+    }
+
+    #[test]
+    fn a_page_missing_from_the_vfio_log_fails_the_workload() {
+        // The batch workload's data page (guest page 3 through the
+        // identity GTT) is in hag's log but not in VFIO's report.
+        let r = run_with_vfio("batch", Some(3));
+        assert!(!r.passed);
+        assert_eq!((r.missed, r.vfio_missed), (0, Some(1)));
+        assert_eq!(r.vfio_missed_gpas, Some(vec!["0x3000".to_owned()]));
+        assert_eq!(
+            r.error.as_deref(),
+            Some("1 guest pages written by the GPU are not in VFIO's DMA-logging report (first: 0x3000)")
+        );
+        assert!(
+            r.summary().contains(", missed 0 (vfio 1), "),
+            "{}",
+            r.summary()
+        );
     }
 
     #[test]

@@ -18,6 +18,9 @@
 //! | `{"cmd": "vgpu"}` | `"mdev"`: the mdev UUID, `"vgpu_id"`: hag's vGPU id |
 //! | `{"cmd": "get-state"}` | `"vm_state"`: hex of the VM state bytes (paused only) |
 //! | `{"cmd": "set-state", "vm_state": "…hex…"}` | nothing; paused or incoming only; the bytes are checked, and used on the next `resume` |
+//! | `{"cmd": "hold-output", "hold": true}` | nothing; while held, the VM's console lines (`--progress` lines and the final PASS/FAIL line) are kept back until released (Remus output commit); `"hold": false` prints everything held and stops holding |
+//! | `{"cmd": "mark-epoch", "epoch": N}` | `"released"`: lines tagged; tags the held lines not yet tagged with checkpoint epoch N (call it while the VM is paused or finished, when the epoch is captured) |
+//! | `{"cmd": "release-output", "epoch": N}` | `"released"`: lines printed; prints the held lines of epochs up to N (once N is acknowledged by the backup). A finished VM exits only once its result line is released |
 //! | `{"cmd": "quit"}` | `"state": "stopped"`, sent once the VM loop stopped and the VFIO device is closed; the process then exits 0 |
 //!
 //! An unknown or malformed request gets `"ok": false` and the connection
@@ -58,6 +61,21 @@ pub enum Request {
     },
     /// Stop the VM and close the vGPU.
     Quit,
+    /// Hold (or stop holding and flush) the VM's console output.
+    HoldOutput {
+        /// Hold from now on; `false` prints everything held.
+        hold: bool,
+    },
+    /// Tag the untagged held output with a checkpoint epoch.
+    MarkEpoch {
+        /// The epoch being captured.
+        epoch: u64,
+    },
+    /// Print the held output of epochs up to `epoch`.
+    ReleaseOutput {
+        /// The last acknowledged epoch.
+        epoch: u64,
+    },
 }
 
 impl Request {
@@ -73,6 +91,9 @@ impl Request {
             Request::GetState => "get-state",
             Request::SetState { .. } => "set-state",
             Request::Quit => "quit",
+            Request::HoldOutput { .. } => "hold-output",
+            Request::MarkEpoch { .. } => "mark-epoch",
+            Request::ReleaseOutput { .. } => "release-output",
         }
     }
 }
@@ -121,6 +142,9 @@ pub struct Reply {
     /// Hex VM state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vm_state: Option<String>,
+    /// Output lines tagged or released.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released: Option<u64>,
 }
 
 impl Reply {
@@ -465,6 +489,29 @@ impl VmClient {
         })
     }
 
+    /// `hold-output`.
+    pub fn hold_output(&mut self, hold: bool) -> Result<(), ControlError> {
+        self.call(&Request::HoldOutput { hold }).map(|_| ())
+    }
+
+    /// `mark-epoch`: returns the lines tagged.
+    pub fn mark_epoch(&mut self, epoch: u64) -> Result<u64, ControlError> {
+        Ok(self
+            .call(&Request::MarkEpoch { epoch })?
+            .0
+            .released
+            .unwrap_or(0))
+    }
+
+    /// `release-output`: returns the lines printed.
+    pub fn release_output(&mut self, epoch: u64) -> Result<u64, ControlError> {
+        Ok(self
+            .call(&Request::ReleaseOutput { epoch })?
+            .0
+            .released
+            .unwrap_or(0))
+    }
+
     /// `set-state`.
     pub fn set_state(&mut self, bytes: &[u8]) -> Result<(), ControlError> {
         self.call(&Request::SetState {
@@ -491,6 +538,14 @@ mod tests {
             }
         );
         assert!(serde_json::from_str::<Request>(r#"{"cmd":"reboot"}"#).is_err());
+        assert_eq!(
+            serde_json::from_str::<Request>(r#"{"cmd":"release-output","epoch":7}"#).unwrap(),
+            Request::ReleaseOutput { epoch: 7 }
+        );
+        assert_eq!(
+            serde_json::to_string(&Request::HoldOutput { hold: true }).unwrap(),
+            r#"{"cmd":"hold-output","hold":true}"#
+        );
         assert_eq!(
             serde_json::to_string(&Reply::err("no")).unwrap(),
             r#"{"ok":false,"error":"no"}"#

@@ -19,6 +19,7 @@
 //! Any failure (a workload's check, or the machinery) exits 1 after one
 //! line on stderr, `hag-vmm: <what>: <why>`.
 
+mod ctx_check;
 mod vfio_migration;
 
 use std::collections::BTreeSet;
@@ -29,11 +30,11 @@ use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use hag_abi::abi;
 use hag_dev::{bitmap_pages, bitmap_words, Device};
-use hag_vmm::check::{run_workload, DirtyLog, Report};
+use hag_vmm::check::{run_workload_with, DirtyLog, Report};
 use hag_vmm::driver::{Driver, DriverConfig, GttLayout};
 use hag_vmm::hostile::{self, HostileConfig};
 use hag_vmm::ram::GuestRam;
-use hag_vmm::vfio::VfioDevice;
+use hag_vmm::vfio::{DmaLogStart, VfioDevice, VfioDmaLog};
 use hag_vmm::workloads;
 
 #[derive(Parser)]
@@ -54,6 +55,42 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Check that damaged, truncated, unknown-version and mismatched vGPU
+    /// context snapshots are refused by IOC_RESTORE_CONTEXT
+    #[command(after_long_help = "\
+Runs work on --mdev through VFIO, quiesces it and saves its context, then
+restores into --mdev2 (quiesced, not opened): a flipped byte, truncations
+(EINVAL), an unknown version (EPROTO), another graphics memory size and a
+GVT-g source with valid checksums (EXDEV); --mdev2's context must be
+unchanged after each. The intact snapshot must restore and read back
+identical. One 'ok:' line per step, then 'PASS context-check: …'.")]
+    ContextCheck {
+        /// UUID of the hag-sim mdev whose context is saved
+        #[arg(long, value_name = "UUID")]
+        mdev: String,
+        /// UUID of the hag-sim mdev restored into
+        #[arg(long, value_name = "UUID")]
+        mdev2: String,
+    },
+    /// Check that IOC_QUIESCE honours its timeout under load and succeeds
+    /// with ordinary work
+    #[command(after_long_help = "\
+On --mdev (through VFIO): quiesce an idle vGPU; quiesce with a blit and
+with a 16000-command batch in flight (must succeed after all of the batch
+ran; the work completes after resume); quiesce with a
+self-chaining batch looping (must return ETIMEDOUT within about
+--timeout-ms and leave the engine running until the watchdog declares a
+hang); after a reset, work and quiesce succeed again. One 'ok:' line per
+step, then 'PASS quiesce-check: …'.")]
+    QuiesceCheck {
+        /// UUID of the hag-sim mdev
+        #[arg(long, value_name = "UUID")]
+        mdev: String,
+        /// IOC_QUIESCE timeout in milliseconds
+        #[arg(long, value_name = "MS", default_value_t = 500,
+              value_parser = clap::value_parser!(u32).range(1..=10_000))]
+        timeout_ms: u32,
+    },
     /// Move a vGPU's context between two mdevs through VFIO migration v2
     /// and check the module's side of it
     #[command(after_long_help = "\
@@ -90,7 +127,16 @@ JSON output (--json), one object per workload per line:
    \"precision\": 1.0, \"interrupts\": 8, \"outcome\": \"completed\", \"error\": null}
 
 --no-dirty-log stops the vGPU's dirty log instead of starting it, so every
-written page counts as missed: the check must then fail.")]
+written page counts as missed: the check must then fail.
+
+VFIO's standard DMA logging (VFIO_DEVICE_FEATURE_DMA_LOGGING_START over guest
+RAM as one range, 4 KiB pages; a REPORT after each workload) is checked the
+same way: every written page must be in its report too. The text line then
+shows both logs, 'dirty 129 (vfio 129), missed 0 (vfio 0)', and the JSON
+object adds \"vfio_dirty_pages\", \"vfio_missed\" and \"vfio_missed_gpas\".
+On a kernel without DMA-logging support (ENOTTY, no CONFIG_IOMMUFD_DRIVER)
+hag-vmm prints 'vfio dma logging: unsupported by this kernel' on stderr and
+checks hag's log only. --no-vfio-dirty-log skips VFIO's log.")]
     Run {
         /// UUID of the hag-sim mdev
         #[arg(long, value_name = "UUID")]
@@ -108,6 +154,9 @@ written page counts as missed: the check must then fail.")]
         /// Do not start hag's dirty log (the check must then fail)
         #[arg(long)]
         no_dirty_log: bool,
+        /// Do not start or check VFIO's DMA logging
+        #[arg(long)]
+        no_vfio_dirty_log: bool,
         /// Seconds to wait for one submission
         #[arg(long, value_name = "SECONDS", default_value = "10", value_parser = parse_seconds)]
         timeout: Duration,
@@ -194,6 +243,10 @@ state and resume it, then continues the workload where it was.")]
         /// Wait for a controller to fill the VM and resume it
         #[arg(long)]
         incoming: bool,
+        /// Print 'frames: iteration N' every N iterations (0: never); held
+        /// like the result line while a checkpoint holds output
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        progress: u32,
     },
 }
 
@@ -271,6 +324,7 @@ struct RunArgs {
     ram_mib: u64,
     json: bool,
     no_dirty_log: bool,
+    no_vfio_dirty_log: bool,
     timeout: Duration,
     watchdog_ms: Option<u32>,
     ring_pages: u32,
@@ -319,11 +373,22 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let mut drv = Driver::init(&vfio, &ram, cfg).context("cannot set up the guest GPU driver")?;
     let mut log = HagLog::new(&dev, vgpu.id, ram.size(), !args.no_dirty_log)?;
+    let mut vfio_log: Option<VfioDmaLog<'_>> = None;
+    if !args.no_vfio_dirty_log {
+        match VfioDmaLog::start(&vfio, 0, ram.size())? {
+            DmaLogStart::Started(l) => vfio_log = Some(l),
+            DmaLogStart::Unsupported => eprintln!(
+                "vfio dma logging: unsupported by this kernel \
+                 (VFIO_DEVICE_FEATURE_DMA_LOGGING_START: ENOTTY); checking hag's dirty log only"
+            ),
+        }
+    }
 
     let mut failed = Vec::new();
     for name in names {
         let mut w = workloads::by_name(name).context("unknown workload")?;
-        let report = run_workload(&mut drv, &mut log, w.as_mut(), args.timeout)
+        let vfio_dyn = vfio_log.as_mut().map(|l| l as &mut dyn DirtyLog);
+        let report = run_workload_with(&mut drv, &mut log, vfio_dyn, w.as_mut(), args.timeout)
             .with_context(|| format!("workload {name}"))?;
         print_report(&report, args.json)?;
         if !report.passed {
@@ -382,12 +447,15 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::VfioMigrationCheck { mdev, mdev2 } => vfio_migration::run(&mdev, &mdev2),
+        Command::ContextCheck { mdev, mdev2 } => ctx_check::context_check(&mdev, &mdev2),
+        Command::QuiesceCheck { mdev, timeout_ms } => ctx_check::quiesce_check(&mdev, timeout_ms),
         Command::Run {
             mdev,
             workload,
             ram_mib,
             json,
             no_dirty_log,
+            no_vfio_dirty_log,
             timeout,
             watchdog_ms,
             ring_pages,
@@ -398,6 +466,7 @@ fn main() -> ExitCode {
             ram_mib,
             json,
             no_dirty_log,
+            no_vfio_dirty_log,
             timeout,
             watchdog_ms,
             ring_pages,
@@ -425,6 +494,7 @@ fn main() -> ExitCode {
             iterations,
             ram_mib,
             incoming,
+            progress,
         } => run_serve(&hag_vmm::serve::ServeConfig {
             mdev,
             control,
@@ -432,6 +502,7 @@ fn main() -> ExitCode {
             iterations,
             ram_mib,
             incoming,
+            progress,
         }),
     };
     match result {
@@ -489,6 +560,24 @@ mod tests {
         };
         assert_eq!(ram_mib, 64);
         assert!(!json && !no_dirty_log);
+        let cli = Cli::try_parse_from([
+            "hag-vmm",
+            "run",
+            "--mdev",
+            "u",
+            "--workload",
+            "all",
+            "--no-vfio-dirty-log",
+        ])
+        .unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Run {
+                no_vfio_dirty_log: true,
+                no_dirty_log: false,
+                ..
+            }
+        ));
         assert_eq!(timeout, Duration::from_secs(10));
         assert_eq!(ring_pages, 2);
         assert!(Cli::try_parse_from(["hag-vmm", "run", "--mdev", "x", "--workload", "x"]).is_err());

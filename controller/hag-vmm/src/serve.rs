@@ -40,6 +40,8 @@ pub struct ServeConfig {
     pub ram_mib: u64,
     /// Wait to be filled and resumed by a controller.
     pub incoming: bool,
+    /// Print a progress line every this many iterations (0: none).
+    pub progress: u32,
 }
 
 /// How serving ended.
@@ -102,6 +104,51 @@ pub struct Shared {
     /// State a controller set, used at the next resume.
     new_state: Option<Vec<u8>>,
     quit_replied: bool,
+    /// Console output is held until a controller releases it (Remus
+    /// output commit, see [`crate::control`]).
+    hold_output: bool,
+    /// Held lines: the checkpoint epoch they were tagged with (none yet),
+    /// the line, and whether it is the final result line (printed by the
+    /// caller of [`serve`] once released).
+    held: Vec<(Option<u64>, String, bool)>,
+    /// The final result line was released (or never held).
+    final_released: bool,
+}
+
+impl Shared {
+    /// Prints (or holds) one console line of the VM.
+    fn output(&mut self, line: String) {
+        if self.hold_output {
+            self.held.push((None, line, false));
+        } else {
+            print_line(&line);
+        }
+    }
+
+    /// Prints the held lines `pick` selects; returns how many went out.
+    fn release(&mut self, pick: impl Fn(Option<u64>) -> bool) -> u64 {
+        let mut n = 0;
+        let held = std::mem::take(&mut self.held);
+        for (tag, line, is_final) in held {
+            if !pick(tag) {
+                self.held.push((tag, line, is_final));
+                continue;
+            }
+            n += 1;
+            if is_final {
+                self.final_released = true;
+            } else {
+                print_line(&line);
+            }
+        }
+        n
+    }
+}
+
+fn print_line(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
 }
 
 struct Ctl {
@@ -211,7 +258,7 @@ impl Ctl {
             },
             Request::GetState => match (&g.new_state, &g.vm_state, g.run) {
                 (Some(s), _, RunState::Paused | RunState::Incoming)
-                | (None, Some(s), RunState::Paused) => Reply {
+                | (None, Some(s), RunState::Paused | RunState::Finished) => Reply {
                     vm_state: Some(hex(s)),
                     ..Reply::ok()
                 },
@@ -235,6 +282,34 @@ impl Ctl {
                 }
                 g.new_state = Some(bytes);
                 Reply::ok()
+            }
+            Request::HoldOutput { hold } => {
+                let released = if hold { 0 } else { g.release(|_| true) };
+                g.hold_output = hold;
+                self.cv.notify_all();
+                Reply {
+                    released: Some(released),
+                    ..Reply::ok()
+                }
+            }
+            Request::MarkEpoch { epoch } => {
+                let mut n = 0;
+                for (tag, _, _) in g.held.iter_mut().filter(|h| h.0.is_none()) {
+                    *tag = Some(epoch);
+                    n += 1;
+                }
+                Reply {
+                    released: Some(n),
+                    ..Reply::ok()
+                }
+            }
+            Request::ReleaseOutput { epoch } => {
+                let n = g.release(|tag| tag.is_some_and(|t| t <= epoch));
+                self.cv.notify_all();
+                Reply {
+                    released: Some(n),
+                    ..Reply::ok()
+                }
             }
             Request::Quit => {
                 g.want_quit = true;
@@ -342,6 +417,9 @@ pub fn serve(cfg: &ServeConfig) -> anyhow::Result<Outcome> {
             vm_state: None,
             new_state: None,
             quit_replied: false,
+            hold_output: false,
+            held: Vec::new(),
+            final_released: true,
         }),
         cv: Condvar::new(),
         ram_fd,
@@ -483,11 +561,30 @@ fn run_loop(
             )),
         };
         let mut g = ctl.lock();
+        if cfg.progress > 0 && iteration != g.iteration && iteration % cfg.progress == 0 {
+            g.output(format!("frames: iteration {iteration}"));
+        }
         g.iteration = iteration;
         if let Some((passed, line)) = finished {
             g.run = RunState::Finished;
             g.result = Some((passed, line.clone()));
+            if g.hold_output {
+                // Output commit: the result line goes out only once the
+                // checkpoint epoch holding it is acknowledged. Until then
+                // the finished VM can still be checkpointed.
+                g.vm_state = Some(frames.state(drv).to_bytes());
+                g.held.push((None, line.clone(), true));
+                g.final_released = false;
+            }
             ctl.cv.notify_all();
+            while !g.final_released && !g.want_quit {
+                g = ctl.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+            }
+            if !g.final_released {
+                return Ok(Outcome::Quit {
+                    iteration: g.iteration,
+                });
+            }
             return Ok(Outcome::Finished { passed, line });
         }
     }

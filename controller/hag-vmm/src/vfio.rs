@@ -410,6 +410,110 @@ impl VfioDevice {
     }
 }
 
+/// Bytes per bit of VFIO's DMA log as hag-vmm asks for it.
+pub const DMA_LOG_PAGE_SIZE: u64 = 4096;
+
+/// VFIO's standard DMA-logging interface (`VFIO_DEVICE_FEATURE_DMA_LOGGING_*`)
+/// on one attached device over one IOVA range, as a VMM without hag's own
+/// `/dev/hag` uses it for live migration. Dropping it stops the logging.
+pub struct VfioDmaLog<'d> {
+    device: &'d VfioDevice,
+    iova: u64,
+    length: u64,
+    page_size: u64,
+    bitmap: Vec<u64>,
+}
+
+/// What starting VFIO DMA logging gave.
+pub enum DmaLogStart<'d> {
+    /// Logging runs.
+    Started(VfioDmaLog<'d>),
+    /// The kernel has no DMA-logging support for the device (`ENOTTY`: a
+    /// kernel without `CONFIG_IOMMUFD_DRIVER`, or a driver without log ops).
+    Unsupported,
+}
+
+impl<'d> VfioDmaLog<'d> {
+    /// `VFIO_DEVICE_FEATURE_DMA_LOGGING_START` over `[iova, iova + length)`
+    /// as one range at [`DMA_LOG_PAGE_SIZE`]. The device may choose another
+    /// page size; reports then still ask for 4 KiB bits.
+    pub fn start(
+        device: &'d VfioDevice,
+        iova: u64,
+        length: u64,
+    ) -> Result<DmaLogStart<'d>, VfioError> {
+        let range = [sys::VfioDmaLoggingRange { iova, length }];
+        let granted = match sys::dma_logging_start(device.device.as_fd(), &range, DMA_LOG_PAGE_SIZE)
+        {
+            Ok(granted) => granted,
+            Err(Errno::ENOTTY) => return Ok(DmaLogStart::Unsupported),
+            Err(e) => {
+                return Err(ioctl_err(
+                    "VFIO_DEVICE_FEATURE_DMA_LOGGING_START",
+                    format!(
+                        " of [{iova:#x}, {:#x}) at page size {DMA_LOG_PAGE_SIZE} on {}",
+                        iova.saturating_add(length),
+                        device.uuid
+                    ),
+                )(e))
+            }
+        };
+        let pages = length.div_ceil(DMA_LOG_PAGE_SIZE);
+        Ok(DmaLogStart::Started(VfioDmaLog {
+            device,
+            iova,
+            length,
+            page_size: granted,
+            bitmap: vec![0; pages.div_ceil(64) as usize],
+        }))
+    }
+
+    /// The page size the device chose at start.
+    pub fn granted_page_size(&self) -> u64 {
+        self.page_size
+    }
+
+    /// `VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT` of the whole range into a
+    /// zeroed bitmap: the numbers of the 4 KiB pages (relative to IOVA 0)
+    /// the device wrote since the last report, which the kernel clears.
+    pub fn report(&mut self) -> Result<std::collections::BTreeSet<u64>, VfioError> {
+        // The kernel only sets bits.
+        self.bitmap.fill(0);
+        sys::dma_logging_report(
+            self.device.device.as_fd(),
+            self.iova,
+            self.length,
+            DMA_LOG_PAGE_SIZE,
+            &mut self.bitmap,
+        )
+        .map_err(ioctl_err(
+            "VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT",
+            format!(
+                " of [{:#x}, {:#x}) on {}",
+                self.iova,
+                self.iova.saturating_add(self.length),
+                self.device.uuid
+            ),
+        ))?;
+        let first = self.iova / DMA_LOG_PAGE_SIZE;
+        Ok(hag_dev::bitmap_pages(&self.bitmap)
+            .map(|bit| first + bit)
+            .collect())
+    }
+}
+
+impl crate::check::DirtyLog for VfioDmaLog<'_> {
+    fn read_clear(&mut self) -> anyhow::Result<std::collections::BTreeSet<u64>> {
+        Ok(self.report()?)
+    }
+}
+
+impl Drop for VfioDmaLog<'_> {
+    fn drop(&mut self) {
+        let _ = sys::dma_logging_stop(self.device.device.as_fd());
+    }
+}
+
 fn check_access(region: Region, what: &str, off: u32) -> Result<(), RegError> {
     if off % 4 != 0 || u64::from(off) + 4 > region.size {
         return Err(RegError(format!(

@@ -209,6 +209,80 @@ pub struct VfioDmaUnmap {
     pub size: u64,
 }
 
+/// `VFIO_DEVICE_FEATURE` (device): `_IO(VFIO_TYPE, VFIO_BASE + 17)`.
+pub const VFIO_DEVICE_FEATURE: u32 = vfio_io(17);
+/// `VFIO_DEVICE_FEATURE_GET`: get the feature into `data[]`.
+pub const VFIO_DEVICE_FEATURE_GET: u32 = 1 << 16;
+/// `VFIO_DEVICE_FEATURE_SET`: set the feature from `data[]`.
+pub const VFIO_DEVICE_FEATURE_SET: u32 = 1 << 17;
+/// `VFIO_DEVICE_FEATURE_PROBE`: only ask whether the feature is supported.
+pub const VFIO_DEVICE_FEATURE_PROBE: u32 = 1 << 18;
+/// `VFIO_DEVICE_FEATURE_DMA_LOGGING_START` (SET).
+pub const VFIO_DEVICE_FEATURE_DMA_LOGGING_START: u32 = 6;
+/// `VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP` (SET).
+pub const VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP: u32 = 7;
+/// `VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT` (GET).
+pub const VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT: u32 = 8;
+
+/// `struct vfio_device_feature` (the header; `data[]` follows).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VfioDeviceFeature {
+    /// Size of the header plus the data that follows.
+    pub argsz: u32,
+    /// Feature index (`VFIO_DEVICE_FEATURE_MASK`) and GET / SET / PROBE.
+    pub flags: u32,
+}
+
+/// `struct vfio_device_feature` followed by one feature structure as its
+/// `data[]` (at offset 8: every feature structure is at most 8-aligned).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VfioDeviceFeatureWith<T> {
+    /// The header; `argsz` covers `data`.
+    pub header: VfioDeviceFeature,
+    /// The feature's data.
+    pub data: T,
+}
+
+/// `struct vfio_device_feature_dma_logging_control`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VfioDmaLoggingControl {
+    /// In: the tracking granularity hinted; out: the one the device chose.
+    pub page_size: u64,
+    /// Entries at `ranges`.
+    pub num_ranges: u32,
+    /// `__reserved`.
+    pub reserved: u32,
+    /// User pointer to `num_ranges` [`VfioDmaLoggingRange`]s.
+    pub ranges: u64,
+}
+
+/// `struct vfio_device_feature_dma_logging_range`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VfioDmaLoggingRange {
+    /// First IOVA, aligned to the page size.
+    pub iova: u64,
+    /// Bytes, a multiple of the page size.
+    pub length: u64,
+}
+
+/// `struct vfio_device_feature_dma_logging_report`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VfioDmaLoggingReport {
+    /// First IOVA asked about.
+    pub iova: u64,
+    /// Bytes asked about.
+    pub length: u64,
+    /// Bytes per bit of the bitmap (a power of two, at least 4096).
+    pub page_size: u64,
+    /// User pointer to the `u64` bitmap, one bit per `page_size` of IOVA.
+    pub bitmap: u64,
+}
+
 /// `argsz` of a structure: its size.
 pub const fn argsz<T>() -> u32 {
     core::mem::size_of::<T>() as u32
@@ -432,6 +506,113 @@ pub fn iommu_unmap_dma(container: BorrowedFd<'_>, iova: u64, size: u64) -> Resul
     Ok(())
 }
 
+/// `VFIO_DEVICE_FEATURE` with `arg` (header and data), read and written
+/// by the kernel.
+///
+/// # Safety
+///
+/// Every user pointer inside `arg.data` must be valid for what the feature
+/// does with it (read or write) for the duration of the call.
+unsafe fn device_feature<T>(
+    device: BorrowedFd<'_>,
+    arg: &mut VfioDeviceFeatureWith<T>,
+) -> Result<(), Errno> {
+    // SAFETY: `arg` is a live, writable `vfio_device_feature` followed by
+    // its data, and `argsz` (set by every caller to the size of the whole
+    // structure) bounds what the kernel reads and writes; `device` is open
+    // for the call. Pointers inside the data are the caller's promise.
+    let ret = unsafe {
+        nix::libc::ioctl(
+            device.as_raw_fd(),
+            VFIO_DEVICE_FEATURE as _,
+            core::ptr::from_mut(arg),
+        )
+    };
+    Errno::result(ret).map(drop)
+}
+
+/// `VFIO_DEVICE_FEATURE_DMA_LOGGING_START` (SET) over `ranges`, hinting
+/// `page_size`; returns the page size the device chose.
+pub fn dma_logging_start(
+    device: BorrowedFd<'_>,
+    ranges: &[VfioDmaLoggingRange],
+    page_size: u64,
+) -> Result<u64, Errno> {
+    let num_ranges = u32::try_from(ranges.len()).map_err(|_| Errno::E2BIG)?;
+    let mut arg = VfioDeviceFeatureWith {
+        header: VfioDeviceFeature {
+            argsz: argsz::<VfioDeviceFeatureWith<VfioDmaLoggingControl>>(),
+            flags: VFIO_DEVICE_FEATURE_SET | VFIO_DEVICE_FEATURE_DMA_LOGGING_START,
+        },
+        data: VfioDmaLoggingControl {
+            page_size,
+            num_ranges,
+            reserved: 0,
+            ranges: ranges.as_ptr() as u64,
+        },
+    };
+    // SAFETY: `data.ranges` points at `ranges`, `num_ranges` live
+    // `vfio_device_feature_dma_logging_range`s that the kernel only reads
+    // (copy_from_user) during the call; it writes back only the control
+    // structure, inside `arg`.
+    unsafe { device_feature(device, &mut arg) }?;
+    Ok(arg.data.page_size)
+}
+
+/// `VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP` (SET).
+pub fn dma_logging_stop(device: BorrowedFd<'_>) -> Result<(), Errno> {
+    let mut arg = VfioDeviceFeatureWith {
+        header: VfioDeviceFeature {
+            argsz: argsz::<VfioDeviceFeature>(),
+            flags: VFIO_DEVICE_FEATURE_SET | VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP,
+        },
+        data: (),
+    };
+    // SAFETY: the feature has no data and no pointer; `argsz` is the
+    // header's size, inside `arg`.
+    unsafe { device_feature(device, &mut arg) }
+}
+
+/// `VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT` (GET): ORs the pages of
+/// `[iova, iova + length)` the device wrote since the last report into
+/// `bitmap` (bit `i` of word `i / 64` = page `i`, of `page_size` bytes)
+/// and clears them in the device. Nothing is cleared in `bitmap`.
+///
+/// `bitmap` must hold at least one bit per page of the range, else
+/// `EINVAL` without calling the kernel.
+pub fn dma_logging_report(
+    device: BorrowedFd<'_>,
+    iova: u64,
+    length: u64,
+    page_size: u64,
+    bitmap: &mut [u64],
+) -> Result<(), Errno> {
+    if page_size == 0 || length == 0 {
+        return Err(Errno::EINVAL);
+    }
+    let bits = length.div_ceil(page_size);
+    if (bitmap.len() as u64) < bits.div_ceil(64) {
+        return Err(Errno::EINVAL);
+    }
+    let mut arg = VfioDeviceFeatureWith {
+        header: VfioDeviceFeature {
+            argsz: argsz::<VfioDeviceFeatureWith<VfioDmaLoggingReport>>(),
+            flags: VFIO_DEVICE_FEATURE_GET | VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT,
+        },
+        data: VfioDmaLoggingReport {
+            iova,
+            length,
+            page_size,
+            bitmap: bitmap.as_mut_ptr() as u64,
+        },
+    };
+    // SAFETY: `data.bitmap` points at `bitmap`, which is exclusively
+    // borrowed for the call and, as checked above, holds at least one bit
+    // per `page_size` of `length`: the kernel pins and writes only those
+    // bits (iova_bitmap), all inside it. The data is otherwise only read.
+    unsafe { device_feature(device, &mut arg) }
+}
+
 /// Largest argument size an ioctl number can encode: a scratch buffer this
 /// large holds whatever a command names.
 pub const IOCTL_SCRATCH_BYTES: usize = (1 << 14) - 1;
@@ -533,6 +714,69 @@ mod tests {
         assert_eq!(offset_of!(VfioDmaMap, size), 24);
         assert_eq!(size_of::<VfioDmaUnmap>(), 24);
         assert_eq!(offset_of!(VfioDmaUnmap, iova), 8);
+    }
+
+    #[test]
+    fn dma_logging_layouts_match_the_c_structures() {
+        // struct vfio_device_feature: 8 bytes of header, data[] at 8.
+        assert_eq!(size_of::<VfioDeviceFeature>(), 8);
+        assert_eq!(size_of::<VfioDeviceFeatureWith<()>>(), 8);
+        // vfio_device_feature_dma_logging_control: __aligned_u64 page_size,
+        // __u32 num_ranges, __u32 __reserved, __aligned_u64 ranges.
+        assert_eq!(size_of::<VfioDmaLoggingControl>(), 24);
+        assert_eq!(align_of::<VfioDmaLoggingControl>(), 8);
+        assert_eq!(offset_of!(VfioDmaLoggingControl, page_size), 0);
+        assert_eq!(offset_of!(VfioDmaLoggingControl, num_ranges), 8);
+        assert_eq!(offset_of!(VfioDmaLoggingControl, reserved), 12);
+        assert_eq!(offset_of!(VfioDmaLoggingControl, ranges), 16);
+        // vfio_device_feature_dma_logging_range: iova, length.
+        assert_eq!(size_of::<VfioDmaLoggingRange>(), 16);
+        assert_eq!(align_of::<VfioDmaLoggingRange>(), 8);
+        assert_eq!(offset_of!(VfioDmaLoggingRange, iova), 0);
+        assert_eq!(offset_of!(VfioDmaLoggingRange, length), 8);
+        // vfio_device_feature_dma_logging_report: iova, length, page_size,
+        // bitmap.
+        assert_eq!(size_of::<VfioDmaLoggingReport>(), 32);
+        assert_eq!(align_of::<VfioDmaLoggingReport>(), 8);
+        assert_eq!(offset_of!(VfioDmaLoggingReport, iova), 0);
+        assert_eq!(offset_of!(VfioDmaLoggingReport, length), 8);
+        assert_eq!(offset_of!(VfioDmaLoggingReport, page_size), 16);
+        assert_eq!(offset_of!(VfioDmaLoggingReport, bitmap), 24);
+        // The data sits right after the header, as data[] does in C.
+        type Control = VfioDeviceFeatureWith<VfioDmaLoggingControl>;
+        type Report = VfioDeviceFeatureWith<VfioDmaLoggingReport>;
+        assert_eq!(offset_of!(Control, data), 8);
+        assert_eq!(size_of::<Control>(), 8 + 24);
+        assert_eq!(offset_of!(Report, data), 8);
+        assert_eq!(size_of::<Report>(), 8 + 32);
+    }
+
+    #[test]
+    fn dma_logging_numbers_match_the_c_macros() {
+        assert_eq!(VFIO_DEVICE_FEATURE, 0x3b75);
+        assert_eq!(VFIO_DEVICE_FEATURE_GET, 0x1_0000);
+        assert_eq!(VFIO_DEVICE_FEATURE_SET, 0x2_0000);
+        assert_eq!(VFIO_DEVICE_FEATURE_PROBE, 0x4_0000);
+        assert_eq!(VFIO_DEVICE_FEATURE_DMA_LOGGING_START, 6);
+        assert_eq!(VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP, 7);
+        assert_eq!(VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT, 8);
+    }
+
+    #[test]
+    fn a_short_report_bitmap_is_refused_before_the_kernel() {
+        // 65 pages need two words; the fd is never reached (stdin would
+        // answer ENOTTY).
+        // SAFETY: fd 0 is not closed by this test; it is only borrowed.
+        let fd = unsafe { BorrowedFd::borrow_raw(0) };
+        let mut one = [0u64; 1];
+        assert_eq!(
+            dma_logging_report(fd, 0, 65 * 4096, 4096, &mut one),
+            Err(Errno::EINVAL)
+        );
+        assert_eq!(
+            dma_logging_report(fd, 0, 4096, 0, &mut one),
+            Err(Errno::EINVAL)
+        );
     }
 
     #[test]

@@ -4,7 +4,8 @@
 use std::io::{self, Write};
 use std::time::{Duration, Instant};
 
-use hag_dev::{Device, ListError, OpenError, VersionError};
+use hag_dev::{Device, DirtyError, ListError, OpenError, VersionError};
+use nix::errno::Errno;
 
 use crate::events::{EventSocket, ReceiveError, SubscribeError};
 use crate::output;
@@ -21,20 +22,59 @@ pub enum StatusError {
     /// See [`ListError`].
     #[error(transparent)]
     List(#[from] ListError),
+    /// IOC_VGPU_STATS failed for a listed vGPU (other than it going away).
+    #[error(transparent)]
+    Stats(#[from] DirtyError),
     /// stdout could not be written.
     #[error("cannot write to stdout")]
     Output(#[source] io::Error),
 }
 
-/// `hagctl status`: refuse a module of another ABI, then show its vGPUs.
+/// `hagctl status`: refuse a module of another ABI, then show its vGPUs
+/// and their counters.
 pub fn status(json: bool) -> Result<(), StatusError> {
     let device = Device::open()?;
     let module = device.version()?;
     let vgpus = device.list_vgpus()?;
+    let mut stats = Vec::with_capacity(vgpus.len());
+    for v in &vgpus {
+        match device.vgpu_stats(v.id) {
+            Ok(s) => stats.push(Some(s)),
+            // Removed since the list was read.
+            Err(e) if e.errno() == Errno::ENODEV => stats.push(None),
+            Err(e) => return Err(e.into()),
+        }
+    }
     let text = if json {
-        output::status_json(&module, &vgpus) + "\n"
+        output::status_json(&module, &vgpus, &stats) + "\n"
     } else {
-        output::status_text(&module, &vgpus)
+        output::status_text(&module, &vgpus, &stats)
+    };
+    // Protection state of running `hagctl checkpoint`s.
+    let protection = crate::checkpoint::protection_lines(std::path::Path::new("/run/hag"));
+    let text = if protection.is_empty() {
+        text
+    } else if json {
+        match serde_json::from_str::<serde_json::Value>(&text) {
+            Ok(mut v) => {
+                v["protection"] = protection
+                    .iter()
+                    .map(|(st, line)| {
+                        let mut o = serde_json::to_value(st).unwrap_or_default();
+                        o["text"] = line.clone().into();
+                        o
+                    })
+                    .collect();
+                v.to_string() + "\n"
+            }
+            Err(_) => text,
+        }
+    } else {
+        let mut t = text;
+        for (_, line) in &protection {
+            t += &format!("protection: {line}\n");
+        }
+        t
     };
     match write_out(&mut io::stdout().lock(), &text) {
         // The reader is gone (`hagctl status | head -1`): it saw enough.

@@ -22,12 +22,15 @@
 //! 1 vGPU
 //!   ID  UUID                                  SOURCE  STATE  GFX-MEM
 //!    1  83b8f4f2-509f-382f-3c1e-e6bfe0fa1001  sim     idle   64 MiB
+//!       submissions 0, rejected 0, commands 0, pages marked 0, interrupts 0, hangs 0, watchdog 2000 ms
 //! $ hagctl events --count 1
 //! vgpu-created vgpu=1 uuid=83b8f4f2-509f-382f-3c1e-e6bfe0fa1001 message="created"
 //! ```
 //!
 //! All `unsafe` is in the shared `hag_dev` crate, around the `/dev/hag` ioctls.
 
+mod backup;
+mod checkpoint;
 mod commands;
 mod events;
 mod migrate;
@@ -60,13 +63,21 @@ enum Command {
     #[command(after_long_help = "\
 Text output: a line 'hag_mdev VERSION, ABI N, features: LIST', a count, and a
 table with the columns ID, UUID, SOURCE (sim, gvt), STATE (idle, open) and
-GFX-MEM.
+GFX-MEM. Under each vGPU's row, a line of its counters (IOC_VGPU_STATS):
+  submissions 8, rejected 0, commands 528, pages marked 129, interrupts 8, hangs 0, watchdog 2000 ms
+submissions are audited doorbell writes, rejected those the auditor refused,
+commands those the engine ran, pages marked the dirty-log markings of audited
+write sets, hangs the watchdog's (or injected) hangs; watchdog is the vGPU's
+hang timeout. A vGPU removed while hagctl reads shows 'no counters'.
 
 JSON output (--json), one object:
   {\"abi_version\": 1, \"module_version\": \"0.1.0\", \"features\": [\"sim\"],
    \"vgpus\": [{\"id\": 1, \"uuid\": \"…\", \"source\": \"sim\", \"state\": \"idle\",
-               \"gfx_mem_size\": 67108864}]}
-gfx_mem_size is in bytes.")]
+               \"gfx_mem_size\": 67108864,
+               \"stats\": {\"submissions\": 8, \"rejected\": 0, \"commands\": 528,
+                         \"pages_marked\": 129, \"interrupts\": 8, \"hangs\": 0,
+                         \"watchdog_ms\": 2000}}]}
+gfx_mem_size is in bytes; stats is null for a vGPU removed while hagctl reads.")]
     Status {
         /// Print one JSON object instead of text
         #[arg(long)]
@@ -122,7 +133,18 @@ wire_bytes, ms}], total_pages, total_bytes, downtime_bytes, context_bytes,
 vm_state_bytes, paused_at_iteration, gpu_dirty, total_ms.
 
 --no-gpu-dirty ignores hag's GPU dirty log: pages only the GPU wrote are
-then missed, which the workload's own check must catch (for tests).")]
+then missed, which the workload's own check must catch (for tests).
+
+--gpu-full-copy replaces hag's GPU dirty log by a full copy, during
+stop-and-copy, of every guest page the vGPU's GTT maps (read from the saved
+vGPU context): the baseline without command auditing (for benchmarks). The
+report then has gpu_full_copy true and gtt_pages.
+
+--inject-fault damages the stream on purpose (for tests only):
+corrupt-page flips a byte of the last PAGES frame of round 0 after its CRC
+was computed; truncate-context sends half of the CONTEXT frame during
+stop-and-copy and closes the connection. The target must refuse and discard
+its VM, and the source VM must run on.")]
     Migrate {
         /// Control socket of the source VM (hag-vmm serve --control)
         #[arg(long, value_name = "SOCKET")]
@@ -144,12 +166,133 @@ then missed, which the workload's own check must catch (for tests).")]
         /// Ignore hag's GPU dirty log (tests: the workload must then fail)
         #[arg(long)]
         no_gpu_dirty: bool,
+        /// Instead of the GPU dirty log, copy every GTT-mapped page at stop
+        /// time (benchmark baseline)
+        #[arg(long, conflicts_with = "no_gpu_dirty")]
+        gpu_full_copy: bool,
+        /// For tests only: damage the stream (corrupt-page, truncate-context)
+        #[arg(long, value_name = "FAULT", value_enum, hide_short_help = true)]
+        inject_fault: Option<migrate::Fault>,
         /// Keep trying to connect to the target for SECONDS
         #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = parse_seconds)]
         connect_timeout: Duration,
         /// Print one JSON object instead of text
         #[arg(long)]
         json: bool,
+    },
+    /// Protect a hag-vmm VM with continuous checkpoints to a `hagctl backup`
+    #[command(after_long_help = "\
+The first checkpoint is a full copy while the VM runs (pre-copy rounds, as
+in migrate), then an epoch. Every --interval, an epoch: pause the VM,
+quiesce the vGPU, copy the pages the CPU and the GPU dirtied since the last
+epoch, the vGPU context and the VM state, resume the vGPU and the VM, then
+stream the epoch and wait for the backup's acknowledgement (the VM runs
+meanwhile). The VM's console output (hag-vmm serve --progress lines and the
+PASS/FAIL line) is held until the epoch it belongs to is acknowledged.
+
+Per epoch, on stderr:
+  epoch 12: pause 14.2 ms (quiesce 0.3), 310 pages (cpu 200, gpu 150), 0.31 MiB, acked in 9.8 ms
+A vgpu-hung event for the VM's vGPU (or its hang counter moving) stops the VM
+and tells the backup to take over from the last acknowledged epoch. A
+backup answering with a newer generation took over: the VM is stopped. A
+backup silent past --failover-timeout leaves the VM running unprotected
+(output no longer held); hagctl retries every --interval and resynchronises.
+The state is in STATUS_DIR/checkpoint-vgpuN.json ('hagctl status' shows it).
+
+Report on stdout when it ends (--json: one object with outcome, detail,
+generation, epochs, syncs, sync_bytes, pause_ms_mean, pause_ms_max,
+ack_ms_mean, epoch_bytes, per_epoch [{epoch, pause_ms, quiesce_ms, pages,
+cpu_dirty, gpu_dirty, bytes, ack_ms, iteration, released}]). outcome:
+finished, handed-over, fenced or vm-stopped.")]
+    Checkpoint {
+        /// Control socket of the VM (hag-vmm serve --control)
+        #[arg(long, value_name = "SOCKET")]
+        vm: std::path::PathBuf,
+        /// Where `hagctl backup` listens
+        #[arg(long, value_name = "HOST:PORT")]
+        backup: String,
+        /// Time between epochs (2s, 500ms, 0.1)
+        #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = parse_duration)]
+        interval: Duration,
+        /// Backup silence before the VM runs on unprotected
+        #[arg(long, value_name = "SECONDS", default_value = "3", value_parser = parse_duration)]
+        failover_timeout: Duration,
+        /// This primary's generation (after a takeover, the new pair's)
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        generation: u64,
+        /// How long the vGPU may take to go idle at each epoch
+        #[arg(long, value_name = "MS", default_value_t = 2000,
+              value_parser = clap::value_parser!(u32).range(1..=i64::from(abi::QUIESCE_MAX_MS)))]
+        quiesce_timeout_ms: u32,
+        /// Pre-copy rounds at most for the first checkpoint
+        #[arg(long, value_name = "N", default_value_t = 8,
+              value_parser = clap::value_parser!(u32).range(2..=1000))]
+        max_rounds: u32,
+        /// Pre-copy ends once at most this many pages are dirty
+        #[arg(long, value_name = "N", default_value_t = 256)]
+        threshold_pages: u64,
+        /// Keep trying to reach the backup at start for SECONDS
+        #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = parse_seconds)]
+        connect_timeout: Duration,
+        /// Directory of the status file
+        #[arg(long, value_name = "DIR", default_value = "/run/hag")]
+        status_dir: std::path::PathBuf,
+        /// Print one JSON object instead of text
+        #[arg(long)]
+        json: bool,
+    },
+    /// Stand by for a `hagctl checkpoint` primary and take over its VM
+    #[command(after_long_help = "\
+Keeps a standby image of the primary's VM (guest RAM in a memfd, the last
+acknowledged vGPU context and VM state); each epoch is applied whole and
+then acknowledged. It does not run the VM until it takes over: when the
+primary reports a vGPU hang, or is silent past --failover-timeout. Then it
+starts `VMM serve --incoming --mdev UUID --control SOCKET --ram-mib M`,
+fills its RAM from the image, restores the context into this host's vGPU,
+sets the VM state and resumes it, raising the generation, and prints
+  takeover: generation 1, resumed from epoch 12 in 85.3 ms (…): REASON
+(--json: {reason, generation, epoch, takeover_ms, start_vm_ms, fill_ms,
+restore_ms, pages}). The VM's output follows on stdout; hagctl exits with
+the VM's status. If the primary ends protection (its VM finished), it exits
+0 without a takeover. State: STATUS_DIR/backup.json.")]
+    Backup {
+        /// Address and port to listen on
+        #[arg(long, value_name = "ADDR:PORT")]
+        listen: String,
+        /// This host's hag-sim mdev for the VM at takeover
+        #[arg(long, value_name = "UUID")]
+        mdev: String,
+        /// Control socket of the VM started at takeover
+        #[arg(long, value_name = "SOCKET", default_value = "/tmp/hag-backup-vm.sock")]
+        control: std::path::PathBuf,
+        /// The VMM binary
+        #[arg(long, value_name = "PATH", default_value = "hag-vmm")]
+        vmm: std::path::PathBuf,
+        /// Extra argument for `VMM serve` (repeatable)
+        #[arg(long, value_name = "ARG", allow_hyphen_values = true)]
+        vmm_arg: Vec<String>,
+        /// Primary silence before takeover
+        #[arg(long, value_name = "SECONDS", default_value = "3", value_parser = parse_duration)]
+        failover_timeout: Duration,
+        /// Generation to start at
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        generation: u64,
+        /// Directory of the state file
+        #[arg(long, value_name = "DIR", default_value = "/run/hag")]
+        status_dir: std::path::PathBuf,
+        /// Print the takeover report as JSON
+        #[arg(long)]
+        json: bool,
+    },
+    /// For tests: declare a vGPU hung (module loaded with allow_hang_injection=1)
+    #[command(hide = true)]
+    InjectHang {
+        /// The vGPU's id
+        #[arg(long, value_name = "ID", required_unless_present = "mdev")]
+        vgpu: Option<u32>,
+        /// Or its mdev UUID
+        #[arg(long, value_name = "UUID", conflicts_with = "vgpu")]
+        mdev: Option<String>,
     },
     /// Receive one migration into an incoming hag-vmm VM
     #[command(after_long_help = "\
@@ -172,6 +315,14 @@ vm_state_bytes, bytes, resumed}.")]
         #[arg(long)]
         json: bool,
     },
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    if let Some(ms) = t.strip_suffix("ms") {
+        return parse_seconds(ms).map(|d| d / 1000);
+    }
+    parse_seconds(t.strip_suffix('s').unwrap_or(t))
 }
 
 fn parse_seconds(text: &str) -> Result<Duration, String> {
@@ -218,6 +369,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             threshold_pages,
             quiesce_timeout_ms,
             no_gpu_dirty,
+            gpu_full_copy,
+            inject_fault,
             connect_timeout,
             json,
         } => {
@@ -229,12 +382,87 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 quiesce_timeout_ms,
                 no_gpu_dirty,
                 connect_timeout,
+                gpu_full_copy,
+                inject_fault,
             })?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
                 print!("{}", report.text());
             }
+        }
+        Command::Checkpoint {
+            vm,
+            backup,
+            interval,
+            failover_timeout,
+            generation,
+            quiesce_timeout_ms,
+            max_rounds,
+            threshold_pages,
+            connect_timeout,
+            status_dir,
+            json,
+        } => {
+            let report = checkpoint::checkpoint(&checkpoint::CheckpointOptions {
+                vm,
+                backup,
+                interval,
+                failover_timeout,
+                generation,
+                quiesce_timeout_ms,
+                max_rounds,
+                threshold_pages,
+                connect_timeout,
+                status_dir,
+            })?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                print!("{}", report.text());
+            }
+            if report.outcome == "fenced" {
+                anyhow::bail!("{}", report.detail);
+            }
+        }
+        Command::Backup {
+            listen,
+            mdev,
+            control,
+            vmm,
+            vmm_arg,
+            failover_timeout,
+            generation,
+            status_dir,
+            json,
+        } => {
+            let status = backup::backup(&backup::BackupOptions {
+                listen,
+                mdev,
+                control,
+                vmm,
+                vmm_args: vmm_arg,
+                failover_timeout,
+                generation,
+                status_dir,
+                json,
+            })?;
+            if let Some(status) = status {
+                if !status.success() {
+                    anyhow::bail!("the VM resumed here ended with {status}");
+                }
+            }
+        }
+        Command::InjectHang { vgpu, mdev } => {
+            let dev = hag_dev::Device::open()?;
+            dev.version()?;
+            let id = match (vgpu, mdev) {
+                (Some(id), _) => id,
+                (None, Some(uuid)) => dev.find_vgpu(&uuid)?.id,
+                (None, None) => anyhow::bail!("--vgpu or --mdev is needed"),
+            };
+            dev.inject_hang(id)?;
+            eprintln!("hagctl: vGPU {id} declared hung");
         }
         Command::Receive { listen, vm, json } => {
             let report = migrate::receive(&migrate::ReceiveOptions { listen, vm })?;
@@ -275,5 +503,9 @@ mod tests {
         assert!(parse_seconds("-1").is_err());
         assert!(parse_seconds("soon").is_err());
         assert!(parse_seconds("inf").is_err());
+        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("0.1"), Ok(Duration::from_millis(100)));
+        assert!(parse_duration("0ms").is_err());
     }
 }

@@ -47,6 +47,43 @@ pub struct MigrateOptions {
     pub no_gpu_dirty: bool,
     /// How long to keep trying to connect.
     pub connect_timeout: Duration,
+    /// Instead of hag's GPU dirty log, send every guest page the vGPU's
+    /// GTT maps at stop time (the baseline without command auditing).
+    pub gpu_full_copy: bool,
+    /// Damage the stream on purpose (tests).
+    pub inject_fault: Option<Fault>,
+}
+
+/// A fault `hagctl migrate --inject-fault` puts into the stream, so tests
+/// see the target refuse it and the source VM run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Fault {
+    /// Flip one byte of the last PAGES frame of round 0 after its CRC was
+    /// computed.
+    CorruptPage,
+    /// During stop-and-copy, send only the first half of the CONTEXT frame,
+    /// then close the sending side of the connection.
+    TruncateContext,
+}
+
+/// The guest pages the GTT section of `context` maps (present entries),
+/// sorted and without duplicates.
+pub fn gtt_guest_pages(context: &[u8]) -> Result<Vec<u64>, hag_abi::snapshot::SnapshotError> {
+    let snap = hag_abi::snapshot::Snapshot::parse(context)?;
+    let mut pages = BTreeSet::new();
+    for section in snap.sections() {
+        let (tag, bytes) = section?;
+        if tag != hag_abi::snapshot::TAG_GTT {
+            continue;
+        }
+        for pte in bytes.chunks_exact(8) {
+            let pte = u64::from_le_bytes(pte.try_into().unwrap_or([0; 8]));
+            if pte & hag_abi::sim_regs::GTT_PRESENT != 0 {
+                pages.insert((pte & hag_abi::sim_regs::GTT_ADDR_MASK) / PAGE_SIZE);
+            }
+        }
+    }
+    Ok(pages.into_iter().collect())
 }
 
 /// Why `hagctl migrate` failed. The source VM runs on unless it says
@@ -169,6 +206,10 @@ pub struct MigrationReport {
     pub paused_at_iteration: u32,
     /// hag's GPU dirty log was used.
     pub gpu_dirty: bool,
+    /// GPU pages were sent as a full copy of what the GTT maps at stop time.
+    pub gpu_full_copy: bool,
+    /// With `gpu_full_copy`: guest pages the GTT mapped.
+    pub gtt_pages: u64,
     /// Whole migration, milliseconds.
     pub total_ms: f64,
 }
@@ -191,7 +232,13 @@ impl MigrationReport {
             mib(self.downtime_bytes),
             self.context_bytes,
             self.vm_state_bytes,
-            if self.gpu_dirty { "" } else { " (GPU dirty log NOT used)" }
+            if self.gpu_full_copy {
+                format!(" (GPU dirty log replaced by a full copy of {} GTT-mapped pages)", self.gtt_pages)
+            } else if self.gpu_dirty {
+                String::new()
+            } else {
+                " (GPU dirty log NOT used)".to_owned()
+            }
         );
         for r in &self.per_round {
             s += &format!(
@@ -212,7 +259,7 @@ impl MigrationReport {
 }
 
 /// Keepalive and a user timeout, so a dead peer is noticed.
-fn tune(stream: &TcpStream) {
+pub(crate) fn tune(stream: &TcpStream) {
     use nix::sys::socket::{setsockopt, sockopt};
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
@@ -224,7 +271,7 @@ fn tune(stream: &TcpStream) {
     let _ = setsockopt(stream, sockopt::TcpUserTimeout, &30_000);
 }
 
-fn connect(to: &str, timeout: Duration) -> Result<TcpStream, MigrateError> {
+pub(crate) fn connect(to: &str, timeout: Duration) -> Result<TcpStream, MigrateError> {
     let start = Instant::now();
     loop {
         let err = match to.to_socket_addrs() {
@@ -251,29 +298,30 @@ fn connect(to: &str, timeout: Duration) -> Result<TcpStream, MigrateError> {
     }
 }
 
-/// The source side's live connections.
-struct Source {
-    vm: VmClient,
-    ram: GuestRam,
-    dev: Device,
-    vgpu_id: u32,
-    stream: TcpStream,
-    gpu_bitmap: Option<Vec<u64>>,
-    prev_gpu: BTreeSet<u64>,
-    paused: bool,
-    quiesced: bool,
-    opts: MigrateOptions,
+/// The source side's live connections (also the primary's, for
+/// `hagctl checkpoint`).
+pub(crate) struct Source {
+    pub(crate) vm: VmClient,
+    pub(crate) ram: GuestRam,
+    pub(crate) dev: Device,
+    pub(crate) vgpu_id: u32,
+    pub(crate) stream: TcpStream,
+    pub(crate) gpu_bitmap: Option<Vec<u64>>,
+    pub(crate) prev_gpu: BTreeSet<u64>,
+    pub(crate) paused: bool,
+    pub(crate) quiesced: bool,
+    pub(crate) opts: MigrateOptions,
 }
 
 /// Dirty pages of one collection.
-struct Dirty {
-    pages: BTreeSet<u64>,
-    cpu: u64,
-    gpu: u64,
+pub(crate) struct Dirty {
+    pub(crate) pages: BTreeSet<u64>,
+    pub(crate) cpu: u64,
+    pub(crate) gpu: u64,
 }
 
 impl Source {
-    fn send(&mut self, msg: &Msg, step: &str) -> Result<u64, MigrateError> {
+    pub(crate) fn send(&mut self, msg: &Msg, step: &str) -> Result<u64, MigrateError> {
         write_msg(&mut self.stream, msg)
             .map(|n| n as u64)
             .map_err(|e| MigrateError::Wire {
@@ -282,7 +330,18 @@ impl Source {
             })
     }
 
-    fn expect_ok(&mut self, step: &str, phase: u32) -> Result<(), MigrateError> {
+    fn send_raw(&mut self, frame: &[u8], step: &str) -> Result<u64, MigrateError> {
+        use std::io::Write;
+        self.stream
+            .write_all(frame)
+            .map(|()| frame.len() as u64)
+            .map_err(|e| MigrateError::Wire {
+                step: format!("sending ({step})"),
+                source: e.into(),
+            })
+    }
+
+    pub(crate) fn expect_ok(&mut self, step: &str, phase: u32) -> Result<(), MigrateError> {
         let (msg, _) = read_msg(&mut self.stream).map_err(|source| MigrateError::Wire {
             step: format!("waiting for the target's OK ({step})"),
             source,
@@ -303,7 +362,7 @@ impl Source {
 
     /// Reads and clears both dirty logs; adds the previous round's GPU
     /// pages (see the module docs).
-    fn collect(&mut self) -> Result<Dirty, MigrateError> {
+    pub(crate) fn collect(&mut self) -> Result<Dirty, MigrateError> {
         let cpu_words = self.vm.cpu_dirty()?;
         let cpu: BTreeSet<u64> = bitmap_pages(&cpu_words).collect();
         let mut gpu = BTreeSet::new();
@@ -351,6 +410,20 @@ impl Source {
                 round,
                 pages: std::mem::take(&mut batch),
             };
+            if round == 0
+                && pages.peek().is_none()
+                && self.opts.inject_fault == Some(Fault::CorruptPage)
+            {
+                // The last byte is page data (or a page header): the
+                // frame's CRC no longer matches.
+                let mut frame = wire::encode_frame(&msg);
+                if let Some(b) = frame.last_mut() {
+                    *b ^= 0x5a;
+                }
+                eprintln!("hagctl: injecting a fault: one byte of the last PAGES frame of round 0 flipped");
+                report.wire_bytes += self.send_raw(&frame, "round 0 (corrupt-page)")?;
+                continue;
+            }
             report.wire_bytes += self.send(&msg, &format!("round {round}"))?;
         }
         report.pages = count;
@@ -365,7 +438,7 @@ impl Source {
         Ok(())
     }
 
-    fn progress(r: &RoundReport) {
+    pub(crate) fn progress(r: &RoundReport) {
         eprintln!(
             "round {}: {} pages, {} → {} compressed",
             r.round,
@@ -377,6 +450,24 @@ impl Source {
 
     fn run(&mut self, report: &mut MigrationReport) -> Result<(), MigrateError> {
         let start = Instant::now();
+        self.handshake()?;
+        if !self.opts.no_gpu_dirty && !self.opts.gpu_full_copy {
+            self.start_gpu_log()?;
+        }
+        let (round, pending, pending_counts) = self.precopy(report)?;
+        self.stop_and_copy(round, pending, pending_counts, report, start)
+    }
+
+    /// Starts hag's GPU dirty log over all of guest RAM.
+    pub(crate) fn start_gpu_log(&mut self) -> Result<(), MigrateError> {
+        let ram_size = self.ram.size();
+        self.dev.dirty_start(self.vgpu_id, 0, ram_size)?;
+        self.gpu_bitmap = Some(vec![0; bitmap_words(ram_size)]);
+        Ok(())
+    }
+
+    /// HELLO, and the target's HELLO_OK.
+    pub(crate) fn handshake(&mut self) -> Result<(), MigrateError> {
         let ram_size = self.ram.size();
         self.send(
             &Msg::Hello {
@@ -406,10 +497,18 @@ impl Source {
                 })
             }
         }
-        if !self.opts.no_gpu_dirty {
-            self.dev.dirty_start(self.vgpu_id, 0, ram_size)?;
-            self.gpu_bitmap = Some(vec![0; bitmap_words(ram_size)]);
-        }
+        Ok(())
+    }
+
+    /// Pre-copy rounds while the VM runs, until a round would send at most
+    /// `threshold_pages` or the next round is the last allowed. Returns the
+    /// next round's number, its pages and their (CPU, GPU) counts: what
+    /// the stop-and-copy round sends.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn precopy(
+        &mut self,
+        report: &mut MigrationReport,
+    ) -> Result<(u32, BTreeSet<u64>, (u64, u64)), MigrateError> {
         // Round 0: clear the logs first, so every later write is seen.
         let _ = self.collect()?;
         self.prev_gpu.clear();
@@ -450,7 +549,7 @@ impl Source {
             if pending.len() as u64 <= self.opts.threshold_pages
                 || round + 1 >= self.opts.max_rounds
             {
-                return self.stop_and_copy(round, pending, pending_counts, report, start);
+                return Ok((round, pending, pending_counts));
             }
         }
     }
@@ -482,6 +581,16 @@ impl Source {
         pages.extend(d.pages);
         cpu += d.cpu;
         gpu += d.gpu;
+        // The vGPU is idle: its context (and GTT) no longer changes.
+        let context = self.dev.save_context(self.vgpu_id)?;
+        hag_abi::snapshot::Snapshot::parse(&context).map_err(MigrateError::BadContext)?;
+        if self.opts.gpu_full_copy {
+            let limit = self.ram.pages();
+            let mapped = gtt_guest_pages(&context).map_err(MigrateError::BadContext)?;
+            report.gtt_pages = mapped.len() as u64;
+            gpu = mapped.len() as u64;
+            pages.extend(mapped.into_iter().filter(|&p| p < limit));
+        }
         let mut r = RoundReport {
             round,
             kind: "stop-copy",
@@ -490,11 +599,28 @@ impl Source {
             ..RoundReport::default()
         };
         self.send_round(round, pages, &mut r)?;
-        let context = self.dev.save_context(self.vgpu_id)?;
-        hag_abi::snapshot::Snapshot::parse(&context).map_err(MigrateError::BadContext)?;
         let state = self.vm.get_state()?;
         report.context_bytes = context.len() as u64;
         report.vm_state_bytes = state.len() as u64;
+        if self.opts.inject_fault == Some(Fault::TruncateContext) {
+            let frame = wire::encode_frame(&Msg::Context(context));
+            let half = frame.len() / 2;
+            eprintln!(
+                "hagctl: injecting a fault: CONTEXT frame cut after {half} of {} bytes",
+                frame.len()
+            );
+            self.send_raw(&frame[..half], "stop-and-copy (truncate-context)")?;
+            let _ = self.stream.shutdown(std::net::Shutdown::Write);
+            // The round's OK, then the target must refuse: its ERROR (or
+            // its closing the connection) ends this migration.
+            self.expect_ok(&format!("round {round}"), round)?;
+            self.expect_ok("stop-and-copy (truncated CONTEXT)", COMMIT_PHASE)?;
+            return Err(MigrateError::Unexpected {
+                step: "stop-and-copy (truncated CONTEXT)".into(),
+                got: "OK to COMMIT".into(),
+                want: "ERROR",
+            });
+        }
         r.wire_bytes += self.send(&Msg::Context(context), "stop-and-copy")?;
         r.wire_bytes += self.send(&Msg::VmState(state), "stop-and-copy")?;
         r.wire_bytes += self.send(&Msg::Commit, "stop-and-copy")?;
@@ -563,7 +689,8 @@ pub fn migrate(opts: &MigrateOptions) -> anyhow::Result<MigrationReport> {
     };
     let mut report = MigrationReport {
         to: opts.to.clone(),
-        gpu_dirty: !opts.no_gpu_dirty,
+        gpu_dirty: !opts.no_gpu_dirty && !opts.gpu_full_copy,
+        gpu_full_copy: opts.gpu_full_copy,
         ..MigrationReport::default()
     };
     let result = src.run(&mut report);
@@ -628,11 +755,12 @@ impl ReceiveReport {
     }
 }
 
-struct IncomingVm {
-    vm: VmClient,
-    ram: GuestRam,
-    dev: Device,
-    vgpu_id: u32,
+/// An incoming VM being filled (also the backup's, at takeover).
+pub(crate) struct IncomingVm {
+    pub(crate) vm: VmClient,
+    pub(crate) ram: GuestRam,
+    pub(crate) dev: Device,
+    pub(crate) vgpu_id: u32,
 }
 
 impl Target for IncomingVm {
@@ -698,7 +826,17 @@ pub fn receive(opts: &ReceiveOptions) -> anyhow::Result<ReceiveReport> {
                 report.bytes += n as u64;
                 msg
             }
-            Err(e) => break Err(format!("reading the stream: {e}")),
+            Err(e) => {
+                let why = format!("reading the stream: {e}");
+                // Best effort: the source may have gone already.
+                let _ = write_msg(
+                    &mut stream,
+                    &Msg::Error {
+                        message: why.clone(),
+                    },
+                );
+                break Err(why);
+            }
         };
         match state.on(msg, &mut target, &mut report.received) {
             Ok((next, reply)) => {
@@ -746,5 +884,40 @@ pub fn receive(opts: &ReceiveOptions) -> anyhow::Result<ReceiveReport> {
             };
             anyhow::bail!("migration from {from} failed: {why}; {discarded}")
         }
+    }
+}
+
+#[cfg(test)]
+mod full_copy_tests {
+    use super::*;
+    use hag_abi::sim_regs::{GTT_ADDR_MASK, GTT_PRESENT};
+    use hag_abi::snapshot::{Writer, TAG_CONFIG, TAG_GTT};
+
+    #[test]
+    fn gtt_guest_pages_lists_present_entries_once() {
+        let ptes: [u64; 5] = [
+            (7 * PAGE_SIZE) | GTT_PRESENT,
+            (3 * PAGE_SIZE) | GTT_PRESENT,
+            9 * PAGE_SIZE, // not present
+            (7 * PAGE_SIZE) | GTT_PRESENT,
+            (GTT_ADDR_MASK & (1 << 38)) | GTT_PRESENT,
+        ];
+        let mut buf = vec![0u8; 512];
+        let mut w = Writer::new(&mut buf, 1, 64 << 20).unwrap();
+        w.section(TAG_CONFIG, 16, |b| b.fill(1)).unwrap();
+        w.section(TAG_GTT, ptes.len() * 8, |b| {
+            for (i, p) in ptes.iter().enumerate() {
+                b[i * 8..i * 8 + 8].copy_from_slice(&p.to_le_bytes());
+            }
+        })
+        .unwrap();
+        let n = w.finish();
+        buf.truncate(n);
+        assert_eq!(
+            gtt_guest_pages(&buf).unwrap(),
+            vec![3, 7, (1 << 38) / PAGE_SIZE]
+        );
+        buf[40] ^= 1;
+        assert!(gtt_guest_pages(&buf).is_err());
     }
 }

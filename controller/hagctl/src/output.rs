@@ -1,7 +1,7 @@
 //! What hagctl prints: status as a table or one JSON object, events as one
 //! line each. Pure functions of values, so the exact text is tested.
 
-use hag_abi::abi::{self, HagVgpuInfo};
+use hag_abi::abi::{self, HagVgpuInfo, HagVgpuStats};
 use hag_dev::ModuleInfo;
 use serde::Serialize;
 
@@ -44,8 +44,26 @@ pub fn format_size(bytes: u64) -> String {
         )
 }
 
-/// `hagctl status` as text: a version line, a count line, then a table.
-pub fn status_text(module: &ModuleInfo, vgpus: &[HagVgpuInfo]) -> String {
+/// A vGPU's counters on one line, as `hagctl status` shows them under its
+/// row (`None`: the vGPU went away before its counters were read).
+pub fn stats_text(stats: Option<&HagVgpuStats>) -> String {
+    match stats {
+        Some(s) => format!(
+            "submissions {}, rejected {}, commands {}, pages marked {}, interrupts {}, hangs {}, watchdog {} ms",
+            s.submissions, s.rejected, s.commands, s.pages_marked, s.interrupts, s.hangs, s.watchdog_ms
+        ),
+        None => "no counters (the vGPU went away)".to_owned(),
+    }
+}
+
+/// `hagctl status` as text: a version line, a count line, then a table
+/// with a second line of counters per vGPU. `stats[i]` belongs to
+/// `vgpus[i]` (missing entries show as unavailable).
+pub fn status_text(
+    module: &ModuleInfo,
+    vgpus: &[HagVgpuInfo],
+    stats: &[Option<HagVgpuStats>],
+) -> String {
     let version = if module.module_version.is_empty() {
         "(no version)"
     } else {
@@ -89,7 +107,7 @@ pub fn status_text(module: &ModuleInfo, vgpus: &[HagVgpuInfo]) -> String {
             *width = (*width).max(cell.len());
         }
     }
-    for row in std::iter::once(&header).chain(&rows) {
+    for (i, row) in std::iter::once(&header).chain(&rows).enumerate() {
         let line = format!(
             "  {:>w0$}  {:<w1$}  {:<w2$}  {:<w3$}  {}",
             row[0],
@@ -104,6 +122,11 @@ pub fn status_text(module: &ModuleInfo, vgpus: &[HagVgpuInfo]) -> String {
         );
         out.push_str(&line);
         out.push('\n');
+        if i > 0 {
+            // Under the UUID column.
+            let counters = stats_text(stats.get(i - 1).and_then(Option::as_ref));
+            out.push_str(&format!("  {:w0$}  {counters}\n", "", w0 = widths[0]));
+        }
     }
     out
 }
@@ -123,22 +146,55 @@ struct VgpuJson {
     source: &'static str,
     state: &'static str,
     gfx_mem_size: u64,
+    stats: Option<StatsJson>,
 }
 
-/// `hagctl status --json`: one JSON object on one line.
-pub fn status_json(module: &ModuleInfo, vgpus: &[HagVgpuInfo]) -> String {
+#[derive(Serialize)]
+struct StatsJson {
+    submissions: u64,
+    rejected: u64,
+    commands: u64,
+    pages_marked: u64,
+    interrupts: u64,
+    hangs: u64,
+    watchdog_ms: u32,
+}
+
+impl From<&HagVgpuStats> for StatsJson {
+    fn from(s: &HagVgpuStats) -> Self {
+        StatsJson {
+            submissions: s.submissions,
+            rejected: s.rejected,
+            commands: s.commands,
+            pages_marked: s.pages_marked,
+            interrupts: s.interrupts,
+            hangs: s.hangs,
+            watchdog_ms: s.watchdog_ms,
+        }
+    }
+}
+
+/// `hagctl status --json`: one JSON object on one line; each vGPU has a
+/// "stats" object (`null` if the vGPU went away before it was read).
+pub fn status_json(
+    module: &ModuleInfo,
+    vgpus: &[HagVgpuInfo],
+    stats: &[Option<HagVgpuStats>],
+) -> String {
     let status = StatusJson {
         abi_version: module.abi_version,
         module_version: &module.module_version,
         features: feature_names(module.features),
         vgpus: vgpus
             .iter()
-            .map(|v| VgpuJson {
+            .enumerate()
+            .map(|(i, v)| VgpuJson {
                 id: v.id,
                 uuid: uuid_text(&v.uuid),
                 source: abi::source_name(v.source),
                 state: abi::state_name(v.state),
                 gfx_mem_size: v.gfx_mem_size,
+                stats: stats.get(i).and_then(Option::as_ref).map(StatsJson::from),
             })
             .collect(),
     };
@@ -229,6 +285,21 @@ mod tests {
         }
     }
 
+    fn stats(id: u32, n: u64) -> HagVgpuStats {
+        HagVgpuStats {
+            vgpu_id: id,
+            state: abi::VGPU_STATE_OPEN,
+            submissions: n,
+            rejected: 1,
+            commands: 66 * n,
+            pages_marked: 16 * n + 1,
+            interrupts: n,
+            hangs: 2,
+            watchdog_ms: 2000,
+            reserved: 0,
+        }
+    }
+
     #[test]
     fn status_text_with_two_vgpus() {
         let vgpus = [
@@ -236,12 +307,32 @@ mod tests {
             vgpu(2, 0x02, abi::VGPU_STATE_OPEN),
         ];
         assert_eq!(
-            status_text(&module(), &vgpus),
+            status_text(&module(), &vgpus, &[Some(stats(1, 0)), Some(stats(2, 8))]),
             "hag_mdev 0.1.0, ABI 1, features: sim\n\
              2 vGPUs\n\
              \x20 ID  UUID                                  SOURCE  STATE  GFX-MEM\n\
              \x20  1  83b8f4f2-509f-382f-3c1e-e6bfe0fa1001  sim     idle   64 MiB\n\
-             \x20  2  83b8f4f2-509f-382f-3c1e-e6bfe0fa1002  sim     open   64 MiB\n"
+             \x20     submissions 0, rejected 1, commands 0, pages marked 1, interrupts 0, hangs 2, watchdog 2000 ms\n\
+             \x20  2  83b8f4f2-509f-382f-3c1e-e6bfe0fa1002  sim     open   64 MiB\n\
+             \x20     submissions 8, rejected 1, commands 528, pages marked 129, interrupts 8, hangs 2, watchdog 2000 ms\n"
+        );
+    }
+
+    #[test]
+    fn status_text_when_counters_are_missing() {
+        let vgpus = [vgpu(12, 0x01, abi::VGPU_STATE_IDLE)];
+        assert_eq!(
+            status_text(&module(), &vgpus, &[None]),
+            "hag_mdev 0.1.0, ABI 1, features: sim\n\
+             1 vGPU\n\
+             \x20 ID  UUID                                  SOURCE  STATE  GFX-MEM\n\
+             \x20 12  83b8f4f2-509f-382f-3c1e-e6bfe0fa1001  sim     idle   64 MiB\n\
+             \x20     no counters (the vGPU went away)\n"
+        );
+        // A short stats slice is the same as missing counters.
+        assert_eq!(
+            status_text(&module(), &vgpus, &[]),
+            status_text(&module(), &vgpus, &[None])
         );
     }
 
@@ -250,7 +341,7 @@ mod tests {
         let mut m = module();
         m.features = 0;
         assert_eq!(
-            status_text(&m, &[]),
+            status_text(&m, &[], &[]),
             "hag_mdev 0.1.0, ABI 1, features: none\nno vGPUs\n"
         );
     }
@@ -262,15 +353,15 @@ mod tests {
             vgpu(2, 0x02, abi::VGPU_STATE_OPEN),
         ];
         assert_eq!(
-            status_json(&module(), &vgpus),
-            r#"{"abi_version":1,"module_version":"0.1.0","features":["sim"],"vgpus":[{"id":1,"uuid":"83b8f4f2-509f-382f-3c1e-e6bfe0fa1001","source":"sim","state":"idle","gfx_mem_size":67108864},{"id":2,"uuid":"83b8f4f2-509f-382f-3c1e-e6bfe0fa1002","source":"sim","state":"open","gfx_mem_size":67108864}]}"#
+            status_json(&module(), &vgpus, &[Some(stats(1, 8)), None]),
+            r#"{"abi_version":1,"module_version":"0.1.0","features":["sim"],"vgpus":[{"id":1,"uuid":"83b8f4f2-509f-382f-3c1e-e6bfe0fa1001","source":"sim","state":"idle","gfx_mem_size":67108864,"stats":{"submissions":8,"rejected":1,"commands":528,"pages_marked":129,"interrupts":8,"hangs":2,"watchdog_ms":2000}},{"id":2,"uuid":"83b8f4f2-509f-382f-3c1e-e6bfe0fa1002","source":"sim","state":"open","gfx_mem_size":67108864,"stats":null}]}"#
         );
     }
 
     #[test]
     fn status_json_with_no_vgpus() {
         assert_eq!(
-            status_json(&module(), &[]),
+            status_json(&module(), &[], &[]),
             r#"{"abi_version":1,"module_version":"0.1.0","features":["sim"],"vgpus":[]}"#
         );
     }

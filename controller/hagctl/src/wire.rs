@@ -34,6 +34,38 @@
 //!   (the source resumes its vGPU and VM)
 //! ```
 //!
+//! Continuous checkpointing (`hagctl checkpoint` → `hagctl backup`) runs
+//! the same stream without the COMMIT: the first checkpoint is pre-copy
+//! rounds then one stop-and-copy round, and every later epoch is one more
+//! stop-and-copy round, each closed by EPOCH_END instead of COMMIT. The
+//! backup applies an epoch to its standby image only when EPOCH_END
+//! arrives (pages of an unfinished epoch are staged, so the last
+//! acknowledged checkpoint is never half overwritten) and answers
+//! EPOCH_ACK. A second connection carries HEARTBEATs both ways (and HANG,
+//! primary → backup: take over now):
+//!
+//! ```text
+//! primary (hagctl checkpoint)                   backup (hagctl backup)
+//!   HELLO …, pre-copy rounds as above ────────▶ pages into the standby image
+//!   epoch e (VM paused only to capture it):
+//!   PAGES r …, ROUND_END r ───────────────────▶ pages staged
+//!                                             ◀─ OK round r
+//!   CONTEXT, VM_STATE, EPOCH_END e, gen g ────▶ staged pages applied,
+//!                                                checkpoint e stored
+//!                                             ◀─ EPOCH_ACK e, gen | ERROR
+//!   ABORT reason (protection ends) ───────────▶ standby discarded
+//! control connection, every 200 ms both ways:
+//!   HEARTBEAT gen, epoch ◀───────────────────▶ HEARTBEAT gen, epoch
+//!   HANG reason ──────────────────────────────▶ take over from the last
+//!                                                acknowledged epoch
+//! ```
+//!
+//! The generation counts takeovers: a backup that took over answers with a
+//! higher one, and a primary that sees it stops its VM.
+//!
+//! HEARTBEAT payload: `generation u64 | epoch u64`; HANG: the reason
+//! (UTF-8); EPOCH_END and EPOCH_ACK: `epoch u64 | generation u64`.
+//!
 //! CONTEXT payload: `snapshot length u32 | LZ4 block` (at most
 //! `CONTEXT_MAX_BYTES` once decompressed). PAGES payload: `round u32 |
 //! count u32`, then `count` records of
@@ -83,6 +115,14 @@ pub enum MsgType {
     Commit = 9,
     /// Source → target: give up, discard.
     Abort = 10,
+    /// Either way, on the checkpoint control connection: alive.
+    Heartbeat = 11,
+    /// Primary → backup: the primary's vGPU hung; take over.
+    Hang = 12,
+    /// Primary → backup: the epoch is complete; apply it.
+    EpochEnd = 13,
+    /// Backup → primary: the epoch is applied.
+    EpochAck = 14,
 }
 
 impl MsgType {
@@ -100,6 +140,10 @@ impl MsgType {
             8 => VmState,
             9 => Commit,
             10 => Abort,
+            11 => Heartbeat,
+            12 => Hang,
+            13 => EpochEnd,
+            14 => EpochAck,
             _ => return None,
         })
     }
@@ -118,6 +162,10 @@ impl MsgType {
             VmState => "VM_STATE",
             Commit => "COMMIT",
             Abort => "ABORT",
+            Heartbeat => "HEARTBEAT",
+            Hang => "HANG",
+            EpochEnd => "EPOCH_END",
+            EpochAck => "EPOCH_ACK",
         }
     }
 }
@@ -136,6 +184,16 @@ pub enum WireError {
     Truncated {
         /// Header or payload.
         what: &'static str,
+        /// Bytes needed.
+        need: usize,
+        /// Bytes read.
+        have: usize,
+    },
+    /// The stream ended inside a frame's payload.
+    #[error("stream truncated inside a {ty} frame: {have} of {need} payload bytes")]
+    TruncatedPayload {
+        /// Type name.
+        ty: &'static str,
         /// Bytes needed.
         need: usize,
         /// Bytes read.
@@ -266,6 +324,32 @@ pub enum Msg {
         /// Why.
         reason: String,
     },
+    /// Alive (checkpoint control connection).
+    Heartbeat {
+        /// The sender's generation.
+        generation: u64,
+        /// The last epoch acknowledged.
+        epoch: u64,
+    },
+    /// The primary's vGPU hung: take over.
+    Hang {
+        /// What happened.
+        reason: String,
+    },
+    /// End of a checkpoint epoch.
+    EpochEnd {
+        /// Epoch number (1 = the first checkpoint).
+        epoch: u64,
+        /// The primary's generation.
+        generation: u64,
+    },
+    /// A checkpoint epoch is applied.
+    EpochAck {
+        /// Epoch number.
+        epoch: u64,
+        /// The backup's generation.
+        generation: u64,
+    },
 }
 
 /// The `phase` of the OK that acknowledges COMMIT.
@@ -329,6 +413,10 @@ impl Msg {
             Msg::VmState(_) => MsgType::VmState,
             Msg::Commit => MsgType::Commit,
             Msg::Abort { .. } => MsgType::Abort,
+            Msg::Heartbeat { .. } => MsgType::Heartbeat,
+            Msg::Hang { .. } => MsgType::Hang,
+            Msg::EpochEnd { .. } => MsgType::EpochEnd,
+            Msg::EpochAck { .. } => MsgType::EpochAck,
         }
     }
 
@@ -347,6 +435,15 @@ impl Msg {
             Msg::Ok { phase } => p.extend_from_slice(&phase.to_le_bytes()),
             Msg::Error { message } => p.extend_from_slice(message.as_bytes()),
             Msg::Abort { reason } => p.extend_from_slice(reason.as_bytes()),
+            Msg::Hang { reason } => p.extend_from_slice(reason.as_bytes()),
+            Msg::Heartbeat { generation, epoch } => {
+                p.extend_from_slice(&generation.to_le_bytes());
+                p.extend_from_slice(&epoch.to_le_bytes());
+            }
+            Msg::EpochEnd { epoch, generation } | Msg::EpochAck { epoch, generation } => {
+                p.extend_from_slice(&epoch.to_le_bytes());
+                p.extend_from_slice(&generation.to_le_bytes());
+            }
             Msg::Pages { round, pages } => {
                 p.extend_from_slice(&round.to_le_bytes());
                 p.extend_from_slice(&(pages.len() as u32).to_le_bytes());
@@ -420,6 +517,23 @@ impl Msg {
                     reason: text(payload),
                 })
             }
+            MsgType::Hang => {
+                return Ok(Msg::Hang {
+                    reason: text(payload),
+                })
+            }
+            MsgType::Heartbeat => Msg::Heartbeat {
+                generation: c.u64("generation")?,
+                epoch: c.u64("epoch")?,
+            },
+            MsgType::EpochEnd => Msg::EpochEnd {
+                epoch: c.u64("epoch")?,
+                generation: c.u64("generation")?,
+            },
+            MsgType::EpochAck => Msg::EpochAck {
+                epoch: c.u64("epoch")?,
+                generation: c.u64("generation")?,
+            },
             MsgType::Pages => {
                 let round = c.u32("round")?;
                 let count = c.u32("count")? as usize;
@@ -559,8 +673,8 @@ pub fn read_msg(r: &mut impl Read) -> Result<(Msg, usize), WireError> {
     let mut payload = vec![0u8; len as usize];
     let have = read_full(r, &mut payload)?;
     if have < payload.len() {
-        return Err(WireError::Truncated {
-            what: "frame payload",
+        return Err(WireError::TruncatedPayload {
+            ty: ty.name(),
             need: payload.len(),
             have,
         });
@@ -921,7 +1035,10 @@ mod tests {
         for cut in 1..bytes.len() {
             let err = read_msg(&mut &bytes[..cut]).unwrap_err();
             assert!(
-                matches!(err, WireError::Truncated { .. }),
+                matches!(
+                    err,
+                    WireError::Truncated { .. } | WireError::TruncatedPayload { .. }
+                ),
                 "cut {cut}: {err}"
             );
         }
@@ -945,10 +1062,11 @@ mod tests {
             read_msg(&mut &b[..]),
             Err(WireError::InvalidType(0))
         ));
-        b[0] = 11;
+        // (11..=14 are the checkpoint messages.)
+        b[0] = 99;
         assert!(matches!(
             read_msg(&mut &b[..]),
-            Err(WireError::InvalidType(11))
+            Err(WireError::InvalidType(99))
         ));
         let mut b = encode_frame(&Msg::Commit);
         b[4..8].copy_from_slice(&(MAX_PAYLOAD + 1).to_le_bytes());
@@ -1028,6 +1146,44 @@ mod tests {
         assert!(err
             .to_string()
             .starts_with("unexpected PAGES while waiting for VM_STATE"));
+    }
+
+    #[test]
+    fn checkpoint_messages_round_trip() {
+        for msg in [
+            Msg::Heartbeat {
+                generation: 3,
+                epoch: 412,
+            },
+            Msg::Hang {
+                reason: "vgpu-hung: injected".into(),
+            },
+            Msg::EpochEnd {
+                epoch: 7,
+                generation: 1,
+            },
+            Msg::EpochAck {
+                epoch: 7,
+                generation: 2,
+            },
+        ] {
+            let frame = encode_frame(&msg);
+            let (back, n) = read_msg(&mut &frame[..]).unwrap();
+            assert_eq!(back, msg);
+            assert_eq!(n, frame.len());
+            // A short payload is refused, not misread.
+            if matches!(msg, Msg::EpochEnd { .. }) {
+                let mut bad = frame.clone();
+                bad.truncate(bad.len() - 1);
+                bad[4..8].copy_from_slice(&15u32.to_le_bytes());
+                let crc = frame_crc(&bad, &bad[HEADER_BYTES..]);
+                bad[8..12].copy_from_slice(&crc.to_le_bytes());
+                let err = read_msg(&mut &bad[..]).unwrap_err();
+                assert!(err.to_string().contains("malformed EPOCH_END"), "{err}");
+            }
+        }
+        assert_eq!(MsgType::from_u32(14), Some(MsgType::EpochAck));
+        assert_eq!(MsgType::from_u32(15), None);
     }
 
     #[test]

@@ -1,0 +1,87 @@
+# hosts: 2
+# timeout: 900
+# Benchmark (not a test scenario: qemu-tests/bench-migration runs it, with
+# RUNS and ITERATIONS set in front of this text). First the link bandwidth:
+# host 0 sends BW_MIB MiB of random bytes to host 1 with busybox nc, timed
+# on host 0 (twice; the faster counts). Then, RUNS times per mode, a fresh
+# frames VM on host 0 migrates to host 1 mid-run: mode "dirty" uses hag's
+# GPU dirty log, mode "full" (hagctl migrate --gpu-full-copy) copies every
+# page the vGPU's GTT maps at stop time instead. host 1 lets each VM run to
+# the end and checks PASS, so both modes are also checked for correctness.
+# host 0 prints `BENCH-BW bytes centiseconds` and `BENCH-RESULT mode run
+# {hagctl migrate --json report}` lines for the script to read.
+: "${RUNS:=3}"
+: "${ITERATIONS:=8000}"
+: "${BW_MIB:=8}"
+load_hag
+peer=$(host_ip $((1 - HAG_HOST)))
+me=$(host_ip "$HAG_HOST")
+wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
+now_cs() { cut -d' ' -f1 /proc/uptime | tr -d .; }
+
+if [ "$HAG_HOST" = 1 ]; then
+	for t in 1 2; do
+		nc -l -p "720$t" >/dev/null || fail "bandwidth receiver $t failed"
+	done
+	k=0
+	for mode in dirty full; do
+		for run in $(seq "$RUNS"); do
+			k=$((k + 1))
+			uuid=$(new_uuid)
+			mdev_create "$uuid"
+			sock=/tmp/in$k.sock
+			hag-vmm serve --mdev "$uuid" --control "$sock" --incoming >/tmp/in$k.out 2>/tmp/in$k.err &
+			vm=$!
+			wait_for 30 test -S "$sock" || fail "incoming VM $k did not start: $(cat /tmp/in$k.err)"
+			hagctl receive --listen "$me:$((7300 + k))" --vm "$sock" --json >/tmp/recv$k.out 2>/tmp/recv$k.err ||
+				fail "receive $k ($mode) failed: $(cat /tmp/recv$k.err)"
+			rc=0
+			wait "$vm" || rc=$?
+			expect_eq "VM $k ($mode) exit status" "$rc" 0
+			grep -q "^PASS frames: $ITERATIONS iterations verified" /tmp/in$k.out ||
+				fail "run $k ($mode): the workload did not verify on host 1: $(cat /tmp/in$k.out)"
+			echo "run $k ($mode): PASS on host 1"
+			mdev_remove "$uuid"
+		done
+	done
+else
+	dd if=/dev/urandom of=/tmp/blob bs=1048576 count="$BW_MIB" 2>/dev/null
+	bytes=$(wc -c </tmp/blob)
+	for t in 1 2; do
+		tries=0
+		while :; do
+			start=$(now_cs)
+			if nc "$peer" "720$t" </tmp/blob 2>/dev/null; then
+				end=$(now_cs)
+				break
+			fi
+			tries=$((tries + 1))
+			[ "$tries" -lt 150 ] || fail "bandwidth transfer $t: cannot reach $peer:720$t"
+			sleep 0.2
+		done
+		echo "BENCH-BW $bytes $((end - start))"
+	done
+	k=0
+	for mode in dirty full; do
+		flags=""
+		[ "$mode" = full ] && flags="--gpu-full-copy"
+		for run in $(seq "$RUNS"); do
+			k=$((k + 1))
+			uuid=$(new_uuid)
+			mdev_create "$uuid"
+			sock=/tmp/vm$k.sock
+			hag-vmm serve --mdev "$uuid" --control "$sock" --iterations "$ITERATIONS" >/tmp/vm$k.out 2>/tmp/vm$k.err &
+			vm=$!
+			wait_for 30 test -S "$sock" || fail "VM $k did not start: $(cat /tmp/vm$k.err)"
+			sleep 3
+			# shellcheck disable=SC2086
+			hagctl migrate --vm "$sock" --to "$peer:$((7300 + k))" $flags --connect-timeout 120 --json \
+				>/tmp/mig$k.out 2>/tmp/mig$k.err || fail "migration $k ($mode) failed: $(cat /tmp/mig$k.err)"
+			echo "BENCH-RESULT $mode $run $(cat /tmp/mig$k.out)"
+			rc=0
+			wait "$vm" || rc=$?
+			expect_eq "source VM $k exit status" "$rc" 0
+			mdev_remove "$uuid"
+		done
+	done
+fi
