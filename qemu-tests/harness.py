@@ -12,6 +12,11 @@ datagrams to a hub socket on 127.0.0.1, and the hub forwards every frame to
 all other hosts. Nothing leaves the loopback interface, and QEMU runs with
 -nodefaults, so no host has user-mode networking.
 
+A scenario loses a host for real by printing `HAG-KILL-HOST` on its console
+(lib.sh's `lose_this_host`): the harness then SIGKILLs that host's QEMU
+process at once, as a power cut would, and judges the host only on what it
+logged before.
+
 Promises: every QEMU process a run starts is killed before the run returns,
 whatever happened; a scenario passes only if every host's script exited 0
 and no host's log shows a kernel BUG, WARNING, Oops or panic, or a taint
@@ -92,12 +97,15 @@ def build_initramfs(build, dest):
             (root / d).mkdir(parents=True, exist_ok=True)
         shutil.copy2("/bin/busybox", root / "bin/busybox")
         shutil.copy2(TESTS / "guest/init", root / "init")
-        shutil.copy2(TESTS / "guest/lib.sh", root / "hag/lib.sh")
+        for helper in sorted((TESTS / "guest").glob("*.sh")):
+            shutil.copy2(helper, root / "hag" / helper.name)
         shutil.copy2(build.module, root / "hag/hag_mdev.ko")
         shutil.copy2(build.kernel_tree / "drivers/vfio/mdev/mdev.ko", root / "hag/mdev.ko")
         for script in sorted((TESTS / "scenarios").glob("*.sh")):
             shutil.copy2(script, root / "hag/scenarios" / script.name)
         shutil.copy2(TESTS / "demo.sh", root / "hag/scenarios/demo.sh")
+        # The libvirt hook, its installer and sample config (libvirt_hook.sh).
+        shutil.copytree(ROOT / "scripts/libvirt", root / "hag/libvirt")
         shutil.copy2(build.hagctl, root / "bin/hagctl")
         shutil.copy2(build.vmm, root / "bin/hag-vmm")
         libs = set(shared_libraries(build.hagctl)) | set(shared_libraries(build.vmm))
@@ -160,6 +168,7 @@ class Host:
     index: int
     log: Path
     process: subprocess.Popen = None
+    killed: bool = False
 
     def text(self):
         try:
@@ -168,7 +177,14 @@ class Host:
             return ""
 
     def finished(self):
-        return "HAG-TAINT" in self.text() or self.process.poll() is not None
+        return self.killed or "HAG-TAINT" in self.text() or self.process.poll() is not None
+
+    def kill_if_asked(self):
+        """Pulls the plug on this host if its script asked to be lost."""
+        if not self.killed and "HAG-KILL-HOST" in self.text():
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            self.killed = True
 
 
 @dataclass
@@ -233,6 +249,8 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
         while time.monotonic() - start < timeout:
             if on_output:
                 show_new_output()
+            for h in hosts:
+                h.kill_if_asked()
             if all(h.finished() for h in hosts):
                 break
             time.sleep(0.2)
@@ -260,7 +278,9 @@ def judge_host(host, result, timeout):
     text = host.text()
     who = f"host{host.index}"
     end = re.search(r"HAG-SCENARIO-END rc=(\d+)", text)
-    if not end:
+    if host.killed:
+        pass  # lost on purpose: judged on its kernel log up to then
+    elif not end:
         result.reasons.append(f"{who}: scenario did not finish (timeout {timeout} s or crash)")
     elif end.group(1) != "0":
         result.reasons.append(f"{who}: scenario exited {end.group(1)}")

@@ -62,3 +62,10 @@ mdev_create() {
 mdev_remove() {
 	echo 1 >"/sys/bus/mdev/devices/$1/remove" || fail "removing mdev $1"
 }
+
+# lose_this_host: the harness kills this host's QEMU process at once (a power
+# cut: no cleanup, no more output). Never returns.
+lose_this_host() {
+	echo "HAG-KILL-HOST"
+	while :; do sleep 1; done
+}
