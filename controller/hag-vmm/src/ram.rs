@@ -55,16 +55,22 @@ pub struct GuestRam {
     cpu_dirty: Option<Arc<CpuDirtyLog>>,
 }
 
+/// The length of a mapping of `size` bytes of guest RAM: whole pages, at
+/// least one.
+fn mapping_len(size: u64) -> Result<NonZeroUsize, RamError> {
+    if size == 0 || size % PAGE_SIZE != 0 {
+        return Err(RamError::BadSize(size));
+    }
+    usize::try_from(size)
+        .ok()
+        .and_then(NonZeroUsize::new)
+        .ok_or(RamError::BadSize(size))
+}
+
 impl GuestRam {
     /// Maps `size` bytes of zeroed guest RAM.
     pub fn new(size: u64) -> Result<Self, RamError> {
-        if size == 0 || size % PAGE_SIZE != 0 {
-            return Err(RamError::BadSize(size));
-        }
-        let len = usize::try_from(size)
-            .ok()
-            .and_then(NonZeroUsize::new)
-            .ok_or(RamError::BadSize(size))?;
+        let len = mapping_len(size)?;
         // SAFETY: a fresh private anonymous mapping at an address the kernel
         // chooses cannot alias any existing Rust object. It is unmapped only
         // in `Drop`, and no reference into it outlives `self`.
@@ -269,9 +275,7 @@ impl GuestRam {
     /// logged in [`GuestRam::cpu_dirty_log`].
     pub fn new_memfd(size: u64) -> Result<Self, RamError> {
         use nix::sys::memfd::{memfd_create, MFdFlags};
-        if size == 0 || size % PAGE_SIZE != 0 {
-            return Err(RamError::BadSize(size));
-        }
+        mapping_len(size)?;
         let err = |errno| RamError::Map {
             mib: size >> 20,
             errno,
@@ -288,13 +292,7 @@ impl GuestRam {
     /// made with [`GuestRam::new_memfd`]) shared. Fails if the file is
     /// shorter than `size`.
     pub fn map_fd(fd: OwnedFd, size: u64) -> Result<Self, RamError> {
-        if size == 0 || size % PAGE_SIZE != 0 {
-            return Err(RamError::BadSize(size));
-        }
-        let len = usize::try_from(size)
-            .ok()
-            .and_then(NonZeroUsize::new)
-            .ok_or(RamError::BadSize(size))?;
+        let len = mapping_len(size)?;
         let err = |errno| RamError::Map {
             mib: size >> 20,
             errno,

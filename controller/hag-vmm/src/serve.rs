@@ -491,6 +491,9 @@ fn run_loop(
         let frames = Frames::start(&mut drv, cfg.iterations)?;
         vm = Some((drv, frames));
     }
+    // Benchmarks (qemu-tests/bench-checkpoint) time the workload on stderr,
+    // which output commit does not hold.
+    let loop_started = std::time::Instant::now();
     loop {
         // A step boundary: honour pause, resume and quit.
         {
@@ -563,9 +566,17 @@ fn run_loop(
         let mut g = ctl.lock();
         if cfg.progress > 0 && iteration != g.iteration && iteration % cfg.progress == 0 {
             g.output(format!("frames: iteration {iteration}"));
+            eprintln!(
+                "hag-vmm: iteration {iteration} at {:.3} s",
+                loop_started.elapsed().as_secs_f64()
+            );
         }
         g.iteration = iteration;
         if let Some((passed, line)) = finished {
+            eprintln!(
+                "hag-vmm: last step (iteration {iteration}) at {:.3} s",
+                loop_started.elapsed().as_secs_f64()
+            );
             g.run = RunState::Finished;
             g.result = Some((passed, line.clone()));
             if g.hold_output {

@@ -103,6 +103,11 @@ fn check_u32(mem: &GfxMem<'_>, gfx: u64, want: u32, what: &str) -> anyhow::Resul
     Ok(())
 }
 
+/// Checks that the status page at `hws` holds `seqno` (every submission ran).
+fn check_seqno(mem: &GfxMem<'_>, hws: u64, seqno: u32) -> anyhow::Result<()> {
+    check_u32(mem, hws + u64::from(HWS_SEQNO), seqno, "status page seqno")
+}
+
 /// Appends the status-page store and interrupt that end a submission.
 fn fence(cmds: &mut Cmds, seqno: u32) {
     cmds.push(encode::store_data_index(HWS_SEQNO, seqno))
@@ -170,12 +175,7 @@ impl Workload for Stores {
             let (addr, value) = self.target(i);
             check_u32(mem, addr, value, &format!("store {i}"))?;
         }
-        check_u32(
-            mem,
-            self.hws + u64::from(HWS_SEQNO),
-            self.last_seqno,
-            "status page seqno",
-        )
+        check_seqno(mem, self.hws, self.last_seqno)
     }
 }
 
@@ -355,12 +355,7 @@ impl Workload for Blit {
                 }
             }
         }
-        check_u32(
-            mem,
-            self.hws + u64::from(HWS_SEQNO),
-            self.seqno,
-            "status page seqno",
-        )
+        check_seqno(mem, self.hws, self.seqno)
     }
 }
 
@@ -505,12 +500,7 @@ impl Workload for Batch {
             Self::FLUSH_VALUE,
             "MI_FLUSH_DW post-sync write",
         )?;
-        check_u32(
-            mem,
-            self.hws + u64::from(HWS_SEQNO),
-            self.seqno,
-            "status page seqno",
-        )
+        check_seqno(mem, self.hws, self.seqno)
     }
 }
 

@@ -23,14 +23,22 @@ use std::process::{Child, Command, ExitStatus};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use hag_dev::Device;
 use hag_vmm::control::VmClient;
 use hag_vmm::ram::PAGE_SIZE;
 
 use crate::migrate::{tune, IncomingVm};
 #[cfg(test)]
 use crate::wire::PageData;
-use crate::wire::{read_msg, write_msg, Msg, Target, PAGE, VERSION_MAX, VERSION_MIN};
+use crate::wire::{
+    check_context, check_hello, read_msg, write_msg, Msg, Round, Sides, Target, PAGE,
+};
+
+/// `hagctl checkpoint` → `hagctl backup`.
+const CHECKPOINT: Sides = Sides {
+    peer: "primary",
+    us: "backup",
+    ram: "the standby image",
+};
 
 /// Heartbeat period, both ways.
 pub const HEARTBEAT: Duration = Duration::from_millis(200);
@@ -143,10 +151,7 @@ pub enum StandbyError {
 #[derive(Debug)]
 enum Phase {
     AwaitHello,
-    Rounds {
-        round: u32,
-        pages: u64,
-    },
+    Rounds(Round),
     GotContext {
         round: u32,
         context: Vec<u8>,
@@ -162,7 +167,7 @@ impl Phase {
     fn name(&self) -> &'static str {
         match self {
             Phase::AwaitHello => "waiting for HELLO",
-            Phase::Rounds { .. } => "receiving pages",
+            Phase::Rounds(_) => "receiving pages",
             Phase::GotContext { .. } => "waiting for VM_STATE after CONTEXT",
             Phase::GotState { .. } => "waiting for EPOCH_END",
         }
@@ -251,80 +256,33 @@ impl Standby {
             (_, Msg::Abort { reason }) => Err(StandbyError::Ended(reason)),
             (_, Msg::Error { message }) => Err(StandbyError::PrimaryError(message)),
             (Phase::AwaitHello, Msg::Hello { min, max, ram_size }) => {
-                let hi = max.min(VERSION_MAX);
-                if min.max(VERSION_MIN) > hi {
-                    return Err(StandbyError::Invalid(format!(
-                        "primary speaks versions {min}..={max}, this backup {VERSION_MIN}..={VERSION_MAX}"
-                    )));
-                }
-                if ram_size != image.ram_size() {
-                    return Err(StandbyError::Invalid(format!(
-                        "primary VM has {} MiB of guest RAM, the standby image {} MiB",
-                        ram_size >> 20,
-                        image.ram_size() >> 20
-                    )));
-                }
-                Ok((
-                    Phase::Rounds { round: 0, pages: 0 },
-                    Some(Msg::HelloOk { version: hi }),
-                ))
+                let version = check_hello(CHECKPOINT, (min, max, ram_size), image.ram_size())
+                    .map_err(StandbyError::Invalid)?;
+                Ok((Phase::Rounds(Round::FIRST), Some(Msg::HelloOk { version })))
             }
-            (
-                Phase::Rounds { round, pages },
-                Msg::Pages {
-                    round: r,
-                    pages: list,
-                },
-            ) => {
-                if r != round {
-                    return Err(StandbyError::Invalid(format!(
-                        "PAGES of round {r} during round {round}"
-                    )));
-                }
-                let limit = image.ram_size() / PAGE as u64;
-                let mut buf = [0u8; PAGE];
-                for (index, data) in &list {
-                    if *index >= limit {
-                        return Err(StandbyError::Invalid(format!(
-                            "page {index} is outside guest RAM ({limit} pages)"
-                        )));
-                    }
-                    data.decode(&mut buf)
-                        .map_err(|e| StandbyError::Invalid(format!("page {index}: {e}")))?;
-                    if self.committed.is_some() {
-                        self.staged.insert(*index, Box::new(buf));
-                    } else {
-                        image
-                            .write_page(*index, &buf)
-                            .map_err(StandbyError::Invalid)?;
-                    }
-                    self.stats.pages += 1;
-                }
-                Ok((
-                    Phase::Rounds {
-                        round,
-                        pages: pages + list.len() as u64,
-                    },
-                    None,
-                ))
+            (Phase::Rounds(at), Msg::Pages { round, pages }) => {
+                // Until the first checkpoint, pages go straight into the image.
+                let staging = self.committed.is_some();
+                let ram_size = image.ram_size();
+                let at = at
+                    .on_pages(round, &pages, ram_size, |index, _, buf| {
+                        if staging {
+                            self.staged.insert(index, Box::new(*buf));
+                        } else {
+                            image.write_page(index, buf)?;
+                        }
+                        self.stats.pages += 1;
+                        Ok(())
+                    })
+                    .map_err(StandbyError::Invalid)?;
+                Ok((Phase::Rounds(at), None))
             }
-            (Phase::Rounds { round, pages }, Msg::RoundEnd { round: r, pages: n }) => {
-                if r != round || n != pages {
-                    return Err(StandbyError::Invalid(format!(
-                        "ROUND_END of round {r} with {n} pages, but round {round} carried {pages}"
-                    )));
-                }
-                Ok((
-                    Phase::Rounds {
-                        round: round + 1,
-                        pages: 0,
-                    },
-                    Some(Msg::Ok { phase: round }),
-                ))
+            (Phase::Rounds(at), Msg::RoundEnd { round, pages }) => {
+                let next = at.on_end(round, pages).map_err(StandbyError::Invalid)?;
+                Ok((Phase::Rounds(next), Some(Msg::Ok { phase: at.round })))
             }
-            (Phase::Rounds { round, pages: 0 }, Msg::Context(context)) => {
-                hag_abi::snapshot::Snapshot::parse(&context)
-                    .map_err(|e| StandbyError::Invalid(format!("vGPU context refused: {e}")))?;
+            (Phase::Rounds(Round { round, pages: 0 }), Msg::Context(context)) => {
+                check_context(&context).map_err(StandbyError::Invalid)?;
                 Ok((Phase::GotContext { round, context }, None))
             }
             (Phase::GotContext { round, context }, Msg::VmState(vm_state)) => Ok((
@@ -382,7 +340,7 @@ impl Standby {
                 });
                 self.stats.epochs += 1;
                 Ok((
-                    Phase::Rounds { round, pages: 0 },
+                    Phase::Rounds(Round { round, pages: 0 }),
                     Some(Msg::EpochAck {
                         epoch,
                         generation: self.generation,
@@ -771,15 +729,7 @@ fn takeover(
     }
     report.fill_ms = t.elapsed().as_secs_f64() * 1e3;
     let t = Instant::now();
-    let (_mdev, vgpu_id) = vm.vgpu()?;
-    let dev = Device::open()?;
-    dev.version()?;
-    let mut incoming = IncomingVm {
-        vm,
-        ram,
-        dev,
-        vgpu_id,
-    };
+    let mut incoming = IncomingVm::open(vm, ram)?;
     incoming
         .commit(&cp.context, &cp.vm_state)
         .map_err(|e| anyhow::anyhow!("resuming the VM from epoch {}: {e}", cp.epoch))?;
@@ -931,6 +881,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::tests::snapshot;
 
     struct Ram(Vec<[u8; PAGE]>);
 
@@ -942,16 +893,6 @@ mod tests {
             self.0[index as usize] = *bytes;
             Ok(())
         }
-    }
-
-    fn snapshot() -> Vec<u8> {
-        let mut buf = vec![0u8; 256];
-        let mut w = hag_abi::snapshot::Writer::new(&mut buf, 1, 64 << 20).unwrap();
-        w.section(hag_abi::snapshot::TAG_CONFIG, 16, |b| b.fill(7))
-            .unwrap();
-        let n = w.finish();
-        buf.truncate(n);
-        buf
     }
 
     fn pages(round: u32, list: &[(u64, u8)]) -> Msg {

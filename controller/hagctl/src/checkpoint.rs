@@ -31,12 +31,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use hag_abi::abi;
-use hag_dev::Device;
 use hag_vmm::control::VmClient;
 use hag_vmm::ram::PAGE_SIZE;
 
 use crate::backup::HEARTBEAT;
-use crate::migrate::{connect, tune, MigrateError, MigrateOptions, MigrationReport, Source};
+use crate::migrate::{
+    connect, open_running, tune, MigrateError, MigrateOptions, MigrationReport, Source,
+};
 use crate::wire::{read_msg, write_msg, Msg, PageData, PAGE, PAGES_PER_FRAME};
 
 /// Options of `hagctl checkpoint`.
@@ -953,15 +954,7 @@ impl Primary {
 
 /// `hagctl checkpoint`.
 pub fn checkpoint(opts: &CheckpointOptions) -> anyhow::Result<CheckpointReport> {
-    let mut vm = VmClient::connect(&opts.vm)?;
-    let status = vm.status()?;
-    if status.state != "running" {
-        anyhow::bail!("the VM is {}, not running", status.state);
-    }
-    let ram = vm.ram()?;
-    let (_mdev, vgpu_id) = vm.vgpu()?;
-    let dev = Device::open()?;
-    dev.version()?;
+    let (vm, ram, dev, vgpu_id) = open_running(&opts.vm)?;
     let hangs0 = dev.vgpu_stats(vgpu_id)?.hangs;
     // Until the backup is reached, nothing holds the VM's output.
     let link = Arc::new(Link {
@@ -988,9 +981,6 @@ pub fn checkpoint(opts: &CheckpointOptions) -> anyhow::Result<CheckpointReport> 
         let link = link.clone();
         std::thread::spawn(move || heartbeat_thread(link));
     }
-    // The first connection may take a while (the backup starting).
-    let stream = connect(&opts.backup, opts.connect_timeout)?;
-    tune(&stream);
     let mopts = MigrateOptions {
         vm: opts.vm.clone(),
         to: opts.backup.clone(),
@@ -1002,18 +992,8 @@ pub fn checkpoint(opts: &CheckpointOptions) -> anyhow::Result<CheckpointReport> 
         gpu_full_copy: false,
         inject_fault: None,
     };
-    let mut src = Source {
-        vm,
-        ram,
-        dev,
-        vgpu_id,
-        stream,
-        gpu_bitmap: None,
-        prev_gpu: BTreeSet::new(),
-        paused: false,
-        quiesced: false,
-        opts: mopts,
-    };
+    // The first connection may take a while (the backup starting).
+    let mut src = Source::connect(vm, ram, dev, vgpu_id, mopts)?;
     src.start_gpu_log()?;
     let first = src.stream.try_clone()?;
     let mut p = Primary {

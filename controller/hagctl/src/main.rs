@@ -350,6 +350,16 @@ fn cli() -> Cli {
     Cli::from_arg_matches(&matches).unwrap_or_else(|err| err.exit())
 }
 
+/// Prints a command's report: one JSON object, or its `text`.
+fn print_report(json: bool, report: &impl serde::Serialize, text: String) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(report)?);
+    } else {
+        print!("{text}");
+    }
+    Ok(())
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Status { json } => commands::status(json)?,
@@ -385,11 +395,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 gpu_full_copy,
                 inject_fault,
             })?;
-            if json {
-                println!("{}", serde_json::to_string(&report)?);
-            } else {
-                print!("{}", report.text());
-            }
+            print_report(json, &report, report.text())?;
         }
         Command::Checkpoint {
             vm,
@@ -416,11 +422,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 connect_timeout,
                 status_dir,
             })?;
-            if json {
-                println!("{}", serde_json::to_string(&report)?);
-            } else {
-                print!("{}", report.text());
-            }
+            print_report(json, &report, report.text())?;
             if report.outcome == "fenced" {
                 anyhow::bail!("{}", report.detail);
             }
@@ -466,11 +468,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Receive { listen, vm, json } => {
             let report = migrate::receive(&migrate::ReceiveOptions { listen, vm })?;
-            if json {
-                println!("{}", serde_json::to_string(&report)?);
-            } else {
-                print!("{}", report.text());
-            }
+            print_report(json, &report, report.text())?;
         }
     }
     Ok(())

@@ -320,7 +320,49 @@ pub(crate) struct Dirty {
     pub(crate) gpu: u64,
 }
 
+/// The running VM at `path`: its control connection, guest RAM, this
+/// host's `/dev/hag` and the VM's vGPU id.
+pub(crate) fn open_running(
+    path: &std::path::Path,
+) -> Result<(VmClient, GuestRam, Device, u32), MigrateError> {
+    let mut vm = VmClient::connect(path)?;
+    let status = vm.status()?;
+    if status.state != "running" {
+        return Err(MigrateError::NotRunning(status.state));
+    }
+    let ram = vm.ram()?;
+    let (_mdev, vgpu_id) = vm.vgpu()?;
+    let dev = Device::open()?;
+    dev.version()?;
+    Ok((vm, ram, dev, vgpu_id))
+}
+
 impl Source {
+    /// Connects to `opts.to` (retrying for `opts.connect_timeout`) to copy
+    /// the VM out.
+    pub(crate) fn connect(
+        vm: VmClient,
+        ram: GuestRam,
+        dev: Device,
+        vgpu_id: u32,
+        opts: MigrateOptions,
+    ) -> Result<Source, MigrateError> {
+        let stream = connect(&opts.to, opts.connect_timeout)?;
+        tune(&stream);
+        Ok(Source {
+            vm,
+            ram,
+            dev,
+            vgpu_id,
+            stream,
+            gpu_bitmap: None,
+            prev_gpu: BTreeSet::new(),
+            paused: false,
+            quiesced: false,
+            opts,
+        })
+    }
+
     pub(crate) fn send(&mut self, msg: &Msg, step: &str) -> Result<u64, MigrateError> {
         write_msg(&mut self.stream, msg)
             .map(|n| n as u64)
@@ -664,29 +706,8 @@ impl Source {
 
 /// `hagctl migrate`.
 pub fn migrate(opts: &MigrateOptions) -> anyhow::Result<MigrationReport> {
-    let mut vm = VmClient::connect(&opts.vm)?;
-    let status = vm.status()?;
-    if status.state != "running" {
-        return Err(MigrateError::NotRunning(status.state).into());
-    }
-    let ram = vm.ram()?;
-    let (_mdev, vgpu_id) = vm.vgpu()?;
-    let dev = Device::open().map_err(MigrateError::from)?;
-    dev.version().map_err(MigrateError::from)?;
-    let stream = connect(&opts.to, opts.connect_timeout)?;
-    tune(&stream);
-    let mut src = Source {
-        vm,
-        ram,
-        dev,
-        vgpu_id,
-        stream,
-        gpu_bitmap: None,
-        prev_gpu: BTreeSet::new(),
-        paused: false,
-        quiesced: false,
-        opts: opts.clone(),
-    };
+    let (vm, ram, dev, vgpu_id) = open_running(&opts.vm)?;
+    let mut src = Source::connect(vm, ram, dev, vgpu_id, opts.clone())?;
     let mut report = MigrationReport {
         to: opts.to.clone(),
         gpu_dirty: !opts.no_gpu_dirty && !opts.gpu_full_copy,
@@ -763,6 +784,21 @@ pub(crate) struct IncomingVm {
     pub(crate) vgpu_id: u32,
 }
 
+impl IncomingVm {
+    /// Adds this host's `/dev/hag` and the VM's vGPU to the VM and its RAM.
+    pub(crate) fn open(mut vm: VmClient, ram: GuestRam) -> anyhow::Result<IncomingVm> {
+        let (_mdev, vgpu_id) = vm.vgpu()?;
+        let dev = Device::open()?;
+        dev.version()?;
+        Ok(IncomingVm {
+            vm,
+            ram,
+            dev,
+            vgpu_id,
+        })
+    }
+}
+
 impl Target for IncomingVm {
     fn ram_size(&self) -> u64 {
         self.ram.size()
@@ -798,15 +834,7 @@ pub fn receive(opts: &ReceiveOptions) -> anyhow::Result<ReceiveReport> {
         );
     }
     let ram = vm.ram()?;
-    let (_mdev, vgpu_id) = vm.vgpu()?;
-    let dev = Device::open()?;
-    dev.version()?;
-    let mut target = IncomingVm {
-        vm,
-        ram,
-        dev,
-        vgpu_id,
-    };
+    let mut target = IncomingVm::open(vm, ram)?;
     let listener = TcpListener::bind(&opts.listen)
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
     eprintln!("hagctl: waiting for a migration on {}", opts.listen);

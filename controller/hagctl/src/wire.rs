@@ -700,6 +700,116 @@ pub trait Target {
     fn commit(&mut self, context: &[u8], vm_state: &[u8]) -> Result<(), String>;
 }
 
+/// Who speaks to whom, for the messages of [`check_hello`].
+#[derive(Clone, Copy, Debug)]
+pub struct Sides {
+    /// The sending side ("source").
+    pub peer: &'static str,
+    /// This side ("target").
+    pub us: &'static str,
+    /// The guest RAM written here ("the target VM").
+    pub ram: &'static str,
+}
+
+/// `hagctl migrate` → `hagctl receive`.
+pub const MIGRATION: Sides = Sides {
+    peer: "source",
+    us: "target",
+    ram: "the target VM",
+};
+
+/// Checks a HELLO against the versions this build speaks and the guest RAM
+/// written here; returns the version chosen.
+pub fn check_hello(
+    sides: Sides,
+    (min, max, ram_size): (u16, u16, u64),
+    local_ram: u64,
+) -> Result<u16, String> {
+    let hi = max.min(VERSION_MAX);
+    if min.max(VERSION_MIN) > hi {
+        return Err(format!(
+            "{} speaks versions {min}..={max}, this {} {VERSION_MIN}..={VERSION_MAX}",
+            sides.peer, sides.us
+        ));
+    }
+    if ram_size != local_ram {
+        return Err(format!(
+            "{} VM has {} MiB of guest RAM, {} {} MiB",
+            sides.peer,
+            ram_size >> 20,
+            sides.ram,
+            local_ram >> 20
+        ));
+    }
+    Ok(hi)
+}
+
+/// The round of pages in progress on the receiving side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Round {
+    /// Its number.
+    pub round: u32,
+    /// Pages received in it so far.
+    pub pages: u64,
+}
+
+impl Round {
+    /// Round 0, nothing received yet.
+    pub const FIRST: Round = Round { round: 0, pages: 0 };
+
+    /// Checks a PAGES message of round `r` and hands each page, decoded, to
+    /// `write` (its index, its record, its bytes); returns the round with
+    /// them counted.
+    pub fn on_pages(
+        self,
+        r: u32,
+        list: &[(u64, PageData)],
+        ram_size: u64,
+        mut write: impl FnMut(u64, &PageData, &[u8; PAGE]) -> Result<(), String>,
+    ) -> Result<Round, String> {
+        let round = self.round;
+        if r != round {
+            return Err(format!("PAGES of round {r} during round {round}"));
+        }
+        let limit = ram_size / PAGE as u64;
+        let mut buf = [0u8; PAGE];
+        for (index, data) in list {
+            if *index >= limit {
+                return Err(format!("page {index} is outside guest RAM ({limit} pages)"));
+            }
+            data.decode(&mut buf)
+                .map_err(|e| format!("page {index}: {e}"))?;
+            write(*index, data, &buf)?;
+        }
+        Ok(Round {
+            round,
+            pages: self.pages + list.len() as u64,
+        })
+    }
+
+    /// Checks ROUND_END `r` with `n` pages against this round; returns the
+    /// next one.
+    pub fn on_end(self, r: u32, n: u64) -> Result<Round, String> {
+        let Round { round, pages } = self;
+        if r != round || n != pages {
+            return Err(format!(
+                "ROUND_END of round {r} with {n} pages, but round {round} carried {pages}"
+            ));
+        }
+        Ok(Round {
+            round: round + 1,
+            pages: 0,
+        })
+    }
+}
+
+/// Checks a CONTEXT's vGPU snapshot before it is kept.
+pub fn check_context(context: &[u8]) -> Result<(), String> {
+    hag_abi::snapshot::Snapshot::parse(context)
+        .map(drop)
+        .map_err(|e| format!("vGPU context refused: {e}"))
+}
+
 /// Why the receiver ended the session.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ReceiveError {
@@ -748,13 +858,8 @@ pub struct Received {
 pub enum Receiver {
     /// Waiting for HELLO.
     AwaitHello,
-    /// Receiving pages; `round` is the round in progress.
-    Rounds {
-        /// Current round.
-        round: u32,
-        /// Pages received in it.
-        pages: u64,
-    },
+    /// Receiving pages of the round in progress.
+    Rounds(Round),
     /// Got the context, waiting for VM_STATE.
     GotContext(Vec<u8>),
     /// Got context and state, waiting for COMMIT.
@@ -767,7 +872,7 @@ impl Receiver {
     fn name(&self) -> &'static str {
         match self {
             Receiver::AwaitHello => "waiting for HELLO",
-            Receiver::Rounds { .. } => "receiving pages",
+            Receiver::Rounds(_) => "receiving pages",
             Receiver::GotContext(_) => "waiting for VM_STATE after CONTEXT",
             Receiver::GotState(..) => "waiting for COMMIT",
             Receiver::Done => "done",
@@ -785,81 +890,34 @@ impl Receiver {
             (_, Msg::Abort { reason }) => Err(ReceiveError::Aborted(reason)),
             (_, Msg::Error { message }) => Err(ReceiveError::SourceError(message)),
             (Receiver::AwaitHello, Msg::Hello { min, max, ram_size }) => {
-                let lo = min.max(VERSION_MIN);
-                let hi = max.min(VERSION_MAX);
-                if lo > hi {
-                    return Err(ReceiveError::Handshake(format!(
-                        "source speaks versions {min}..={max}, this target {VERSION_MIN}..={VERSION_MAX}"
-                    )));
-                }
-                if ram_size != target.ram_size() {
-                    return Err(ReceiveError::Handshake(format!(
-                        "source VM has {} MiB of guest RAM, the target VM {} MiB",
-                        ram_size >> 20,
-                        target.ram_size() >> 20
-                    )));
-                }
+                let version = check_hello(MIGRATION, (min, max, ram_size), target.ram_size())
+                    .map_err(ReceiveError::Handshake)?;
                 Ok((
-                    Receiver::Rounds { round: 0, pages: 0 },
-                    Some(Msg::HelloOk { version: hi }),
+                    Receiver::Rounds(Round::FIRST),
+                    Some(Msg::HelloOk { version }),
                 ))
             }
-            (
-                Receiver::Rounds { round, pages },
-                Msg::Pages {
-                    round: r,
-                    pages: list,
-                },
-            ) => {
-                if r != round {
-                    return Err(ReceiveError::Invalid(format!(
-                        "PAGES of round {r} during round {round}"
-                    )));
-                }
-                let limit = target.ram_size() / PAGE as u64;
-                let mut buf = [0u8; PAGE];
-                for (index, data) in &list {
-                    if *index >= limit {
-                        return Err(ReceiveError::Invalid(format!(
-                            "page {index} is outside guest RAM ({limit} pages)"
-                        )));
-                    }
-                    data.decode(&mut buf)
-                        .map_err(|e| ReceiveError::Invalid(format!("page {index}: {e}")))?;
-                    target
-                        .write_page(*index, &buf)
-                        .map_err(ReceiveError::Invalid)?;
-                    stats.pages += 1;
-                    if *data == PageData::Zero {
-                        stats.zero_pages += 1;
-                    }
-                }
-                Ok((
-                    Receiver::Rounds {
-                        round,
-                        pages: pages + list.len() as u64,
-                    },
-                    None,
-                ))
+            (Receiver::Rounds(at), Msg::Pages { round, pages }) => {
+                let ram_size = target.ram_size();
+                let at = at
+                    .on_pages(round, &pages, ram_size, |index, data, buf| {
+                        target.write_page(index, buf)?;
+                        stats.pages += 1;
+                        if *data == PageData::Zero {
+                            stats.zero_pages += 1;
+                        }
+                        Ok(())
+                    })
+                    .map_err(ReceiveError::Invalid)?;
+                Ok((Receiver::Rounds(at), None))
             }
-            (Receiver::Rounds { round, pages }, Msg::RoundEnd { round: r, pages: n }) => {
-                if r != round || n != pages {
-                    return Err(ReceiveError::Invalid(format!(
-                        "ROUND_END of round {r} with {n} pages, but round {round} carried {pages}"
-                    )));
-                }
-                stats.rounds = round + 1;
-                Ok((
-                    Receiver::Rounds {
-                        round: round + 1,
-                        pages: 0,
-                    },
-                    Some(Msg::Ok { phase: round }),
-                ))
+            (Receiver::Rounds(at), Msg::RoundEnd { round, pages }) => {
+                let next = at.on_end(round, pages).map_err(ReceiveError::Invalid)?;
+                stats.rounds = next.round;
+                Ok((Receiver::Rounds(next), Some(Msg::Ok { phase: at.round })))
             }
-            (Receiver::Rounds { pages: 0, .. }, Msg::Context(ctx)) => {
-                hag_abi::snapshot::Snapshot::parse(&ctx)
-                    .map_err(|e| ReceiveError::Invalid(format!("vGPU context refused: {e}")))?;
+            (Receiver::Rounds(Round { pages: 0, .. }), Msg::Context(ctx)) => {
+                check_context(&ctx).map_err(ReceiveError::Invalid)?;
                 stats.context_bytes = ctx.len() as u64;
                 Ok((Receiver::GotContext(ctx), None))
             }
@@ -885,7 +943,7 @@ impl Receiver {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     struct Ram {
@@ -914,7 +972,8 @@ mod tests {
         }
     }
 
-    fn snapshot() -> Vec<u8> {
+    /// A small valid vGPU context snapshot.
+    pub(crate) fn snapshot() -> Vec<u8> {
         let mut buf = vec![0u8; 256];
         let mut w = hag_abi::snapshot::Writer::new(&mut buf, 1, 64 << 20).unwrap();
         w.section(hag_abi::snapshot::TAG_CONFIG, 16, |b| b.fill(7))
