@@ -7,9 +7,9 @@ hag_mdev.ko, hagctl (with its shared libraries) and the guest scripts. Its
 /init (guest/init) runs the scenario named on the kernel command line and
 reports on the serial console, which goes to a log file here.
 
-Hosts share one Ethernet segment: each QEMU sends its frames as UDP
-datagrams to a hub socket on 127.0.0.1, and the hub forwards every frame to
-all other hosts. Nothing leaves the loopback interface, and QEMU runs with
+Hosts share two Ethernet segments (eth0, eth1): each QEMU sends its frames as
+UDP datagrams to a hub socket on 127.0.0.1, and the hub forwards every frame
+to all other hosts on that segment. Nothing leaves the loopback interface, and QEMU runs with
 -nodefaults, so no host has user-mode networking.
 
 A scenario loses a host for real by printing `HAG-KILL-HOST` on its console
@@ -214,14 +214,23 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
     n_hosts = scenario_header(script, "hosts", 1)
     timeout = scenario_header(script, "timeout", 300)
     start = time.monotonic()
-    hub = Hub()
+    # Two independent segments: eth0 carries the data, eth1 is a second
+    # path (for heartbeats), so a scenario can cut one link and keep the
+    # other, as redundant cluster links allow.
+    hubs = [Hub(), Hub()]
     hosts = []
     try:
         for i in range(n_hosts):
             host = Host(i, logdir / f"{name}.host{i}.log")
             host.log.unlink(missing_ok=True)
-            port = free_udp_port()
-            hub.add_member(port)
+            nics = []
+            for n, hub in enumerate(hubs):
+                port = free_udp_port()
+                hub.add_member(port)
+                nics += [
+                    "-netdev", f"socket,id=net{n},udp=127.0.0.1:{hub.port},localaddr=127.0.0.1:{port}",
+                    "-device", f"virtio-net-pci,netdev=net{n},mac=52:54:00:4a:{0x47 + n:02x}:{i:02x}",
+                ]
             cmd = [
                 "qemu-system-x86_64", "-accel", "tcg", "-m", "512", "-smp", "1",
                 "-nodefaults", "-display", "none", "-no-reboot", "-monitor", "none",
@@ -229,9 +238,7 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
                 "-append", f"console=ttyS0 panic=-1 quiet loglevel=4 hag_scenario={name} "
                            f"hag_host={i} hag_hosts={n_hosts}",
                 "-serial", f"file:{host.log}",
-                "-netdev", f"socket,id=net0,udp=127.0.0.1:{hub.port},localaddr=127.0.0.1:{port}",
-                "-device", f"virtio-net-pci,netdev=net0,mac=52:54:00:4a:47:{i:02x}",
-            ]
+            ] + nics
             host.process = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=open(logdir / f"{name}.host{i}.qemu.err", "w"),
@@ -265,7 +272,8 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
             if h.process.poll() is None:
                 os.killpg(h.process.pid, signal.SIGKILL)
             h.process.wait()
-        hub.close()
+        for hub in hubs:
+            hub.close()
 
     result = Result(name, True, hosts=hosts, seconds=time.monotonic() - start)
     for h in hosts:

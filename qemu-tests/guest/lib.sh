@@ -6,15 +6,21 @@ HAG_MODULE=/hag/hag_mdev.ko
 HAG_MDEV_PARENT=/sys/class/mdev_bus/hag
 HAG_SIM_TYPE_DIR=$HAG_MDEV_PARENT/mdev_supported_types/hag-sim
 
-# Host I of the test network has address 192.0.2.(10+I) (TEST-NET-1: never
-# routed anywhere; the network is QEMU UDP sockets on the runner's loopback).
+# Host I has address 192.0.2.(10+I) on eth0, the data network, and
+# 198.51.100.(10+I) on eth1, a second path (TEST-NET-1 and -2: never routed
+# anywhere; both networks are QEMU UDP sockets on the runner's loopback).
 host_ip() { echo "192.0.2.$((10 + $1))"; }
+host_ip2() { echo "198.51.100.$((10 + $1))"; }
 
 net_up() {
 	ip link set lo up
 	if [ -e /sys/class/net/eth0 ]; then
 		ip addr add "$(host_ip "$HAG_HOST")/24" dev eth0
 		ip link set eth0 up
+	fi
+	if [ -e /sys/class/net/eth1 ]; then
+		ip addr add "$(host_ip2 "$HAG_HOST")/24" dev eth1
+		ip link set eth1 up
 	fi
 }
 
