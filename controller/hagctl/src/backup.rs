@@ -11,6 +11,12 @@
 //! resumes it and reports the takeover time. Each takeover raises the
 //! generation; the primary, told the new one, stops its VM.
 //!
+//! Heartbeats may come over several paths (`--heartbeat-listen`: more
+//! listeners, on other networks): the backup takes over on silence only when
+//! every path is silent. A primary still heard on another path while its
+//! checkpoint stream (the data link) is down is alive and unprotected: the
+//! backup waits for it to reconnect and resynchronise.
+//!
 //! [`Standby`] (the stream's state machine) and [`decide`] (when to take
 //! over) are pure and unit-tested; [`backup`] wires them to sockets, a
 //! clock and the VMM.
@@ -360,6 +366,9 @@ impl Standby {
 pub enum Decision {
     /// Nothing.
     Wait,
+    /// The data link is silent but the primary is alive on another path:
+    /// wait for it to reconnect (this says so).
+    Hold(String),
     /// Take over from the last acknowledged checkpoint, for this reason.
     Takeover(String),
     /// The primary is gone but there is no checkpoint: forget the session.
@@ -367,22 +376,40 @@ pub enum Decision {
 }
 
 /// When to take over: a forwarded hang at once, or silence past `timeout`
-/// (`silent_for` is `None` while no primary has been heard from). Without
-/// an acknowledged checkpoint there is nothing to take over.
+/// on every heartbeat path. `paths` holds each path's address and how long
+/// the primary has been silent on it (`None`: never heard from); the first
+/// is the data link's. A primary heard on some other path while the data
+/// link is silent is alive: [`Decision::Hold`]. Without an acknowledged
+/// checkpoint there is nothing to take over.
 pub fn decide(
     has_checkpoint: bool,
     hang: Option<&str>,
-    silent_for: Option<Duration>,
+    paths: &[(&str, Option<Duration>)],
     timeout: Duration,
 ) -> Decision {
-    let why = match (hang, silent_for) {
-        (Some(h), _) => format!("the primary reported a vGPU hang: {h}"),
-        (None, Some(s)) if s > timeout => format!(
-            "the primary was silent for {:.1} s (failover timeout {:.1} s)",
+    let heard = paths.iter().filter_map(|&(a, s)| Some((a, s?)));
+    let alive = heard.clone().find(|&(_, s)| s <= timeout);
+    let why = match (hang, alive, heard.map(|(_, s)| s).min()) {
+        (Some(h), _, _) => format!("the primary reported a vGPU hang: {h}"),
+        (None, Some((addr, _)), _) => {
+            return match paths.first() {
+                Some(&(_, Some(data))) if data > timeout => Decision::Hold(format!(
+                    "primary alive via {addr}, data link down: not taking over"
+                )),
+                _ => Decision::Wait,
+            }
+        }
+        (None, None, Some(s)) => format!(
+            "the primary was silent for {:.1} s{} (failover timeout {:.1} s)",
             s.as_secs_f64(),
+            if paths.len() > 1 {
+                format!(" on all {} heartbeat paths", paths.len())
+            } else {
+                String::new()
+            },
             timeout.as_secs_f64()
         ),
-        _ => return Decision::Wait,
+        (None, None, None) => return Decision::Wait,
     };
     if has_checkpoint {
         Decision::Takeover(why)
@@ -398,6 +425,8 @@ pub fn decide(
 pub struct BackupOptions {
     /// `ADDR:PORT` to listen on.
     pub listen: String,
+    /// More `ADDR:PORT`s to listen on for heartbeats (other paths).
+    pub heartbeat_listen: Vec<String>,
     /// The backup's own hag-sim mdev.
     pub mdev: String,
     /// Control socket of the VM started at takeover.
@@ -457,9 +486,11 @@ impl TakeoverReport {
 struct Inner {
     standby: Standby,
     image: Option<StandbyRam>,
-    last_heard: Option<Instant>,
+    /// When the primary was last heard from, per path (listen address).
+    heard: BTreeMap<String, Instant>,
     hang: Option<String>,
-    control: Option<TcpStream>,
+    /// The primary's control (heartbeat) connection, per path.
+    controls: BTreeMap<String, TcpStream>,
     data: Option<TcpStream>,
     session: u64,
     taken_over: bool,
@@ -476,7 +507,22 @@ impl Backup {
     }
 }
 
-fn data_session(b: &Backup, mut stream: TcpStream, first: Msg, from: &str) {
+impl Inner {
+    fn heard(&mut self, path: &str) {
+        self.heard.insert(path.to_owned(), Instant::now());
+    }
+
+    /// The primary ended protection (ABORT on any connection).
+    fn ended(&mut self, reason: String) {
+        eprintln!("hagctl: the primary ended protection: {reason}; standby image discarded");
+        self.standby.discard();
+        self.image = None;
+        self.heard.clear();
+        self.ended = Some(reason);
+    }
+}
+
+fn data_session(b: &Backup, mut stream: TcpStream, first: Msg, from: &str, path: &str) {
     let session = {
         let mut g = b.lock();
         if let Some(old) = g.data.take() {
@@ -485,7 +531,7 @@ fn data_session(b: &Backup, mut stream: TcpStream, first: Msg, from: &str) {
         g.session += 1;
         g.standby.new_session();
         g.data = stream.try_clone().ok();
-        g.last_heard = Some(Instant::now());
+        g.heard(path);
         g.session
     };
     eprintln!("hagctl: checkpoint stream from {from}");
@@ -496,7 +542,7 @@ fn data_session(b: &Backup, mut stream: TcpStream, first: Msg, from: &str) {
             if g.session != session {
                 return;
             }
-            g.last_heard = Some(Instant::now());
+            g.heard(path);
             if g.taken_over {
                 let why = format!(
                     "this backup took over (generation {}); the primary's VM must stop",
@@ -533,13 +579,7 @@ fn data_session(b: &Backup, mut stream: TcpStream, first: Msg, from: &str) {
             match result {
                 Ok(r) => r,
                 Err(StandbyError::Ended(reason)) => {
-                    eprintln!(
-                        "hagctl: the primary ended protection: {reason}; standby image discarded"
-                    );
-                    g.standby.discard();
-                    g.image = None;
-                    g.last_heard = None;
-                    g.ended = Some(reason);
+                    g.ended(reason);
                     return;
                 }
                 Err(e) => {
@@ -572,20 +612,30 @@ fn data_session(b: &Backup, mut stream: TcpStream, first: Msg, from: &str) {
     }
 }
 
-fn control_session(b: &Backup, mut stream: TcpStream, from: &str) {
+fn control_session(b: &Backup, mut stream: TcpStream, from: &str, path: &str) {
     {
         let mut g = b.lock();
-        g.control = stream.try_clone().ok();
-        g.last_heard = Some(Instant::now());
+        if let Ok(c) = stream.try_clone() {
+            g.controls.insert(path.to_owned(), c);
+        }
+        g.heard(path);
     }
-    eprintln!("hagctl: control connection from {from}");
+    eprintln!("hagctl: control connection from {from} (path {path})");
     loop {
         match read_msg(&mut stream) {
-            Ok((Msg::Heartbeat { .. }, _)) => b.lock().last_heard = Some(Instant::now()),
+            Ok((Msg::Heartbeat { .. }, _)) => b.lock().heard(path),
             Ok((Msg::Hang { reason }, _)) => {
                 let mut g = b.lock();
-                g.last_heard = Some(Instant::now());
+                g.heard(path);
                 g.hang = Some(reason);
+            }
+            Ok((Msg::Abort { reason }, _)) => {
+                let mut g = b.lock();
+                // Unless the checkpoint stream said so first.
+                if g.ended.is_none() && g.standby.committed.is_some() {
+                    g.ended(reason);
+                }
+                return;
             }
             Ok((other, _)) => {
                 eprintln!(
@@ -599,10 +649,12 @@ fn control_session(b: &Backup, mut stream: TcpStream, from: &str) {
     }
 }
 
-fn accept_loop(b: Arc<Backup>, listener: TcpListener) {
+/// Serves one listener; `path` (its address) names the heartbeat path.
+fn accept_loop(b: Arc<Backup>, listener: TcpListener, path: String) {
     for conn in listener.incoming() {
         let Ok(mut stream) = conn else { continue };
         let b = b.clone();
+        let path = path.clone();
         std::thread::spawn(move || {
             tune(&stream);
             let from = stream
@@ -610,8 +662,8 @@ fn accept_loop(b: Arc<Backup>, listener: TcpListener) {
                 .map(|a| a.to_string())
                 .unwrap_or_else(|_| "?".into());
             match read_msg(&mut stream) {
-                Ok((m @ Msg::Hello { .. }, _)) => data_session(&b, stream, m, &from),
-                Ok((Msg::Heartbeat { .. }, _)) => control_session(&b, stream, &from),
+                Ok((m @ Msg::Hello { .. }, _)) => data_session(&b, stream, m, &from, &path),
+                Ok((Msg::Heartbeat { .. }, _)) => control_session(&b, stream, &from, &path),
                 Ok((m, _)) => {
                     let _ = write_msg(
                         &mut stream,
@@ -634,11 +686,7 @@ fn heartbeat_loop(b: Arc<Backup>) {
             generation: g.standby.generation,
             epoch: g.standby.committed.as_ref().map_or(0, |c| c.epoch),
         };
-        if let Some(c) = g.control.as_mut() {
-            if write_msg(c, &msg).is_err() {
-                g.control = None;
-            }
-        }
+        g.controls.retain(|_, c| write_msg(c, &msg).is_ok());
     }
 }
 
@@ -741,37 +789,46 @@ fn takeover(
 /// `hagctl backup`: returns the VM's exit status once it ends after a
 /// takeover, or `None` when the primary ended protection.
 pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
-    let listener = TcpListener::bind(&opts.listen)
-        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
+    let mut listeners = Vec::new();
+    for addr in std::iter::once(&opts.listen).chain(&opts.heartbeat_listen) {
+        let l =
+            TcpListener::bind(addr).map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+        listeners.push((l, addr.clone()));
+    }
     let b = Arc::new(Backup {
         inner: Mutex::new(Inner {
             standby: Standby::new(opts.generation),
             image: None,
-            last_heard: None,
+            heard: BTreeMap::new(),
             hang: None,
-            control: None,
+            controls: BTreeMap::new(),
             data: None,
             session: 0,
             taken_over: false,
             ended: None,
         }),
     });
-    {
+    for (listener, path) in listeners {
         let b = b.clone();
-        std::thread::spawn(move || accept_loop(b, listener));
+        std::thread::spawn(move || accept_loop(b, listener, path));
     }
     {
         let b = b.clone();
         std::thread::spawn(move || heartbeat_loop(b));
     }
     eprintln!(
-        "hagctl: backup listening on {} (vGPU {}, failover timeout {:.1} s, generation {})",
+        "hagctl: backup listening on {}{} (vGPU {}, failover timeout {:.1} s, generation {})",
         opts.listen,
+        opts.heartbeat_listen
+            .iter()
+            .map(|a| format!(", heartbeats also on {a}"))
+            .collect::<String>(),
         opts.mdev,
         opts.failover_timeout.as_secs_f64(),
         opts.generation
     );
     let mut last_stored = 0u64;
+    let mut holding = false;
     loop {
         std::thread::sleep(Duration::from_millis(20));
         let mut g = b.lock();
@@ -796,19 +853,27 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                 );
             }
         }
-        let silent = g.last_heard.map(|t| t.elapsed());
+        let paths: Vec<(&str, Option<Duration>)> = std::iter::once(&opts.listen)
+            .chain(&opts.heartbeat_listen)
+            .map(|a| (a.as_str(), g.heard.get(a).map(Instant::elapsed)))
+            .collect();
         let decision = decide(
             g.standby.committed.is_some(),
             g.hang.as_deref(),
-            silent,
+            &paths,
             opts.failover_timeout,
         );
         match decision {
-            Decision::Wait => continue,
+            Decision::Wait => holding = false,
+            Decision::Hold(why) => {
+                if !std::mem::replace(&mut holding, true) {
+                    eprintln!("hagctl: {why}");
+                }
+            }
             Decision::Forget(why) => {
                 eprintln!("hagctl: {why}");
                 g.hang = None;
-                g.last_heard = None;
+                g.heard.clear();
                 g.standby.discard();
                 if let Some(d) = g.data.take() {
                     let _ = d.shutdown(Shutdown::Both);
@@ -831,7 +896,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                 cp.generation = generation;
                 // Tell the primary at once (if it still listens): it must
                 // stop its VM.
-                if let Some(c) = g.control.as_mut() {
+                for c in g.controls.values_mut() {
                     let _ = write_msg(
                         c,
                         &Msg::Heartbeat {
@@ -1071,25 +1136,69 @@ mod tests {
     #[test]
     fn takeover_decisions() {
         let t = Duration::from_secs(3);
-        assert_eq!(decide(true, None, None, t), Decision::Wait);
-        assert_eq!(
-            decide(true, None, Some(Duration::from_secs(1)), t),
-            Decision::Wait
-        );
+        let s = |ms| Some(Duration::from_millis(ms));
+        let one = |silent| [("192.0.2.11:7200", silent)];
+        assert_eq!(decide(true, None, &one(None), t), Decision::Wait);
+        assert_eq!(decide(true, None, &one(s(1000)), t), Decision::Wait);
         assert!(matches!(
-            decide(true, None, Some(Duration::from_millis(3100)), t),
-            Decision::Takeover(why) if why.contains("silent for 3.1 s")
+            decide(true, None, &one(s(3100)), t),
+            Decision::Takeover(why) if why == "the primary was silent for 3.1 s (failover timeout 3.0 s)"
         ));
         assert!(matches!(
-            decide(true, Some("vgpu-hung vgpu=1"), Some(Duration::ZERO), t),
+            decide(true, Some("vgpu-hung vgpu=1"), &one(s(0)), t),
             Decision::Takeover(why) if why.contains("vGPU hang")
         ));
         assert!(matches!(
-            decide(false, Some("hung"), None, t),
+            decide(false, Some("hung"), &one(None), t),
             Decision::Forget(why) if why.contains("nothing to take over")
         ));
         assert!(matches!(
-            decide(false, None, Some(Duration::from_secs(9)), t),
+            decide(false, None, &one(s(9000)), t),
+            Decision::Forget(_)
+        ));
+    }
+
+    #[test]
+    fn takeover_needs_silence_on_every_path() {
+        let t = Duration::from_secs(3);
+        let s = |ms| Some(Duration::from_millis(ms));
+        let two = |data, hb| [("192.0.2.11:7200", data), ("198.51.100.11:7201", hb)];
+        // Both paths alive, or only the data link heard so far.
+        assert_eq!(decide(true, None, &two(s(100), s(100)), t), Decision::Wait);
+        assert_eq!(decide(true, None, &two(s(100), None), t), Decision::Wait);
+        // The heartbeat path is down, the data link alive: nothing to do.
+        assert_eq!(decide(true, None, &two(s(100), s(9000)), t), Decision::Wait);
+        // The data link is down but the primary is heard on the other path:
+        // a partition, not a loss.
+        assert_eq!(
+            decide(true, None, &two(s(8000), s(150)), t),
+            Decision::Hold(
+                "primary alive via 198.51.100.11:7201, data link down: not taking over".into()
+            )
+        );
+        assert_eq!(
+            decide(false, None, &two(s(8000), s(150)), t),
+            Decision::Hold(
+                "primary alive via 198.51.100.11:7201, data link down: not taking over".into()
+            )
+        );
+        // Silent everywhere (the host is lost): take over; the silence is
+        // the shortest one.
+        assert!(matches!(
+            decide(true, None, &two(s(3400), s(3200)), t),
+            Decision::Takeover(why) if why == "the primary was silent for 3.2 s on all 2 heartbeat paths (failover timeout 3.0 s)"
+        ));
+        assert!(matches!(
+            decide(true, None, &two(None, s(3200)), t),
+            Decision::Takeover(_)
+        ));
+        // A hang forwarded on any path wins.
+        assert!(matches!(
+            decide(true, Some("hung"), &two(s(8000), s(100)), t),
+            Decision::Takeover(why) if why.contains("vGPU hang")
+        ));
+        assert!(matches!(
+            decide(false, None, &two(s(8000), s(9000)), t),
             Decision::Forget(_)
         ));
     }

@@ -20,11 +20,17 @@
 //!   leaves the VM running unprotected, its output no longer held; the
 //!   primary keeps retrying and resynchronises (a new full copy while the
 //!   VM runs) when the backup is back.
+//! - `--heartbeat-addr`: more heartbeat paths (other networks), kept up
+//!   for as long as the primary runs, protected or not. A backup that still
+//!   hears the primary on one of them while the data link is down (a
+//!   partition) does not take over: the VM runs here, unprotected, until
+//!   the data link heals and the pair resynchronises. A hang is reported
+//!   (HANG) and the end of protection (ABORT) announced on every path.
 //!
 //! The protection state goes to `STATUS_DIR/checkpoint-vgpuN.json`, which
 //! `hagctl status` shows.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Shutdown, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -47,6 +53,8 @@ pub struct CheckpointOptions {
     pub vm: PathBuf,
     /// `HOST:PORT` of `hagctl backup`.
     pub backup: String,
+    /// More `HOST:PORT`s of the backup for heartbeats (other paths).
+    pub heartbeat_addrs: Vec<String>,
     /// Time between epochs.
     pub interval: Duration,
     /// Backup silence before the primary calls it lost.
@@ -170,6 +178,8 @@ struct Shared {
     data: Option<TcpStream>,
     /// Last acknowledged epoch.
     acked: u64,
+    /// The extra heartbeat paths' connections, by address.
+    paths: BTreeMap<String, TcpStream>,
 }
 
 struct Link {
@@ -302,13 +312,18 @@ fn heartbeat_thread(link: Arc<Link>) {
     }
 }
 
-fn control_reader(link: Arc<Link>, mut stream: TcpStream) {
+/// Reads the backup's heartbeats on a control connection: on the data
+/// link's (`data_link`) they keep the link alive; on every path, a newer
+/// generation stops the VM.
+fn control_reader(link: Arc<Link>, mut stream: TcpStream, data_link: bool) {
     loop {
         match read_msg(&mut stream) {
             Ok((Msg::Heartbeat { generation, .. }, _)) => {
                 let newer = {
                     let mut g = link.lock();
-                    g.heard = Instant::now();
+                    if data_link {
+                        g.heard = Instant::now();
+                    }
                     if generation > link.generation && g.newer.is_none() {
                         g.newer = Some(generation);
                         true
@@ -327,6 +342,56 @@ fn control_reader(link: Arc<Link>, mut stream: TcpStream) {
             Ok(_) => {}
             Err(_) => return,
         }
+    }
+}
+
+/// An extra heartbeat path to the backup at `addr`: connected (and
+/// reconnected) for as long as the primary runs, whatever the data link
+/// does. It carries heartbeats, or HANG once the vGPU hung.
+fn heartbeat_path(link: Arc<Link>, addr: String) {
+    loop {
+        let stream = match connect(&addr, Duration::ZERO) {
+            Ok(s) => s,
+            Err(_) => {
+                std::thread::sleep(HEARTBEAT);
+                continue;
+            }
+        };
+        tune(&stream);
+        let Ok(reader) = stream.try_clone() else {
+            continue;
+        };
+        {
+            let link = link.clone();
+            std::thread::spawn(move || control_reader(link, reader, false));
+        }
+        eprintln!("hagctl: heartbeat path to {addr} up");
+        link.lock().paths.insert(addr.clone(), stream);
+        loop {
+            let mut g = link.lock();
+            let msg = match &g.hung {
+                Some(reason) => Msg::Hang {
+                    reason: reason.clone(),
+                },
+                None => Msg::Heartbeat {
+                    generation: link.generation,
+                    epoch: g.acked,
+                },
+            };
+            let Some(s) = g.paths.get_mut(&addr) else {
+                break;
+            };
+            if write_msg(s, &msg).is_err() {
+                if let Some(s) = g.paths.remove(&addr) {
+                    let _ = s.shutdown(Shutdown::Both);
+                }
+                break;
+            }
+            drop(g);
+            std::thread::sleep(HEARTBEAT);
+        }
+        eprintln!("hagctl: heartbeat path to {addr} down, reconnecting");
+        std::thread::sleep(HEARTBEAT);
     }
 }
 
@@ -547,7 +612,7 @@ impl Primary {
         }
         {
             let link = self.link.clone();
-            std::thread::spawn(move || control_reader(link, control));
+            std::thread::spawn(move || control_reader(link, control, true));
         }
         self.src.stream = stream;
         self.save_status("syncing", "");
@@ -816,8 +881,15 @@ impl Primary {
         std::mem::take(&mut self.report)
     }
 
-    /// Ends without a takeover: the status file goes.
+    /// Ends without a takeover: the status file goes, and the backup
+    /// (also if only heard on another path) learns that protection ends.
     fn close(&mut self, outcome: &str, detail: String) -> CheckpointReport {
+        let abort = Msg::Abort {
+            reason: format!("protection ends: {outcome}"),
+        };
+        for s in self.link.lock().paths.values_mut() {
+            let _ = write_msg(s, &abort);
+        }
         let r = self.end(outcome, detail);
         let _ = std::fs::remove_file(status_path(&self.opts.status_dir, self.src.vgpu_id));
         r
@@ -968,6 +1040,7 @@ pub fn checkpoint(opts: &CheckpointOptions) -> anyhow::Result<CheckpointReport> 
             control: None,
             data: None,
             acked: 0,
+            paths: BTreeMap::new(),
         }),
         vm_path: opts.vm.clone(),
         generation: opts.generation,
@@ -980,6 +1053,10 @@ pub fn checkpoint(opts: &CheckpointOptions) -> anyhow::Result<CheckpointReport> 
     {
         let link = link.clone();
         std::thread::spawn(move || heartbeat_thread(link));
+    }
+    for addr in &opts.heartbeat_addrs {
+        let (link, addr) = (link.clone(), addr.clone());
+        std::thread::spawn(move || heartbeat_path(link, addr));
     }
     let mopts = MigrateOptions {
         vm: opts.vm.clone(),

@@ -197,6 +197,10 @@ and tells the backup to take over from the last acknowledged epoch. A
 backup answering with a newer generation took over: the VM is stopped. A
 backup silent past --failover-timeout leaves the VM running unprotected
 (output no longer held); hagctl retries every --interval and resynchronises.
+--heartbeat-addr adds heartbeat paths (another network to the backup's
+--heartbeat-listen), kept up whether or not the checkpoint stream is: a
+backup still hearing the primary on one does not take over when the data
+link fails (a partition), and waits for the primary to resynchronise.
 The state is in STATUS_DIR/checkpoint-vgpuN.json ('hagctl status' shows it).
 
 Report on stdout when it ends (--json: one object with outcome, detail,
@@ -211,6 +215,10 @@ finished, handed-over, fenced or vm-stopped.")]
         /// Where `hagctl backup` listens
         #[arg(long, value_name = "HOST:PORT")]
         backup: String,
+        /// Another address of the backup (its --heartbeat-listen, on another
+        /// network) to send heartbeats on (repeatable)
+        #[arg(long, value_name = "HOST:PORT")]
+        heartbeat_addr: Vec<String>,
         /// Time between epochs (2s, 500ms, 0.1)
         #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = parse_duration)]
         interval: Duration,
@@ -246,7 +254,9 @@ finished, handed-over, fenced or vm-stopped.")]
 Keeps a standby image of the primary's VM (guest RAM in a memfd, the last
 acknowledged vGPU context and VM state); each epoch is applied whole and
 then acknowledged. It does not run the VM until it takes over: when the
-primary reports a vGPU hang, or is silent past --failover-timeout. Then it
+primary reports a vGPU hang, or is silent past --failover-timeout on every
+heartbeat path (--listen and each --heartbeat-listen; silent on the data
+link but heard on another path, the primary is alive: it waits). Then it
 starts `VMM serve --incoming --mdev UUID --control SOCKET --ram-mib M`,
 fills its RAM from the image, restores the context into this host's vGPU,
 sets the VM state and resumes it, raising the generation, and prints
@@ -259,6 +269,10 @@ the VM's status. If the primary ends protection (its VM finished), it exits
         /// Address and port to listen on
         #[arg(long, value_name = "ADDR:PORT")]
         listen: String,
+        /// Also listen here for the primary's heartbeats (another path, on
+        /// another network; repeatable)
+        #[arg(long, value_name = "ADDR:PORT")]
+        heartbeat_listen: Vec<String>,
         /// This host's hag-sim mdev for the VM at takeover
         #[arg(long, value_name = "UUID")]
         mdev: String,
@@ -400,6 +414,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Checkpoint {
             vm,
             backup,
+            heartbeat_addr,
             interval,
             failover_timeout,
             generation,
@@ -413,6 +428,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let report = checkpoint::checkpoint(&checkpoint::CheckpointOptions {
                 vm,
                 backup,
+                heartbeat_addrs: heartbeat_addr,
                 interval,
                 failover_timeout,
                 generation,
@@ -429,6 +445,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Backup {
             listen,
+            heartbeat_listen,
             mdev,
             control,
             vmm,
@@ -440,6 +457,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             let status = backup::backup(&backup::BackupOptions {
                 listen,
+                heartbeat_listen,
                 mdev,
                 control,
                 vmm,
