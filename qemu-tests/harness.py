@@ -157,6 +157,16 @@ class Hub:
         self.sock.close()
 
 
+def exit_on_termination():
+    """Turns SIGTERM and SIGHUP into SystemExit, so the `finally` blocks
+    that kill the QEMU processes run when the runner itself is stopped."""
+    def stop(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
 def free_udp_port():
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", 0))
