@@ -17,9 +17,12 @@
 //! - A backup that answers with a newer generation took over: the primary
 //!   stops its VM and says why.
 //! - A lost backup (silent past `--failover-timeout`, or the stream fails)
-//!   leaves the VM running unprotected, its output no longer held; the
-//!   primary keeps retrying and resynchronises (a new full copy while the
-//!   VM runs) when the backup is back.
+//!   leaves the VM running unprotected; the primary keeps retrying and
+//!   resynchronises (a new full copy while the VM runs) when the backup is
+//!   back. Its output is released once the backup is silent on every path;
+//!   while another path still hears it, output stays held until an epoch is
+//!   acknowledged again, since that backup could still take over from its
+//!   older checkpoint.
 //! - `--heartbeat-addr`: more heartbeat paths (other networks), kept up
 //!   for as long as the primary runs, protected or not. A backup that still
 //!   hears the primary on one of them while the data link is down (a
@@ -168,8 +171,10 @@ struct Shared {
     vm_stopped: bool,
     /// A newer generation seen from the backup.
     newer: Option<u64>,
-    /// Last heartbeat from the backup.
+    /// Last heartbeat from the backup on the data link.
     heard: Instant,
+    /// Last heartbeat from the backup on any path.
+    heard_any: Instant,
     /// Connected to the backup.
     connected: bool,
     /// Why the link was cut by the heartbeat thread.
@@ -324,6 +329,7 @@ fn control_reader(link: Arc<Link>, mut stream: TcpStream, data_link: bool) {
                     if data_link {
                         g.heard = Instant::now();
                     }
+                    g.heard_any = Instant::now();
                     if generation > link.generation && g.newer.is_none() {
                         g.newer = Some(generation);
                         true
@@ -868,8 +874,15 @@ impl Primary {
                 self.opts.interval.as_secs_f64()
             );
         }
-        // Nobody can contradict the output now: let it out.
-        let _ = self.src.vm.hold_output(false);
+        // A backup still heard on another path holds an older checkpoint and
+        // would take over from it if this host died before the resync:
+        // output released now could be contradicted, so it stays held until
+        // an epoch is acknowledged again. With the backup gone on every
+        // path, nobody can contradict it: let it out.
+        let backup_alive = self.link.lock().heard_any.elapsed() <= self.link.timeout;
+        if !backup_alive {
+            let _ = self.src.vm.hold_output(false);
+        }
         self.save_status("unprotected", why);
     }
 
@@ -1035,6 +1048,7 @@ pub fn checkpoint(opts: &CheckpointOptions) -> anyhow::Result<CheckpointReport> 
             vm_stopped: false,
             newer: None,
             heard: Instant::now(),
+            heard_any: Instant::now(),
             connected: false,
             lost: None,
             control: None,
