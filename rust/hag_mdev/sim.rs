@@ -19,7 +19,7 @@ use kernel::uaccess::UserSlice;
 
 use crate::abi;
 use crate::sim_regs as r;
-use crate::audit::{self, AuditConfig, AuditError, GfxMemory, MemoryFault, ValidatedCommand};
+use crate::audit::{self, AddressSpace, AuditConfig, AuditError, GfxMemory, MemoryFault, ValidatedCommand};
 use crate::dirty::DirtyLog;
 use crate::events::Event;
 use crate::glue::{EventFd, VgpuHandle};
@@ -419,7 +419,8 @@ impl Sim {
     }
 
     fn audit_part(&self, handle: &VgpuHandle, gfx: u64, bytes: usize, cmds: &mut KVec<ValidatedCommand>) -> core::result::Result<(), AuditError> {
-        let fault = |gfx_addr| AuditError { gfx_addr, header: None, reason: audit::Reason::MemoryFault { addr: gfx_addr } };
+        let ggtt = AddressSpace::Ggtt;
+        let fault = |gfx_addr| AuditError { space: ggtt, gfx_addr, header: None, reason: audit::Reason::MemoryFault { space: ggtt, addr: gfx_addr } };
         let mut raw = KVVec::from_elem(0u8, bytes, GFP_KERNEL).map_err(|_| fault(gfx))?;
         self.gfx_access(handle, gfx, &mut raw, false).map_err(fault)?;
         let mut dwords = KVVec::from_elem(0u32, bytes / 4, GFP_KERNEL).map_err(|_| fault(gfx))?;
@@ -610,14 +611,19 @@ impl Sim {
     }
 }
 
-/// Batch buffers, read through the GTT for the auditor.
+/// Batch buffers, read through the GTT for the auditor. The simulated vGPU
+/// has no PPGTT (its audit configuration refuses PPGTT addresses), so a PPGTT
+/// read faults.
 struct GttMemory<'a> {
     sim: &'a Sim,
     handle: &'a VgpuHandle,
 }
 
 impl GfxMemory for GttMemory<'_> {
-    fn read_dwords(&mut self, gfx_addr: u64, out: &mut [u32]) -> core::result::Result<(), MemoryFault> {
+    fn read_dwords(&mut self, space: AddressSpace, gfx_addr: u64, out: &mut [u32]) -> core::result::Result<(), MemoryFault> {
+        if space != AddressSpace::Ggtt {
+            return Err(MemoryFault { gfx_addr });
+        }
         let mut bytes = [0u8; 64];
         let mut addr = gfx_addr;
         for chunk in out.chunks_mut(16) {

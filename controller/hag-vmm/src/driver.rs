@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use hag_abi::sim_regs as r;
-use hag_audit::audit::{self, encode, GfxMemory, MemoryFault};
+use hag_audit::audit::{self, encode, AddressSpace, GfxMemory, MemoryFault};
 
 use crate::ram::{GuestRam, RamError, PAGE_SIZE};
 
@@ -330,7 +330,16 @@ impl GfxMem<'_> {
 }
 
 impl GfxMemory for GfxMem<'_> {
-    fn read_dwords(&mut self, gfx_addr: u64, out: &mut [u32]) -> Result<(), MemoryFault> {
+    /// Reads through the simulated vGPU's GTT; it has no PPGTT.
+    fn read_dwords(
+        &mut self,
+        space: AddressSpace,
+        gfx_addr: u64,
+        out: &mut [u32],
+    ) -> Result<(), MemoryFault> {
+        if space != AddressSpace::Ggtt {
+            return Err(MemoryFault { gfx_addr });
+        }
         let mut bytes = vec![0u8; out.len() * 4];
         self.read(gfx_addr, &mut bytes)
             .map_err(|_| MemoryFault { gfx_addr })?;

@@ -11,8 +11,8 @@ use std::collections::{BTreeSet, HashMap};
 
 use hag_abi::sim_regs as r;
 use hag_audit::audit::{
-    self, AuditConfig, AuditSink, BlitKind, Command, GfxMemory, MemoryFault, PostSync, SinkFull,
-    ValidatedCommand,
+    self, AddressSpace, AuditConfig, AuditSink, BlitKind, Command, GfxMemory, MemoryFault,
+    PostSync, SinkFull, ValidatedCommand,
 };
 
 use crate::driver::{RegError, Registers};
@@ -78,7 +78,16 @@ impl Mem<'_, '_> {
 }
 
 impl GfxMemory for Mem<'_, '_> {
-    fn read_dwords(&mut self, gfx_addr: u64, out: &mut [u32]) -> Result<(), MemoryFault> {
+    /// The fake device, like the simulated vGPU, has no PPGTT.
+    fn read_dwords(
+        &mut self,
+        space: AddressSpace,
+        gfx_addr: u64,
+        out: &mut [u32],
+    ) -> Result<(), MemoryFault> {
+        if space != AddressSpace::Ggtt {
+            return Err(MemoryFault { gfx_addr });
+        }
         for (i, o) in out.iter_mut().enumerate() {
             *o = self
                 .read_u32(gfx_addr + 4 * i as u64)
@@ -261,7 +270,9 @@ impl<'a> FakeGpu<'a> {
                     already_audited: true,
                     ..
                 } => return true,
-                Command::StoreDataImm { addr, data, qword }
+                Command::StoreDataImm {
+                    addr, data, qword, ..
+                }
                 | Command::StoreDataIndex {
                     addr, data, qword, ..
                 } => {
@@ -273,14 +284,14 @@ impl<'a> FakeGpu<'a> {
                 Command::LoadRegisterImm { reg, value, .. } => {
                     st.gprs.insert(reg, value);
                 }
-                Command::StoreRegisterMem { reg, addr } => {
+                Command::StoreRegisterMem { reg, addr, .. } => {
                     mem.write_u32(addr, st.gprs.get(&reg).copied().unwrap_or(0))
                         .unwrap();
                 }
-                Command::LoadRegisterMem { reg, addr } => {
+                Command::LoadRegisterMem { reg, addr, .. } => {
                     st.gprs.insert(reg, mem.read_u32(addr).unwrap());
                 }
-                Command::CopyMemMem { dst, src } => {
+                Command::CopyMemMem { dst, src, .. } => {
                     mem.write_u32(dst, mem.read_u32(src).unwrap()).unwrap();
                 }
                 Command::Atomic {
@@ -350,9 +361,9 @@ impl<'a> FakeGpu<'a> {
     fn post_sync(st: &mut State, write64: &impl Fn(u64, u32, u32), ps: PostSync) {
         match ps {
             PostSync::None => {}
-            PostSync::WriteImm { addr, data } => write64(addr, data[0], data[1]),
-            PostSync::DepthCount { addr } => write64(addr, 0, 0),
-            PostSync::Timestamp { addr } => {
+            PostSync::WriteImm { addr, data, .. } => write64(addr, data[0], data[1]),
+            PostSync::DepthCount { addr, .. } => write64(addr, 0, 0),
+            PostSync::Timestamp { addr, .. } => {
                 st.timestamp += 1;
                 write64(addr, st.timestamp as u32, (st.timestamp >> 32) as u32);
             }

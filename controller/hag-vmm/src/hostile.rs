@@ -1582,7 +1582,7 @@ pub fn run(cfg: &HostileConfig) -> anyhow::Result<HostileReport> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use hag_audit::audit::{audit, AuditConfig, GfxMemory, MemoryFault, NoSink};
+    use hag_audit::audit::{audit, AddressSpace, AuditConfig, GfxMemory, MemoryFault, NoSink};
 
     #[test]
     fn prng_is_deterministic_and_seeds_differ() {
@@ -1603,7 +1603,13 @@ mod tests {
     struct Pages(std::collections::HashMap<u64, Vec<u32>>);
 
     impl GfxMemory for Pages {
-        fn read_dwords(&mut self, gfx_addr: u64, out: &mut [u32]) -> Result<(), MemoryFault> {
+        fn read_dwords(
+            &mut self,
+            space: AddressSpace,
+            gfx_addr: u64,
+            out: &mut [u32],
+        ) -> Result<(), MemoryFault> {
+            assert_eq!(space, AddressSpace::Ggtt, "the simulated vGPU has no PPGTT");
             for (i, o) in out.iter_mut().enumerate() {
                 let a = gfx_addr + 4 * i as u64;
                 let page = a / PAGE_SIZE;

@@ -4,8 +4,20 @@
 //! order, follows `MI_BATCH_BUFFER_START` into batch buffers read through
 //! [`GfxMemory`], validates every command and hands each one, decoded, to an
 //! [`AuditSink`] as a [`ValidatedCommand`]. Every address in a validated
-//! command lies inside `[0, gfx_mem_size)` with its full extent, and
-//! [`Command::write_set`] says which graphics bytes the command may write.
+//! command carries its [`AddressSpace`] and lies inside that space with its
+//! full extent (`[0, gfx_mem_size)` for the GGTT, `[0, ppgtt_size)` for the
+//! PPGTT), and [`Command::write_set`] says which graphics bytes, in which
+//! space, the command may write.
+//!
+//! Address spaces follow the hardware (and GVT-g's scanner): a batch started
+//! from the ring with the PPGTT address-space bit runs non-privileged, and
+//! every memory operand inside it, and inside the batches it chains to or
+//! starts, is a PPGTT address whatever the command's "use global GTT" bit
+//! says. In the ring and in GGTT batches each command's GGTT bit selects the
+//! space (GGTT if set, PPGTT if clear). The status page (`MI_STORE_DATA_INDEX`
+//! and the index forms of `MI_FLUSH_DW` and `PIPE_CONTROL`) is always in the
+//! GGTT; blits write the space of the batch they run in. With
+//! [`AuditConfig::ppgtt_size`] 0 every PPGTT operand is refused.
 //!
 //! This file is included as a module by the kernel (`#[path]`), so it and its
 //! submodules use only `core`, carry no crate attributes, never panic on any
@@ -41,13 +53,39 @@ pub const MAX_BATCH_DEPTH: u8 = 8;
 /// auditor's fixed visited set).
 pub const MAX_BATCHES: usize = 64;
 
+/// The graphics address space an address is translated through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AddressSpace {
+    /// The global GTT (the vGPU's slice of it): ring, status page, GGTT
+    /// batches.
+    Ggtt,
+    /// The per-process GTT of the workload's context: non-privileged
+    /// batches and commands without the GGTT bit.
+    Ppgtt,
+}
+
+impl AddressSpace {
+    /// "GGTT" or "PPGTT".
+    pub const fn name(self) -> &'static str {
+        match self {
+            AddressSpace::Ggtt => "GGTT",
+            AddressSpace::Ppgtt => "PPGTT",
+        }
+    }
+}
+
 /// What the auditor may accept, set by the kernel per vGPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AuditConfig<'a> {
-    /// Size of the vGPU's graphics memory: every address a command uses must
-    /// lie, with its whole extent, in `[0, gfx_mem_size)`. At most
-    /// [`MAX_GFX_MEM_SIZE`].
+    /// Size of the vGPU's graphics memory (its GGTT): every GGTT address a
+    /// command uses must lie, with its whole extent, in `[0, gfx_mem_size)`.
+    /// At most [`MAX_GFX_MEM_SIZE`].
     pub gfx_mem_size: u64,
+    /// Size of the workload's PPGTT: every PPGTT address must lie, with its
+    /// whole extent, in `[0, ppgtt_size)`. At most [`MAX_GFX_MEM_SIZE`].
+    /// 0 refuses every PPGTT address and PPGTT batch (the simulated vGPU has
+    /// no PPGTT).
+    pub ppgtt_size: u64,
     /// Graphics address of the engine's hardware status page (4 KiB aligned,
     /// inside graphics memory): the base of `MI_STORE_DATA_INDEX` and of the
     /// "store data index" forms of `MI_FLUSH_DW` and `PIPE_CONTROL`.
@@ -71,10 +109,11 @@ pub struct AuditConfig<'a> {
 
 impl<'a> AuditConfig<'a> {
     /// A configuration with the default limits (depth 3, 16384 commands, 64
-    /// batches) and no allowed registers.
+    /// batches), no PPGTT and no allowed registers.
     pub const fn new(gfx_mem_size: u64, hwsp_gfx_addr: u64) -> Self {
         AuditConfig {
             gfx_mem_size,
+            ppgtt_size: 0,
             hwsp_gfx_addr,
             max_batch_depth: 3,
             max_commands: 16384,
@@ -91,11 +130,27 @@ impl<'a> AuditConfig<'a> {
         }
     }
 
+    /// The same configuration with a PPGTT of `ppgtt_size` bytes (0: none).
+    pub const fn with_ppgtt(self, ppgtt_size: u64) -> Self {
+        AuditConfig { ppgtt_size, ..self }
+    }
+
+    /// Size of `space`: where its addresses must lie (0: refused).
+    pub const fn space_size(&self, space: AddressSpace) -> u64 {
+        match space {
+            AddressSpace::Ggtt => self.gfx_mem_size,
+            AddressSpace::Ppgtt => self.ppgtt_size,
+        }
+    }
+
     /// Checks the configuration itself; [`audit`] does this first.
     pub fn check(&self) -> Result<(), Reason> {
         let bad = |what| Err(Reason::BadConfig { what });
         if self.gfx_mem_size == 0 || self.gfx_mem_size > MAX_GFX_MEM_SIZE {
             return bad("gfx_mem_size must be 1 byte to 2^48 bytes");
+        }
+        if self.ppgtt_size > MAX_GFX_MEM_SIZE {
+            return bad("ppgtt_size must be at most 2^48 bytes");
         }
         if !self.hwsp_gfx_addr.is_multiple_of(HWSP_SIZE) {
             return bad("hwsp_gfx_addr must be 4 KiB aligned");
@@ -127,18 +182,27 @@ pub struct MemoryFault {
 }
 
 /// Where batch buffers are read from: the kernel implements it through the
-/// vGPU's GTT and guest RAM; tests with an array ([`SliceMemory`]).
+/// vGPU's GTT (or the workload's PPGTT) and guest RAM; tests with an array
+/// ([`SliceMemory`]).
 pub trait GfxMemory {
-    /// Reads `out.len()` little-endian dwords starting at `gfx_addr`. The
-    /// auditor only asks for ranges inside `[0, gfx_mem_size)`.
-    fn read_dwords(&mut self, gfx_addr: u64, out: &mut [u32]) -> Result<(), MemoryFault>;
+    /// Reads `out.len()` little-endian dwords starting at `gfx_addr` in
+    /// `space`. The auditor only asks for ranges inside that space's size
+    /// ([`AuditConfig::space_size`]).
+    fn read_dwords(
+        &mut self,
+        space: AddressSpace,
+        gfx_addr: u64,
+        out: &mut [u32],
+    ) -> Result<(), MemoryFault>;
 }
 
 /// Graphics memory backed by a slice of dwords that starts at graphics
-/// address `base`; anything outside it faults. For tests, fuzzing and the
-/// simulated vGPU's own checks.
+/// address `base` of `space`; anything outside it, or in the other space,
+/// faults. For tests, fuzzing and the simulated vGPU's own checks.
 #[derive(Clone, Copy, Debug)]
 pub struct SliceMemory<'a> {
+    /// The address space the slice is mapped in.
+    pub space: AddressSpace,
     /// Graphics address of `dwords[0]`.
     pub base: u64,
     /// The memory contents.
@@ -146,8 +210,16 @@ pub struct SliceMemory<'a> {
 }
 
 impl GfxMemory for SliceMemory<'_> {
-    fn read_dwords(&mut self, gfx_addr: u64, out: &mut [u32]) -> Result<(), MemoryFault> {
+    fn read_dwords(
+        &mut self,
+        space: AddressSpace,
+        gfx_addr: u64,
+        out: &mut [u32],
+    ) -> Result<(), MemoryFault> {
         let fault = MemoryFault { gfx_addr };
+        if space != self.space {
+            return Err(fault);
+        }
         let off = gfx_addr.checked_sub(self.base).ok_or(fault)?;
         if !off.is_multiple_of(4) {
             return Err(fault);
@@ -194,6 +266,9 @@ impl AuditSink for NoSink {
 /// A command that passed the audit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ValidatedCommand {
+    /// Address space of `gfx_addr`: GGTT in the ring and in GGTT batches,
+    /// PPGTT in PPGTT batches.
+    pub space: AddressSpace,
     /// Graphics address of the command's header (for commands in the ring:
     /// `ring_gfx_addr` plus its offset in the submitted slice).
     pub gfx_addr: u64,
@@ -206,13 +281,15 @@ pub struct ValidatedCommand {
 
 /// A post-sync write of `MI_FLUSH_DW` or `PIPE_CONTROL`. Every form writes a
 /// qword (8 bytes) at its address; "store data index" forms already have the
-/// status page base added.
+/// status page base added (and are in the GGTT).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PostSync {
     /// No post-sync write.
     None,
     /// Write the immediate data (`data[0]` low dword, `data[1]` high).
     WriteImm {
+        /// Address space of the destination.
+        space: AddressSpace,
         /// Destination.
         addr: u64,
         /// Immediate data (high dword 0 for the 4-dword `MI_FLUSH_DW`).
@@ -220,11 +297,15 @@ pub enum PostSync {
     },
     /// `PIPE_CONTROL` only: write the PS depth count.
     DepthCount {
+        /// Address space of the destination.
+        space: AddressSpace,
         /// Destination.
         addr: u64,
     },
     /// Write the timestamp.
     Timestamp {
+        /// Address space of the destination.
+        space: AddressSpace,
         /// Destination.
         addr: u64,
     },
@@ -236,11 +317,19 @@ impl PostSync {
 
     /// The destination, if there is a write.
     pub const fn addr(&self) -> Option<u64> {
+        match self.dest() {
+            Some((_, addr)) => Some(addr),
+            None => None,
+        }
+    }
+
+    /// The destination with its address space, if there is a write.
+    pub const fn dest(&self) -> Option<(AddressSpace, u64)> {
         match *self {
             PostSync::None => None,
-            PostSync::WriteImm { addr, .. }
-            | PostSync::DepthCount { addr }
-            | PostSync::Timestamp { addr } => Some(addr),
+            PostSync::WriteImm { space, addr, .. }
+            | PostSync::DepthCount { space, addr }
+            | PostSync::Timestamp { space, addr } => Some((space, addr)),
         }
     }
 }
@@ -260,6 +349,9 @@ pub enum BlitKind {
 /// `base + y * pitch + x * bpp`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Surface {
+    /// Address space of the surface: the space of the batch the blit runs
+    /// in (GGTT in the ring).
+    pub space: AddressSpace,
     /// Graphics address of pixel (0, 0).
     pub base: u64,
     /// Bytes from one row to the next (below 32 KiB).
@@ -278,6 +370,7 @@ impl Surface {
         let row0 = u64::from(self.y).checked_mul(u64::from(self.pitch))?;
         let col0 = u64::from(self.x).checked_mul(bpp)?;
         Some(Strided {
+            space: self.space,
             base: self.base.checked_add(row0)?.checked_add(col0)?,
             row_bytes: u64::from(width).checked_mul(bpp)?,
             pitch: u64::from(self.pitch),
@@ -316,6 +409,8 @@ pub enum Command {
     UserInterrupt,
     /// MI_BATCH_BUFFER_START.
     BatchStart {
+        /// Address space of the batch (and of every command in it).
+        space: AddressSpace,
         /// Graphics address of the batch.
         addr: u64,
         /// A second-level batch (returns after its MI_BATCH_BUFFER_END);
@@ -323,7 +418,8 @@ pub enum Command {
         second_level: bool,
         /// The level the batch runs at.
         level: u8,
-        /// The batch was already audited at this level in this submission
+        /// The batch was already audited at this level and in this address
+        /// space in this submission
         /// and was not scanned again: the hardware will run commands listed
         /// earlier once more (or loop, until the watchdog stops it).
         already_audited: bool,
@@ -332,6 +428,8 @@ pub enum Command {
     BatchEnd,
     /// MI_SEMAPHORE_WAIT (reads `addr`, writes nothing).
     SemaphoreWait {
+        /// Address space of the semaphore.
+        space: AddressSpace,
         /// The semaphore.
         addr: u64,
         /// Value compared with.
@@ -343,6 +441,8 @@ pub enum Command {
     },
     /// MI_STORE_DATA_IMM: writes 4 or 8 bytes.
     StoreDataImm {
+        /// Address space of the destination.
+        space: AddressSpace,
         /// Destination.
         addr: u64,
         /// Data (`data[1]` is 0 unless `qword`).
@@ -350,7 +450,7 @@ pub enum Command {
         /// Stores a qword.
         qword: bool,
     },
-    /// MI_STORE_DATA_INDEX: writes 4 or 8 bytes into the status page.
+    /// MI_STORE_DATA_INDEX: writes 4 or 8 bytes into the status page (GGTT).
     StoreDataIndex {
         /// Offset into the hardware status page.
         offset: u16,
@@ -375,6 +475,8 @@ pub enum Command {
     StoreRegisterMem {
         /// An allowed register.
         reg: u32,
+        /// Address space of the destination.
+        space: AddressSpace,
         /// Destination.
         addr: u64,
     },
@@ -382,18 +484,26 @@ pub enum Command {
     LoadRegisterMem {
         /// An allowed register.
         reg: u32,
+        /// Address space of the source.
+        space: AddressSpace,
         /// Source.
         addr: u64,
     },
     /// MI_COPY_MEM_MEM: copies 4 bytes.
     CopyMemMem {
+        /// Address space of the destination.
+        dst_space: AddressSpace,
         /// Destination.
         dst: u64,
+        /// Address space of the source.
+        src_space: AddressSpace,
         /// Source.
         src: u64,
     },
     /// MI_ATOMIC: read-modify-write of `len` bytes.
     Atomic {
+        /// Address space of the destination.
+        space: AddressSpace,
         /// Destination.
         addr: u64,
         /// Bytes written: 4, 8 or 16.
@@ -424,19 +534,35 @@ pub enum Command {
 }
 
 impl Command {
-    /// The graphics bytes this command may write (a superset: it never
-    /// misses a byte the hardware writes).
+    /// The graphics bytes this command may write, each range in its address
+    /// space (a superset: it never misses a byte the hardware writes).
     pub fn write_set(&self) -> WriteSet {
-        let range = |gfx_addr, len| WriteSet::Range(WriteRange { gfx_addr, len });
+        let range = |space, gfx_addr, len| {
+            WriteSet::Range(WriteRange {
+                space,
+                gfx_addr,
+                len,
+            })
+        };
+        let qword = |q| if q { 8 } else { 4 };
         match *self {
-            Command::StoreDataImm { addr, qword, .. }
-            | Command::StoreDataIndex { addr, qword, .. } => range(addr, if qword { 8 } else { 4 }),
-            Command::StoreRegisterMem { addr, .. } => range(addr, 4),
-            Command::CopyMemMem { dst, .. } => range(dst, 4),
-            Command::Atomic { addr, len, .. } => range(addr, u64::from(len)),
+            Command::StoreDataImm {
+                space,
+                addr,
+                qword: q,
+                ..
+            } => range(space, addr, qword(q)),
+            Command::StoreDataIndex { addr, qword: q, .. } => {
+                range(AddressSpace::Ggtt, addr, qword(q))
+            }
+            Command::StoreRegisterMem { space, addr, .. } => range(space, addr, 4),
+            Command::CopyMemMem { dst_space, dst, .. } => range(dst_space, dst, 4),
+            Command::Atomic {
+                space, addr, len, ..
+            } => range(space, addr, u64::from(len)),
             Command::FlushDw { post_sync, .. } | Command::PipeControl { post_sync, .. } => {
-                match post_sync.addr() {
-                    Some(addr) => range(addr, PostSync::BYTES),
+                match post_sync.dest() {
+                    Some((space, addr)) => range(space, addr, PostSync::BYTES),
                     None => WriteSet::None,
                 }
             }
@@ -444,10 +570,7 @@ impl Command {
                 Some(s) => WriteSet::Strided(s),
                 // Unreachable for a validated command: the auditor checked
                 // this arithmetic. Claim everything rather than nothing.
-                None => WriteSet::Range(WriteRange {
-                    gfx_addr: 0,
-                    len: u64::MAX,
-                }),
+                None => range(b.dst.space, 0, u64::MAX),
             },
             Command::Noop
             | Command::UserInterrupt
@@ -460,9 +583,11 @@ impl Command {
     }
 }
 
-/// A contiguous range of graphics bytes.
+/// A contiguous range of graphics bytes in one address space.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WriteRange {
+    /// The address space `gfx_addr` is in.
+    pub space: AddressSpace,
     /// First byte.
     pub gfx_addr: u64,
     /// Number of bytes.
@@ -475,16 +600,19 @@ impl WriteRange {
         self.gfx_addr.saturating_add(self.len)
     }
 
-    /// The 4 KiB graphics pages the range touches.
+    /// The 4 KiB graphics pages the range touches (in its address space).
     pub fn pages(&self) -> Pages {
         pages_of(*self)
     }
 }
 
-/// `rows` ranges of `row_bytes` bytes, `pitch` bytes apart: the rows of a
-/// blit rectangle. Row `i` is `[base + i * pitch, base + i * pitch + row_bytes)`.
+/// `rows` ranges of `row_bytes` bytes, `pitch` bytes apart, in one address
+/// space: the rows of a blit rectangle. Row `i` is
+/// `[base + i * pitch, base + i * pitch + row_bytes)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Strided {
+    /// The address space of every row.
+    pub space: AddressSpace,
     /// First byte of the first row.
     pub base: u64,
     /// Bytes per row.
@@ -500,6 +628,7 @@ impl Strided {
     pub fn extent(&self) -> Option<WriteRange> {
         if self.rows == 0 || self.row_bytes == 0 {
             return Some(WriteRange {
+                space: self.space,
                 gfx_addr: self.base,
                 len: 0,
             });
@@ -508,6 +637,7 @@ impl Strided {
         let len = last.checked_add(self.row_bytes)?;
         self.base.checked_add(len)?;
         Some(WriteRange {
+            space: self.space,
             gfx_addr: self.base,
             len,
         })
@@ -543,7 +673,8 @@ impl WriteSet {
         }
     }
 
-    /// The 4 KiB graphics pages written, ascending and without repeats.
+    /// The 4 KiB graphics pages written, ascending and without repeats (all
+    /// in the set's one address space).
     pub fn pages(&self) -> WritePages {
         WritePages {
             ranges: self.ranges(),
@@ -582,6 +713,7 @@ impl Iterator for Ranges {
                 let gfx_addr = s.base.checked_add(off)?;
                 self.next_row = self.next_row.checked_add(1)?;
                 Some(WriteRange {
+                    space: s.space,
                     gfx_addr,
                     len: s.row_bytes,
                 })
@@ -716,13 +848,15 @@ pub enum Reason {
         /// Required alignment in bytes.
         align: u64,
     },
-    /// An access falls (partly) outside graphics memory.
+    /// An access falls (partly) outside its address space.
     AddressOutOfRange {
+        /// The address space.
+        space: AddressSpace,
         /// First byte.
         addr: u64,
         /// Bytes.
         len: u64,
-        /// Size of graphics memory.
+        /// Size of the address space (graphics memory for the GGTT).
         limit: u64,
     },
     /// A register not on the allow list.
@@ -761,6 +895,8 @@ pub enum Reason {
     },
     /// Reading graphics memory failed.
     MemoryFault {
+        /// The address space read.
+        space: AddressSpace,
         /// Where.
         addr: u64,
     },
@@ -814,9 +950,23 @@ impl fmt::Display for Reason {
             Reason::Misaligned { addr, align } => {
                 write!(f, "address {addr:#x} is not {align}-byte aligned")
             }
-            Reason::AddressOutOfRange { addr, len, limit } => write!(
+            Reason::AddressOutOfRange {
+                space: AddressSpace::Ggtt,
+                addr,
+                len,
+                limit,
+            } => write!(
                 f,
                 "address {addr:#x}+{len} outside graphics memory of {limit:#x} bytes"
+            ),
+            Reason::AddressOutOfRange {
+                space: AddressSpace::Ppgtt,
+                addr,
+                len,
+                limit,
+            } => write!(
+                f,
+                "PPGTT address {addr:#x}+{len} outside the PPGTT of {limit:#x} bytes"
             ),
             Reason::RegisterNotAllowed { reg } => {
                 write!(f, "register {reg:#x} is not on the allow list")
@@ -835,8 +985,17 @@ impl fmt::Display for Reason {
                     "more than {limit} distinct batch buffers in one submission"
                 )
             }
-            Reason::MemoryFault { addr } => {
+            Reason::MemoryFault {
+                space: AddressSpace::Ggtt,
+                addr,
+            } => {
                 write!(f, "graphics memory at {addr:#x} could not be read")
+            }
+            Reason::MemoryFault {
+                space: AddressSpace::Ppgtt,
+                addr,
+            } => {
+                write!(f, "PPGTT address {addr:#x} could not be read")
             }
             Reason::SinkFull => f.write_str("too many validated commands for the sink"),
             Reason::BadConfig { what } => write!(f, "bad audit configuration: {what}"),
@@ -848,6 +1007,8 @@ impl fmt::Display for Reason {
 /// is rejected.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AuditError {
+    /// Address space of `gfx_addr` (GGTT in the ring).
+    pub space: AddressSpace,
     /// Graphics address of the offending command.
     pub gfx_addr: u64,
     /// Its header, if it could be read.
@@ -871,15 +1032,20 @@ impl fmt::Display for AuditError {
         if let Reason::BadConfig { .. } = self.reason {
             return write!(f, "{}", self.reason);
         }
+        // GGTT addresses are written bare, as before PPGTT support.
+        let space = match self.space {
+            AddressSpace::Ggtt => "",
+            AddressSpace::Ppgtt => "PPGTT ",
+        };
         match self.header {
             Some(h) if Op::from_header(h).is_none() => write!(
                 f,
-                "command {h:#010x} at {:#x}: {}",
+                "command {h:#010x} at {space}{:#x}: {}",
                 self.gfx_addr, self.reason
             ),
             _ => write!(
                 f,
-                "{} at {:#x}: {}",
+                "{} at {space}{:#x}: {}",
                 self.command_name(),
                 self.gfx_addr,
                 self.reason

@@ -144,7 +144,7 @@ fn execute(
     match cmd.kind {
         Command::Noop => {}
         Command::UserInterrupt => sim.raise(r::INT_USER),
-        Command::BatchStart { addr, second_level, level, already_audited } => {
+        Command::BatchStart { addr, second_level, level, already_audited, .. } => {
             let call = cmd.level == 0 || second_level;
             if !already_audited {
                 if call && !run.push(Frame::Inline) {
@@ -183,19 +183,19 @@ fn execute(
                 return Ok(Step::Stall);
             }
         }
-        Command::StoreDataImm { addr, data, qword } | Command::StoreDataIndex { addr, data, qword, .. } => {
+        Command::StoreDataImm { addr, data, qword, .. } | Command::StoreDataIndex { addr, data, qword, .. } => {
             write_data(sim, handle, addr, data, qword)?;
         }
         Command::LoadRegisterImm { reg, value, .. } => set_gpr(sim, reg, value),
-        Command::StoreRegisterMem { reg, addr } => {
+        Command::StoreRegisterMem { reg, addr, .. } => {
             let value = gpr(sim, reg);
             write_bytes(sim, handle, addr, &value.to_le_bytes())?;
         }
-        Command::LoadRegisterMem { reg, addr } => {
+        Command::LoadRegisterMem { reg, addr, .. } => {
             let value = read_u32(sim, handle, addr)?;
             set_gpr(sim, reg, value);
         }
-        Command::CopyMemMem { dst, src } => {
+        Command::CopyMemMem { dst, src, .. } => {
             let value = read_u32(sim, handle, src)?;
             write_bytes(sim, handle, dst, &value.to_le_bytes())?;
         }
@@ -286,9 +286,9 @@ fn post_sync_write(sim: &Sim, handle: &VgpuHandle, post_sync: PostSync, qword: b
         PostSync::None => Ok(()),
         // MI_FLUSH_DW's short form stores a dword; both forms carry the
         // high dword as 0 then, so a non-zero high dword means a qword.
-        PostSync::WriteImm { addr, data } => write_data(sim, handle, addr, data, qword || data[1] != 0),
-        PostSync::DepthCount { addr } => write_data(sim, handle, addr, [0, 0], true),
-        PostSync::Timestamp { addr } => {
+        PostSync::WriteImm { addr, data, .. } => write_data(sim, handle, addr, data, qword || data[1] != 0),
+        PostSync::DepthCount { addr, .. } => write_data(sim, handle, addr, [0, 0], true),
+        PostSync::Timestamp { addr, .. } => {
             let now = Ktime::ktime_get().to_ns() as u64;
             write_data(sim, handle, addr, [now as u32, (now >> 32) as u32], true)
         }

@@ -3,9 +3,15 @@
 //! Checks run in a fixed order: length field, then named refusals, then
 //! reserved bits, then field values and alignment, then address ranges,
 //! then registers. All arithmetic on guest values is checked.
+//!
+//! Each command is decoded knowing where it runs (`batch`: `None` in the
+//! ring, else the address space of the batch), since that decides the
+//! address space of its memory operands.
 
 use super::opcodes::*;
-use super::{AuditConfig, Blit, BlitKind, Command, PostSync, Reason, Surface, HWSP_SIZE};
+use super::{
+    AddressSpace, AuditConfig, Blit, BlitKind, Command, PostSync, Reason, Surface, HWSP_SIZE,
+};
 
 /// Longest fixed-length command (MI_ATOMIC with inline data).
 pub(super) const MAX_FIXED: usize = 11;
@@ -104,13 +110,28 @@ fn unsupported(what: &'static str) -> Reason {
     Reason::Unsupported { what }
 }
 
-fn ggtt(set: bool) -> Result<(), Reason> {
-    if set {
-        Ok(())
-    } else {
+/// The address space of a memory operand whose "use global GTT" bit is
+/// `ggtt_bit`, in a command running in `batch` (`None`: the ring).
+///
+/// A PPGTT batch is non-privileged: the hardware translates all its operands
+/// through the PPGTT whatever the bit says (GVT-g's scanner likewise treats
+/// them as PPGTT). Elsewhere the bit selects; a clear bit is refused when
+/// the configuration has no PPGTT.
+fn operand_space(
+    ggtt_bit: bool,
+    batch: Option<AddressSpace>,
+    cfg: &AuditConfig<'_>,
+) -> Result<AddressSpace, Reason> {
+    if batch == Some(AddressSpace::Ppgtt) {
+        Ok(AddressSpace::Ppgtt)
+    } else if ggtt_bit {
+        Ok(AddressSpace::Ggtt)
+    } else if cfg.ppgtt_size == 0 {
         Err(unsupported(
             "PPGTT address space (only the global GTT is audited)",
         ))
+    } else {
+        Ok(AddressSpace::Ppgtt)
     }
 }
 
@@ -122,14 +143,22 @@ fn aligned(addr: u64, align: u64) -> Result<(), Reason> {
     }
 }
 
-/// Checks that `[addr, addr + len)` lies inside graphics memory.
-pub(super) fn in_range(addr: u64, len: u64, cfg: &AuditConfig<'_>) -> Result<(), Reason> {
+/// Checks that `[addr, addr + len)` lies inside `space` (graphics memory
+/// for the GGTT, `ppgtt_size` bytes for the PPGTT).
+pub(super) fn in_range(
+    space: AddressSpace,
+    addr: u64,
+    len: u64,
+    cfg: &AuditConfig<'_>,
+) -> Result<(), Reason> {
+    let limit = cfg.space_size(space);
     match addr.checked_add(len) {
-        Some(end) if end <= cfg.gfx_mem_size => Ok(()),
+        Some(end) if end <= limit => Ok(()),
         _ => Err(Reason::AddressOutOfRange {
+            space,
             addr,
             len,
-            limit: cfg.gfx_mem_size,
+            limit,
         }),
     }
 }
@@ -148,7 +177,8 @@ const fn addr64(lo: u32, hi: u32) -> u64 {
     ((hi as u64) << 32) | lo as u64
 }
 
-/// An address in the hardware status page at `offset`, `len` bytes.
+/// An address in the hardware status page at `offset`, `len` bytes (the
+/// status page is in the GGTT, whatever batch the command runs in).
 fn hwsp(offset: u64, len: u64, cfg: &AuditConfig<'_>) -> Result<u64, Reason> {
     match offset.checked_add(len) {
         Some(end) if end <= HWSP_SIZE => {}
@@ -163,19 +193,22 @@ fn hwsp(offset: u64, len: u64, cfg: &AuditConfig<'_>) -> Result<u64, Reason> {
         .hwsp_gfx_addr
         .checked_add(offset)
         .ok_or(Reason::AddressOutOfRange {
+            space: AddressSpace::Ggtt,
             addr: cfg.hwsp_gfx_addr,
             len: offset,
             limit: cfg.gfx_mem_size,
         })?;
-    in_range(addr, len, cfg)?;
+    in_range(AddressSpace::Ggtt, addr, len, cfg)?;
     Ok(addr)
 }
 
 /// Decodes and validates a fixed-length command whose dwords (header first)
-/// are in `dw`; `shape` already checked its length.
+/// are in `dw`; `shape` already checked its length. `batch` is the address
+/// space of the batch it runs in, `None` in the ring.
 pub(super) fn decode(
     op: Op,
     dw: &[u32; MAX_FIXED],
+    batch: Option<AddressSpace>,
     cfg: &AuditConfig<'_>,
 ) -> Result<Command, Reason> {
     let h = dw[0];
@@ -193,8 +226,26 @@ pub(super) fn decode(
             Ok(Command::BatchEnd)
         }
         Op::BatchStart => {
-            if h & MI_BB_PPGTT != 0 {
+            let space = if h & MI_BB_PPGTT == 0 {
+                AddressSpace::Ggtt
+            } else if cfg.ppgtt_size == 0 {
                 return Err(unsupported("batch buffer in the PPGTT address space"));
+            } else {
+                AddressSpace::Ppgtt
+            };
+            // GVT-g takes the address space from the ring's batch start
+            // only and ignores the bit on chained and second-level starts;
+            // the hardware does not let a non-privileged batch become
+            // privileged. A batch start that names another space than its
+            // batch's is therefore ambiguous: refuse it.
+            match (batch, space) {
+                (Some(AddressSpace::Ppgtt), AddressSpace::Ggtt) => {
+                    return Err(unsupported("GGTT batch started from a PPGTT batch"))
+                }
+                (Some(AddressSpace::Ggtt), AddressSpace::Ppgtt) => {
+                    return Err(unsupported("PPGTT batch started from a GGTT batch"))
+                }
+                _ => {}
             }
             if h & MI_BB_PREDICATE != 0 {
                 return Err(unsupported("predicated MI_BATCH_BUFFER_START"));
@@ -202,11 +253,16 @@ pub(super) fn decode(
             if h & MI_BB_ADD_OFFSET != 0 {
                 return Err(unsupported("MI_BATCH_BUFFER_START add offset enable"));
             }
-            reserved(0, h, MI_ID_BITS | MI_BB_SECOND_LEVEL | LEN_MASK_8)?;
+            reserved(
+                0,
+                h,
+                MI_ID_BITS | MI_BB_SECOND_LEVEL | MI_BB_PPGTT | LEN_MASK_8,
+            )?;
             let addr = addr64(dw[1], dw[2]);
             aligned(addr, 4)?;
-            in_range(addr, 4, cfg)?;
+            in_range(space, addr, 4, cfg)?;
             Ok(Command::BatchStart {
+                space,
                 addr,
                 second_level: h & MI_BB_SECOND_LEVEL != 0,
                 level: 0,
@@ -214,12 +270,13 @@ pub(super) fn decode(
             })
         }
         Op::SemaphoreWait => {
-            ggtt(h & MI_SEMAPHORE_GGTT != 0)?;
+            let space = operand_space(h & MI_SEMAPHORE_GGTT != 0, batch, cfg)?;
             reserved(0, h, MI_ID_BITS | MI_SEMAPHORE_ALLOWED | LEN_MASK_8)?;
             let addr = addr64(dw[2], dw[3]);
             aligned(addr, 4)?;
-            in_range(addr, 4, cfg)?;
+            in_range(space, addr, 4, cfg)?;
             Ok(Command::SemaphoreWait {
+                space,
                 addr,
                 data: dw[1],
                 compare: ((h >> MI_SEMAPHORE_COMPARE_SHIFT) & 7) as u8,
@@ -227,7 +284,7 @@ pub(super) fn decode(
             })
         }
         Op::StoreDataImm => {
-            ggtt(h & MI_SDI_GGTT != 0)?;
+            let space = operand_space(h & MI_SDI_GGTT != 0, batch, cfg)?;
             reserved(0, h, MI_ID_BITS | MI_SDI_GGTT | MI_SDI_QWORD | LEN_MASK_10)?;
             if dw[1] & MI_SDI_CORE_MODE != 0 {
                 return Err(unsupported("MI_STORE_DATA_IMM core mode"));
@@ -236,8 +293,9 @@ pub(super) fn decode(
             let len = if qword { 8 } else { 4 };
             let addr = addr64(dw[1], dw[2]);
             aligned(addr, len)?;
-            in_range(addr, len, cfg)?;
+            in_range(space, addr, len, cfg)?;
             Ok(Command::StoreDataImm {
+                space,
                 addr,
                 data: [dw[3], if qword { dw[4] } else { 0 }],
                 qword,
@@ -263,7 +321,7 @@ pub(super) fn decode(
         }
         Op::LoadRegisterImm => Err(unsupported("MI_LOAD_REGISTER_IMM outside the pair reader")),
         Op::StoreRegisterMem | Op::LoadRegisterMem => {
-            ggtt(h & MI_SRM_LRM_GGTT != 0)?;
+            let space = operand_space(h & MI_SRM_LRM_GGTT != 0, batch, cfg)?;
             reserved(
                 0,
                 h,
@@ -271,16 +329,19 @@ pub(super) fn decode(
             )?;
             let addr = addr64(dw[2], dw[3]);
             aligned(addr, 4)?;
-            in_range(addr, 4, cfg)?;
+            in_range(space, addr, 4, cfg)?;
             let reg = register(dw[1], cfg)?;
             Ok(if op == Op::StoreRegisterMem {
-                Command::StoreRegisterMem { reg, addr }
+                Command::StoreRegisterMem { reg, space, addr }
             } else {
-                Command::LoadRegisterMem { reg, addr }
+                Command::LoadRegisterMem { reg, space, addr }
             })
         }
         Op::CopyMemMem => {
-            ggtt(h & MI_CMM_GGTT_SRC != 0 && h & MI_CMM_GGTT_DST != 0)?;
+            // Each operand has its own GGTT bit; a clear one is refused
+            // first when there is no PPGTT, as before PPGTT support.
+            let src_space = operand_space(h & MI_CMM_GGTT_SRC != 0, batch, cfg)?;
+            let dst_space = operand_space(h & MI_CMM_GGTT_DST != 0, batch, cfg)?;
             reserved(
                 0,
                 h,
@@ -290,15 +351,20 @@ pub(super) fn decode(
             let src = addr64(dw[3], dw[4]);
             aligned(dst, 4)?;
             aligned(src, 4)?;
-            in_range(dst, 4, cfg)?;
-            in_range(src, 4, cfg)?;
-            Ok(Command::CopyMemMem { dst, src })
+            in_range(dst_space, dst, 4, cfg)?;
+            in_range(src_space, src, 4, cfg)?;
+            Ok(Command::CopyMemMem {
+                dst_space,
+                dst,
+                src_space,
+                src,
+            })
         }
         Op::Atomic => {
             if h & MI_ATOMIC_RETURN_DATA != 0 {
                 return Err(unsupported("MI_ATOMIC return data"));
             }
-            ggtt(h & MI_ATOMIC_GGTT != 0)?;
+            let space = operand_space(h & MI_ATOMIC_GGTT != 0, batch, cfg)?;
             reserved(
                 0,
                 h,
@@ -340,13 +406,14 @@ pub(super) fn decode(
             let len = by_size.max(by_opcode);
             let addr = addr64(dw[1], dw[2]);
             aligned(addr, u64::from(len))?;
-            in_range(addr, u64::from(len), cfg)?;
+            in_range(space, addr, u64::from(len), cfg)?;
             let inline_data = if h & MI_ATOMIC_INLINE != 0 {
                 Some([dw[3], dw[4], dw[5], dw[6], dw[7], dw[8], dw[9], dw[10]])
             } else {
                 None
             };
             Ok(Command::Atomic {
+                space,
                 addr,
                 len,
                 opcode: opcode as u8,
@@ -368,17 +435,18 @@ pub(super) fn decode(
                         value: u64::from(op),
                     });
                 }
-                let addr = post_sync_addr(
+                let (space, addr) = post_sync_addr(
                     h & MI_FLUSH_DW_STORE_INDEX != 0,
                     dw[1] & MI_FLUSH_DW_USE_GTT != 0,
                     dw[1] & !MI_FLUSH_DW_USE_GTT,
                     dw[2],
+                    batch,
                     cfg,
                 )?;
                 if op == POST_SYNC_WRITE_IMM {
-                    PostSync::WriteImm { addr, data }
+                    PostSync::WriteImm { space, addr, data }
                 } else {
-                    PostSync::Timestamp { addr }
+                    PostSync::Timestamp { space, addr }
                 }
             };
             Ok(Command::FlushDw {
@@ -396,45 +464,49 @@ pub(super) fn decode(
             let post_sync = if op == POST_SYNC_NONE {
                 PostSync::None
             } else {
-                let addr = post_sync_addr(
+                let (space, addr) = post_sync_addr(
                     flags & PC_STORE_DATA_INDEX != 0,
                     flags & PC_GLOBAL_GTT != 0,
                     dw[2],
                     dw[3],
+                    batch,
                     cfg,
                 )?;
                 match op {
                     POST_SYNC_WRITE_IMM => PostSync::WriteImm {
+                        space,
                         addr,
                         data: [dw[4], dw[5]],
                     },
-                    POST_SYNC_DEPTH_COUNT => PostSync::DepthCount { addr },
-                    _ => PostSync::Timestamp { addr },
+                    POST_SYNC_DEPTH_COUNT => PostSync::DepthCount { space, addr },
+                    _ => PostSync::Timestamp { space, addr },
                 }
             };
             Ok(Command::PipeControl { flags, post_sync })
         }
-        Op::XyColorBlt | Op::XySrcCopyBlt | Op::XyFastCopyBlt => blit(op, dw, cfg),
+        Op::XyColorBlt | Op::XySrcCopyBlt | Op::XyFastCopyBlt => blit(op, dw, batch, cfg),
     }
 }
 
-/// The destination of a post-sync write (a qword): an offset into the status
-/// page, or a GGTT address that must be qword aligned.
+/// The destination of a post-sync write (a qword, qword aligned): an offset
+/// into the status page (GGTT), or an address in the space the GGTT bit
+/// `global` selects.
 fn post_sync_addr(
     index: bool,
     global: bool,
     lo: u32,
     hi: u32,
+    batch: Option<AddressSpace>,
     cfg: &AuditConfig<'_>,
-) -> Result<u64, Reason> {
+) -> Result<(AddressSpace, u64), Reason> {
     let addr = addr64(lo, hi);
     aligned(addr, PostSync::BYTES)?;
     if index {
-        hwsp(addr, PostSync::BYTES, cfg)
+        Ok((AddressSpace::Ggtt, hwsp(addr, PostSync::BYTES, cfg)?))
     } else {
-        ggtt(global)?;
-        in_range(addr, PostSync::BYTES, cfg)?;
-        Ok(addr)
+        let space = operand_space(global, batch, cfg)?;
+        in_range(space, addr, PostSync::BYTES, cfg)?;
+        Ok((space, addr))
     }
 }
 
@@ -451,8 +523,16 @@ fn u15(value: u32, field: &'static str) -> Result<u16, Reason> {
     Ok(v as u16)
 }
 
-fn blit(op: Op, dw: &[u32; MAX_FIXED], cfg: &AuditConfig<'_>) -> Result<Command, Reason> {
+/// A blit: its surfaces are in the space of the batch it runs in (the
+/// blitter commands have no GGTT bit; the ring is GGTT).
+fn blit(
+    op: Op,
+    dw: &[u32; MAX_FIXED],
+    batch: Option<AddressSpace>,
+    cfg: &AuditConfig<'_>,
+) -> Result<Command, Reason> {
     let h = dw[0];
+    let space = batch.unwrap_or(AddressSpace::Ggtt);
     let (kind, bpp) = match op {
         Op::XyColorBlt => {
             if h & XY_DST_TILED != 0 {
@@ -501,6 +581,7 @@ fn blit(op: Op, dw: &[u32; MAX_FIXED], cfg: &AuditConfig<'_>) -> Result<Command,
         }
     };
     let dst = Surface {
+        space,
         base: addr64(dw[4], dw[5]),
         pitch: u15(dw[1], "blit destination pitch")?,
         x: x1,
@@ -510,6 +591,7 @@ fn blit(op: Op, dw: &[u32; MAX_FIXED], cfg: &AuditConfig<'_>) -> Result<Command,
         None
     } else {
         Some(Surface {
+            space,
             base: addr64(dw[8], dw[9]),
             pitch: u15(dw[7], "blit source pitch")?,
             x: u15(dw[6], "blit source X1")?,
@@ -545,11 +627,12 @@ fn surface_in_range(
     cfg: &AuditConfig<'_>,
 ) -> Result<(), Reason> {
     let overflow = Reason::AddressOutOfRange {
+        space: s.space,
         addr: s.base,
         len: u64::MAX,
-        limit: cfg.gfx_mem_size,
+        limit: cfg.space_size(s.space),
     };
     let rect = s.rect(bpp, width, height).ok_or(overflow)?;
     let extent = rect.extent().ok_or(overflow)?;
-    in_range(extent.gfx_addr, extent.len, cfg)
+    in_range(s.space, extent.gfx_addr, extent.len, cfg)
 }

@@ -4,6 +4,9 @@
 //! check that the parameters were valid.
 //!
 //! Every address is a global-GTT address; every encoder sets the GGTT bits.
+//! [`batch_buffer_start_ppgtt`] starts a PPGTT batch, and [`ppgtt`] turns a
+//! command's memory operands into PPGTT ones (as a guest's user-mode driver
+//! emits them).
 
 use super::opcodes::*;
 
@@ -44,6 +47,41 @@ pub fn batch_buffer_start(addr: u64, second_level: bool) -> [u32; 3] {
         lo(addr),
         hi(addr) & 0xffff,
     ]
+}
+
+/// MI_BATCH_BUFFER_START of the batch at `addr` in the PPGTT (address space
+/// indicator set: the batch runs non-privileged), as i915 starts user
+/// batches and user-mode drivers chain them.
+pub fn batch_buffer_start_ppgtt(addr: u64, second_level: bool) -> [u32; 3] {
+    let [h, lo, hi] = batch_buffer_start(addr, second_level);
+    [h | MI_BB_PPGTT, lo, hi]
+}
+
+/// The same command with its "use global GTT" bits cleared, so that in the
+/// ring or a GGTT batch its memory operands are PPGTT addresses. Commands
+/// without such a bit (batch starts, status page forms, blits) come back
+/// unchanged; so does anything too short to be the command it claims.
+pub fn ppgtt<const N: usize>(mut cmd: [u32; N]) -> [u32; N] {
+    let Some(&h) = cmd.first() else {
+        return cmd;
+    };
+    let (dword, bits) = match Op::from_header(h) {
+        Some(Op::StoreDataImm) => (0, MI_SDI_GGTT),
+        Some(Op::StoreRegisterMem | Op::LoadRegisterMem) => (0, MI_SRM_LRM_GGTT),
+        Some(Op::CopyMemMem) => (0, MI_CMM_GGTT_SRC | MI_CMM_GGTT_DST),
+        Some(Op::Atomic) => (0, MI_ATOMIC_GGTT),
+        Some(Op::SemaphoreWait) => (0, MI_SEMAPHORE_GGTT),
+        Some(Op::FlushDw) if h & MI_FLUSH_DW_STORE_INDEX == 0 => (1, MI_FLUSH_DW_USE_GTT),
+        Some(Op::PipeControl) => match cmd.get(1) {
+            Some(f) if f & PC_STORE_DATA_INDEX == 0 => (1, PC_GLOBAL_GTT),
+            _ => return cmd,
+        },
+        _ => return cmd,
+    };
+    if let Some(d) = cmd.get_mut(dword) {
+        *d &= !bits;
+    }
+    cmd
 }
 
 /// MI_STORE_DATA_IMM writing the dword `value` at `addr`.

@@ -1,16 +1,20 @@
 //! The walk over one submission: ring, batches, nesting, loops, limits.
 //!
 //! Control flow is followed with an explicit state machine and a fixed-size
-//! return stack, never recursion. A batch entry (address and level) already
-//! audited in this submission is not scanned again: its commands are already
+//! return stack, never recursion. A batch entry (address space, address and
+//! level) already audited in this submission is not scanned again: its commands are already
 //! in the sink, and wherever it is entered from it can only run those same
 //! commands before it returns (to the continuation the auditor scans next)
 //! or loops forever (which the watchdog catches). So the walk is bounded by
 //! `max_batches` entries and `max_commands` commands.
+//!
+//! A batch started from the ring fixes the address space of every batch it
+//! leads to (chained or second-level starts must name the same space), so
+//! one `space` per ring batch start is all the state address spaces need.
 
 use super::decode::{self, Shape, MAX_FIXED};
 use super::{
-    AuditConfig, AuditError, AuditSink, AuditSummary, Command, GfxMemory, Op, Reason,
+    AddressSpace, AuditConfig, AuditError, AuditSink, AuditSummary, Command, GfxMemory, Op, Reason,
     ValidatedCommand, MAX_BATCHES, MAX_BATCH_DEPTH,
 };
 
@@ -19,7 +23,7 @@ use super::{
 enum Cursor {
     /// Dword index into the submitted ring slice.
     Ring(usize),
-    /// Graphics address in a batch buffer.
+    /// Graphics address in a batch buffer (in `Scan::space`).
     Batch(u64),
 }
 
@@ -41,6 +45,7 @@ pub fn audit<M: GfxMemory, S: AuditSink>(
     sink: &mut S,
 ) -> Result<AuditSummary, AuditError> {
     cfg.check().map_err(|reason| AuditError {
+        space: AddressSpace::Ggtt,
         gfx_addr: 0,
         header: None,
         reason,
@@ -53,6 +58,7 @@ pub fn audit<M: GfxMemory, S: AuditSink>(
         sink,
         cursor: Cursor::Ring(0),
         level: 0,
+        space: AddressSpace::Ggtt,
         ring_return: 0,
         ret: [0; MAX_BATCH_DEPTH as usize + 1],
         visited: [0; MAX_BATCHES],
@@ -71,11 +77,14 @@ struct Scan<'r, 'c, M, S> {
     cursor: Cursor,
     /// Current batch level (0: the ring).
     level: u8,
+    /// Address space of the batches at levels 1 and up (set by the ring's
+    /// batch start; the ring itself is GGTT).
+    space: AddressSpace,
     /// Ring index to resume at when the level-1 batch ends.
     ring_return: usize,
     /// `ret[l]`: address to resume at when the batch at level `l` (>= 2) ends.
     ret: [u64; MAX_BATCH_DEPTH as usize + 1],
-    /// Batch entries followed: address | level << 56.
+    /// Batch entries followed: address | PPGTT << 48 | level << 56.
     visited: [u64; MAX_BATCHES],
     nvisited: usize,
     summary: AuditSummary,
@@ -83,6 +92,7 @@ struct Scan<'r, 'c, M, S> {
 
 /// An error at the command being scanned.
 struct At {
+    space: AddressSpace,
     gfx_addr: u64,
     header: Option<u32>,
 }
@@ -90,6 +100,7 @@ struct At {
 impl At {
     fn err(&self, reason: Reason) -> AuditError {
         AuditError {
+            space: self.space,
             gfx_addr: self.gfx_addr,
             header: self.header,
             reason,
@@ -110,6 +121,7 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
                 return Ok(self.summary);
             }
             let mut at = At {
+                space: self.cursor_space(),
                 gfx_addr: self.cursor_addr()?,
                 header: None,
             };
@@ -127,6 +139,22 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
         }
     }
 
+    /// Address space of the cursor: the ring is GGTT.
+    fn cursor_space(&self) -> AddressSpace {
+        match self.cursor {
+            Cursor::Ring(_) => AddressSpace::Ggtt,
+            Cursor::Batch(_) => self.space,
+        }
+    }
+
+    /// Address space of the batch the cursor is in, `None` in the ring.
+    fn batch_space(&self) -> Option<AddressSpace> {
+        match self.cursor {
+            Cursor::Ring(_) => None,
+            Cursor::Batch(_) => Some(self.space),
+        }
+    }
+
     /// Graphics address of the cursor.
     fn cursor_addr(&self) -> Result<u64, AuditError> {
         match self.cursor {
@@ -136,6 +164,7 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
                 .and_then(|i| i.checked_mul(4))
                 .and_then(|off| self.ring_gfx_addr.checked_add(off))
                 .ok_or(AuditError {
+                    space: AddressSpace::Ggtt,
                     gfx_addr: self.ring_gfx_addr,
                     header: None,
                     reason: Reason::BadField {
@@ -147,7 +176,7 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
     }
 
     /// Checks that the command's `need` dwords are all there: in the ring
-    /// slice, or inside graphics memory for a batch.
+    /// slice, or inside the batch's address space.
     fn available(&self, need: u32) -> Result<(), Reason> {
         match self.cursor {
             Cursor::Ring(i) => {
@@ -160,7 +189,7 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
                 }
                 Ok(())
             }
-            Cursor::Batch(a) => decode::in_range(a, dwords_to_bytes(need), self.cfg),
+            Cursor::Batch(a) => decode::in_range(self.space, a, dwords_to_bytes(need), self.cfg),
         }
     }
 
@@ -184,20 +213,25 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
                 Ok(())
             }
             Cursor::Batch(a) => {
+                let space = self.space;
                 let addr =
                     a.checked_add(dwords_to_bytes(skip))
                         .ok_or(Reason::AddressOutOfRange {
+                            space,
                             addr: a,
                             len: dwords_to_bytes(need),
-                            limit: self.cfg.gfx_mem_size,
+                            limit: self.cfg.space_size(space),
                         })?;
                 let len = u64::try_from(out.len())
                     .unwrap_or(u64::MAX)
                     .saturating_mul(4);
-                decode::in_range(addr, len, self.cfg)?;
+                decode::in_range(space, addr, len, self.cfg)?;
                 self.mem
-                    .read_dwords(addr, out)
-                    .map_err(|f| Reason::MemoryFault { addr: f.gfx_addr })
+                    .read_dwords(space, addr, out)
+                    .map_err(|f| Reason::MemoryFault {
+                        space,
+                        addr: f.gfx_addr,
+                    })
             }
         }
     }
@@ -216,9 +250,10 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
             ),
             Cursor::Batch(a) => Cursor::Batch(a.checked_add(dwords_to_bytes(n)).ok_or(
                 Reason::AddressOutOfRange {
+                    space: self.space,
                     addr: a,
                     len: dwords_to_bytes(n),
-                    limit: self.cfg.gfx_mem_size,
+                    limit: self.cfg.space_size(self.space),
                 },
             )?),
         };
@@ -227,6 +262,7 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
 
     fn emit(&mut self, at: &At, kind: Command) -> Result<(), Reason> {
         let cmd = ValidatedCommand {
+            space: at.space,
             gfx_addr: at.gfx_addr,
             level: self.level,
             kind,
@@ -275,10 +311,13 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
                     self.read(1, n, body)?;
                 }
                 dw[0] = header;
-                match decode::decode(op, &dw, self.cfg)? {
+                match decode::decode(op, &dw, self.batch_space(), self.cfg)? {
                     Command::BatchStart {
-                        addr, second_level, ..
-                    } => self.batch_start(at, addr, second_level, n),
+                        space,
+                        addr,
+                        second_level,
+                        ..
+                    } => self.batch_start(at, space, addr, second_level, n),
                     Command::BatchEnd => {
                         if self.level == 0 {
                             return Err(Reason::Unsupported {
@@ -297,10 +336,12 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
         }
     }
 
-    /// Follows an MI_BATCH_BUFFER_START at `at` (of `n` dwords).
+    /// Follows an MI_BATCH_BUFFER_START at `at` (of `n` dwords) to `addr` in
+    /// `space` (decode checked that a start from a batch keeps its space).
     fn batch_start(
         &mut self,
         at: &At,
+        space: AddressSpace,
         addr: u64,
         second_level: bool,
         n: u32,
@@ -324,9 +365,11 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
                 limit: self.cfg.max_batch_depth,
             });
         }
-        // Addresses are below 2^48 (checked against gfx_mem_size), so the
-        // level fits in the top byte.
-        let key = addr | (u64::from(level) << 56);
+        // Addresses are below 2^48 (checked against the space's size, at
+        // most 2^48), so the space fits in bit 48 and the level in the top
+        // byte: the same address in the two spaces is two batches.
+        let ppgtt = u64::from(space == AddressSpace::Ppgtt);
+        let key = addr | (ppgtt << 48) | (u64::from(level) << 56);
         let seen = self
             .visited
             .get(..self.nvisited)
@@ -339,6 +382,7 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
         self.emit(
             at,
             Command::BatchStart {
+                space,
                 addr,
                 second_level,
                 level,
@@ -374,9 +418,10 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
                 at.gfx_addr
                     .checked_add(dwords_to_bytes(n))
                     .ok_or(Reason::AddressOutOfRange {
+                        space: self.space,
                         addr: at.gfx_addr,
                         len: dwords_to_bytes(n),
-                        limit: self.cfg.gfx_mem_size,
+                        limit: self.cfg.space_size(self.space),
                     })?;
             let slot = self
                 .ret
@@ -388,6 +433,7 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
             *slot = back;
         }
         self.level = level;
+        self.space = space;
         self.cursor = Cursor::Batch(addr);
         Ok(())
     }
