@@ -6,6 +6,7 @@
 mod common;
 
 use common::*;
+use hag_audit::audit::AddressSpace::{Ggtt, Ppgtt};
 use hag_audit::audit::{
     encode, Blit, BlitKind, Command, PostSync, Strided, Surface, WriteRange, WriteSet,
 };
@@ -21,7 +22,11 @@ fn decode_one(dw: &[u32]) -> Command {
 }
 
 fn range(gfx_addr: u64, len: u64) -> WriteSet {
-    WriteSet::Range(WriteRange { gfx_addr, len })
+    WriteSet::Range(WriteRange {
+        space: Ggtt,
+        gfx_addr,
+        len,
+    })
 }
 
 #[test]
@@ -69,6 +74,7 @@ fn mi_batch_buffer_start_and_end() {
                 RING,
                 0,
                 Command::BatchStart {
+                    space: Ggtt,
                     addr: 0x1_0000,
                     second_level: false,
                     level: 1,
@@ -79,6 +85,7 @@ fn mi_batch_buffer_start_and_end() {
                 0x1_0000,
                 1,
                 Command::BatchStart {
+                    space: Ggtt,
                     addr: 0x2_0000,
                     second_level: true,
                     level: 2,
@@ -93,6 +100,30 @@ fn mi_batch_buffer_start_and_end() {
 }
 
 #[test]
+fn mi_batch_buffer_start_ppgtt() {
+    // Bit 8, the address space indicator: the batch is in the PPGTT and
+    // runs non-privileged (i915's gen8_emit_bb_start sets it for every user
+    // batch: MI_BATCH_BUFFER_START_GEN8 | BIT(8)).
+    let golden = [0x1880_0101, 0x0001_0000, 0x0000_0000];
+    assert_eq!(encode::batch_buffer_start_ppgtt(0x1_0000, false), golden);
+    let mut mem = Mem::new();
+    mem.put_ppgtt(0x1_0000, &encode::batch_buffer_end());
+    let (r, cmds) = run_with(&golden, &ppgtt_cfg(), &mut mem);
+    r.unwrap();
+    assert_eq!(
+        cmds[0].kind,
+        Command::BatchStart {
+            space: Ppgtt,
+            addr: 0x1_0000,
+            second_level: false,
+            level: 1,
+            already_audited: false
+        }
+    );
+    assert_eq!((cmds[1].space, cmds[1].gfx_addr), (Ppgtt, 0x1_0000));
+}
+
+#[test]
 fn mi_store_data_imm() {
     // MI_STORE_DATA_IMM (Gen8): opcode 0x20 << 23, bit 22 use GGTT, length 2
     // (4 dwords); DW1 address 31:2, DW2 address 47:32, DW3 data.
@@ -102,6 +133,7 @@ fn mi_store_data_imm() {
     assert_eq!(
         c,
         Command::StoreDataImm {
+            space: Ggtt,
             addr: 0x1_2340,
             data: [0xdead_beef, 0],
             qword: false
@@ -125,6 +157,7 @@ fn mi_store_data_imm() {
     assert_eq!(
         c,
         Command::StoreDataImm {
+            space: Ggtt,
             addr: 0x1_2348,
             data: [0x1111_1111, 0x2222_2222],
             qword: true
@@ -204,6 +237,7 @@ fn mi_store_and_load_register_mem() {
     assert_eq!(
         c,
         Command::StoreRegisterMem {
+            space: Ggtt,
             reg: 0x20d8,
             addr: 0x5000
         }
@@ -216,6 +250,7 @@ fn mi_store_and_load_register_mem() {
     assert_eq!(
         c,
         Command::LoadRegisterMem {
+            space: Ggtt,
             reg: 0x2600,
             addr: 0x5004
         }
@@ -239,6 +274,8 @@ fn mi_copy_mem_mem() {
     assert_eq!(
         c,
         Command::CopyMemMem {
+            dst_space: Ggtt,
+            src_space: Ggtt,
             dst: 0x6000,
             src: 0x7000
         }
@@ -256,6 +293,7 @@ fn mi_atomic() {
     assert_eq!(
         c,
         Command::Atomic {
+            space: Ggtt,
             addr: 0x8000,
             len: 4,
             opcode: 4,
@@ -304,6 +342,7 @@ fn mi_flush_dw() {
         c,
         Command::FlushDw {
             post_sync: PostSync::WriteImm {
+                space: Ggtt,
                 addr: 0x9000,
                 data: [0x42, 0]
             },
@@ -327,6 +366,7 @@ fn mi_flush_dw() {
         c,
         Command::FlushDw {
             post_sync: PostSync::WriteImm {
+                space: Ggtt,
                 addr: HWSP + 0x100,
                 data: [5, 0]
             },
@@ -362,6 +402,7 @@ fn pipe_control() {
         Command::PipeControl {
             flags: 0x0110_4000,
             post_sync: PostSync::WriteImm {
+                space: Ggtt,
                 addr: 0xa000,
                 data: [0x1234, 0x5678]
             }
@@ -390,6 +431,7 @@ fn mi_semaphore_wait() {
     assert_eq!(
         c,
         Command::SemaphoreWait {
+            space: Ggtt,
             addr: 0xb000,
             data: 1,
             compare: 4,
@@ -430,6 +472,7 @@ fn xy_color_blt() {
             width: 16,
             height: 3,
             dst: Surface {
+                space: Ggtt,
                 base: 0x10_0000,
                 pitch: 0x1000,
                 x: 4,
@@ -445,6 +488,7 @@ fn xy_color_blt() {
     assert_eq!(
         ws,
         WriteSet::Strided(Strided {
+            space: Ggtt,
             base: 0x10_0000 + 2 * 0x1000 + 16,
             row_bytes: 64,
             pitch: 0x1000,
@@ -456,14 +500,17 @@ fn xy_color_blt() {
         rows,
         [
             WriteRange {
+                space: Ggtt,
                 gfx_addr: 0x10_2010,
                 len: 64
             },
             WriteRange {
+                space: Ggtt,
                 gfx_addr: 0x10_3010,
                 len: 64
             },
             WriteRange {
+                space: Ggtt,
                 gfx_addr: 0x10_4010,
                 len: 64
             }
@@ -508,6 +555,7 @@ fn xy_src_copy_blt() {
     assert_eq!(
         b.src,
         Some(Surface {
+            space: Ggtt,
             base: 0x30_0000,
             pitch: 0x1000,
             x: 0,
@@ -576,6 +624,7 @@ fn legacy_blit_depths() {
         assert_eq!(
             c.write_set(),
             WriteSet::Strided(Strided {
+                space: Ggtt,
                 base: 0x10_0000,
                 row_bytes: 8 * u64::from(bpp),
                 pitch: 0x100,

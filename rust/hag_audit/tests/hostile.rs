@@ -4,8 +4,10 @@
 mod common;
 
 use common::*;
+use hag_audit::audit::AddressSpace::{Ggtt, Ppgtt};
 use hag_audit::audit::{
-    audit, encode, AuditConfig, Command, NoSink, Reason, SliceMemory, MAX_GFX_MEM_SIZE,
+    audit, encode, AuditConfig, Command, NoSink, Reason, SliceMemory, WriteRange, WriteSet,
+    MAX_GFX_MEM_SIZE,
 };
 
 fn reason(ring: &[u32]) -> Reason {
@@ -71,6 +73,7 @@ fn command_running_off_the_end_of_graphics_memory() {
     assert_eq!(
         r.unwrap_err().reason,
         Reason::AddressOutOfRange {
+            space: Ggtt,
             addr: start,
             len: 16,
             limit: 0x10_0000
@@ -143,6 +146,7 @@ fn addresses_at_and_over_the_limit() {
         assert_eq!(
             reason(bad),
             Reason::AddressOutOfRange {
+                space: Ggtt,
                 addr: GFX,
                 len: *len,
                 limit: GFX
@@ -161,6 +165,7 @@ fn address_arithmetic_overflow() {
     assert_eq!(
         reason(&dw),
         Reason::AddressOutOfRange {
+            space: Ggtt,
             addr: u64::MAX - 3,
             len: 4,
             limit: GFX
@@ -487,6 +492,7 @@ fn self_chaining_batch_is_accepted_once() {
     assert_eq!(
         kinds[2],
         Command::BatchStart {
+            space: Ggtt,
             addr: b,
             second_level: false,
             level: 1,
@@ -638,12 +644,16 @@ fn memory_fault_and_unterminated_batch() {
     );
     assert_eq!(
         r.unwrap_err().reason,
-        Reason::MemoryFault { addr: 0x1_0000 }
+        Reason::MemoryFault {
+            space: Ggtt,
+            addr: 0x1_0000
+        }
     );
     // A batch of NOOPs up to the end of a small graphics memory.
     let cfg = AuditConfig::new(0x2000, 0);
     let zeros = [0u32; 0x800];
     let mut mem = SliceMemory {
+        space: Ggtt,
         base: 0,
         dwords: &zeros,
     };
@@ -658,6 +668,7 @@ fn memory_fault_and_unterminated_batch() {
     assert_eq!(
         e.reason,
         Reason::AddressOutOfRange {
+            space: Ggtt,
             addr: 0x2000,
             len: 4,
             limit: 0x2000
@@ -683,6 +694,8 @@ fn bad_configs() {
         AuditConfig::new(MAX_GFX_MEM_SIZE + 1, 0),
         AuditConfig::new(GFX, 0x10),
         AuditConfig::new(GFX, GFX),
+        cfg().with_ppgtt(MAX_GFX_MEM_SIZE + 1),
+        cfg().with_ppgtt(u64::MAX),
         AuditConfig {
             max_batch_depth: 0,
             ..cfg()
@@ -725,5 +738,92 @@ fn messages_name_the_command_and_the_numbers() {
     assert_eq!(
         r.unwrap_err().to_string(),
         "MI_BATCH_BUFFER_END at 0x1000: unsupported: MI_BATCH_BUFFER_END in the ring"
+    );
+}
+
+#[test]
+fn hostile_ppgtt_batches() {
+    let cfg = ppgtt_cfg();
+    // Addresses with every high bit set: out of range, no overflow.
+    let mut huge = encode::ppgtt(encode::store_qword_imm(0, 1));
+    huge[1] = 0xffff_fff8;
+    huge[2] = 0xffff_ffff;
+    let (r, _) = run_with(&huge, &cfg, &mut Mem::new());
+    assert_eq!(
+        r.unwrap_err().reason,
+        Reason::AddressOutOfRange {
+            space: Ppgtt,
+            addr: u64::MAX - 7,
+            len: 8,
+            limit: PPGTT
+        }
+    );
+    let mut start = encode::batch_buffer_start_ppgtt(0, false);
+    start[1] = 0xffff_fffc;
+    start[2] = 0xffff_ffff;
+    let (r, _) = run_with(&start, &cfg, &mut Mem::new());
+    assert!(matches!(
+        r.unwrap_err().reason,
+        Reason::AddressOutOfRange { space: Ppgtt, .. }
+    ));
+
+    // A self-chaining PPGTT batch: one pass, then the ring goes on in the
+    // GGTT.
+    let b = 0x1_0000;
+    let mut mem = Mem::new();
+    mem.put_ppgtt(
+        b,
+        &cat(&[
+            &encode::store_data_imm(0x5000, 1),
+            &encode::batch_buffer_start_ppgtt(b, false),
+        ]),
+    );
+    let ring = cat(&[
+        &encode::batch_buffer_start_ppgtt(b, false),
+        &encode::store_data_imm(0x6000, 1),
+    ]);
+    let (r, cmds) = run_with(&ring, &cfg, &mut mem);
+    let s = r.unwrap();
+    assert_eq!((s.batches, s.revisits, s.commands), (1, 1, 4));
+    assert_eq!(cmds[3].space, Ggtt);
+    assert_eq!(
+        cmds[3].kind.write_set(),
+        WriteSet::Range(WriteRange {
+            space: Ggtt,
+            gfx_addr: 0x6000,
+            len: 4
+        })
+    );
+
+    // A self-calling PPGTT batch hits the depth limit.
+    let mut mem = Mem::new();
+    mem.put_ppgtt(
+        b,
+        &cat(&[
+            &encode::batch_buffer_start_ppgtt(b, true),
+            &encode::batch_buffer_end(),
+        ]),
+    );
+    let (r, _) = run_with(&encode::batch_buffer_start_ppgtt(b, false), &cfg, &mut mem);
+    let e = r.unwrap_err();
+    assert_eq!(e.reason, Reason::BatchTooDeep { depth: 4, limit: 3 });
+    assert_eq!((e.space, e.gfx_addr), (Ppgtt, b));
+
+    // The batch limit counts both spaces: 40 GGTT and 40 PPGTT batches at
+    // the same addresses are 80 distinct batches.
+    let mut mem = Mem::new();
+    let mut ring = Vec::new();
+    for i in 0..40u64 {
+        let a = 0x1_0000 + i * 0x100;
+        mem.put(a, &encode::batch_buffer_end());
+        mem.put_ppgtt(a, &encode::batch_buffer_end());
+        ring.extend(encode::batch_buffer_start(a, false));
+        ring.extend(encode::batch_buffer_start_ppgtt(a, false));
+    }
+    let (r, cmds) = run_with(&ring, &cfg, &mut mem);
+    assert_eq!(r.unwrap_err().reason, Reason::TooManyBatches { limit: 64 });
+    assert_eq!(
+        cmds.iter().filter(|c| c.kind == Command::BatchEnd).count(),
+        64
     );
 }

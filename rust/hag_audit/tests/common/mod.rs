@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 
 use hag_audit::audit::{
-    audit, AuditConfig, AuditError, AuditSink, AuditSummary, GfxMemory, MemoryFault, SinkFull,
-    ValidatedCommand,
+    audit, AddressSpace, AuditConfig, AuditError, AuditSink, AuditSummary, GfxMemory, MemoryFault,
+    SinkFull, ValidatedCommand,
 };
 
 /// 64 MiB of graphics memory.
@@ -17,14 +17,26 @@ pub const RING: u64 = 0x1000;
 /// Registers the tests allow.
 pub const REGS: &[u32] = &[0x2600, 0x2604, 0x20d8];
 
+/// The test PPGTT: 4 GiB (a 32-bit PPGTT), smaller than 2^48 so its limit
+/// shows in errors.
+pub const PPGTT: u64 = 1 << 32;
+
 pub fn cfg() -> AuditConfig<'static> {
     AuditConfig::new(GFX, HWSP).with_registers(REGS)
 }
 
-/// Sparse dword memory; unwritten dwords fault.
+/// The test config with the test PPGTT.
+pub fn ppgtt_cfg() -> AuditConfig<'static> {
+    cfg().with_ppgtt(PPGTT)
+}
+
+/// Sparse dword memory in both address spaces; unwritten dwords fault.
 #[derive(Default, Clone, Debug)]
 pub struct Mem {
+    /// GGTT contents.
     pub dwords: BTreeMap<u64, u32>,
+    /// PPGTT contents.
+    pub ppgtt: BTreeMap<u64, u32>,
     pub reads: usize,
 }
 
@@ -33,21 +45,44 @@ impl Mem {
         Self::default()
     }
 
-    /// Places `dw` at `addr`.
+    /// Places `dw` at GGTT address `addr`.
     pub fn put(&mut self, addr: u64, dw: &[u32]) -> &mut Self {
+        self.put_in(AddressSpace::Ggtt, addr, dw)
+    }
+
+    /// Places `dw` at PPGTT address `addr`.
+    pub fn put_ppgtt(&mut self, addr: u64, dw: &[u32]) -> &mut Self {
+        self.put_in(AddressSpace::Ppgtt, addr, dw)
+    }
+
+    /// Places `dw` at `addr` in `space`.
+    pub fn put_in(&mut self, space: AddressSpace, addr: u64, dw: &[u32]) -> &mut Self {
+        let map = match space {
+            AddressSpace::Ggtt => &mut self.dwords,
+            AddressSpace::Ppgtt => &mut self.ppgtt,
+        };
         for (i, d) in dw.iter().enumerate() {
-            self.dwords.insert(addr + 4 * i as u64, *d);
+            map.insert(addr + 4 * i as u64, *d);
         }
         self
     }
 }
 
 impl GfxMemory for Mem {
-    fn read_dwords(&mut self, gfx_addr: u64, out: &mut [u32]) -> Result<(), MemoryFault> {
+    fn read_dwords(
+        &mut self,
+        space: AddressSpace,
+        gfx_addr: u64,
+        out: &mut [u32],
+    ) -> Result<(), MemoryFault> {
         self.reads += 1;
+        let map = match space {
+            AddressSpace::Ggtt => &self.dwords,
+            AddressSpace::Ppgtt => &self.ppgtt,
+        };
         for (i, o) in out.iter_mut().enumerate() {
             let a = gfx_addr + 4 * i as u64;
-            *o = *self.dwords.get(&a).ok_or(MemoryFault { gfx_addr: a })?;
+            *o = *map.get(&a).ok_or(MemoryFault { gfx_addr: a })?;
         }
         Ok(())
     }
