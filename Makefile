@@ -4,6 +4,9 @@
 #                 $(HAG_CACHE)), hag_mdev.ko and hagctl
 #   make demo     boot a test host, load the module, create a vGPU, show status
 #   make test     userspace tests, fmt and clippy, then every qemu-tests scenario
+#   make gvt      the GVT-g kernel (scripts/gvt/ applied, cached) and
+#                 hag_mdev.ko built against it in build/gvt-module/
+#   make gvt-test every qemu-tests scenario on the GVT-g kernel
 #
 # The kernel's build system reads Kbuild (not this file) for the module.
 
@@ -16,7 +19,8 @@ TOOLCHAIN := . scripts/toolchain.sh
 MODULE := rust/hag_mdev/hag_mdev.ko
 HAGCTL := controller/target/release/hagctl
 
-.PHONY: all deps kernel module controller check-userspace fuzz test demo clean
+.PHONY: all deps kernel module controller check-userspace fuzz test demo clean \
+	gvt-kernel gvt gvt-test
 
 all: module controller
 
@@ -38,6 +42,38 @@ module: kernel
 	$(MAKE) -s -C "$$kdir" M=$(CURDIR) RUSTC="$$RUSTC" BINDGEN="$$BINDGEN" modules 2>&1 | \
 		{ grep -v 'Failed to run rustfmt' || true; } && \
 	echo "built $(MODULE) against $$kdir"
+
+# GVT-g. The module is built from a copy of its sources (and of the shared
+# crates' sources hag.rs includes by relative path) in its own directory,
+# so that its objects never mix with those built against the test kernel.
+# The build fails if a symbol is unresolved or if GVT-g support did not
+# get compiled in.
+GVT_BUILD := build/gvt-module
+GVT_MODULE := $(GVT_BUILD)/rust/hag_mdev/hag_mdev.ko
+GVT_SOURCES = Kbuild rust/hag_mdev $(wildcard rust/hag_*/src)
+GVT_NOT_SOURCES := '*.o' '*.ko' '*.mod' '*.mod.c' '.*.cmd' '*.d' '*.rmeta' \
+	modules.order Module.symvers .kernel-tree
+
+gvt-kernel: deps
+	@scripts/build-kernel.sh --flavour gvt
+
+gvt: gvt-kernel
+	@set -o pipefail; $(TOOLCHAIN) && kdir=$$(scripts/build-kernel.sh --flavour gvt --print-dir) && \
+	mkdir -p $(GVT_BUILD) && \
+	tar -c $(addprefix --exclude=,$(GVT_NOT_SOURCES)) $(GVT_SOURCES) | tar -C $(GVT_BUILD) -x && \
+	if [ "$$(cat $(GVT_BUILD)/.kernel-tree 2>/dev/null)" != "$$kdir" ]; then \
+		$(MAKE) -s -C "$$kdir" M=$(CURDIR)/$(GVT_BUILD) clean; echo "$$kdir" > $(GVT_BUILD)/.kernel-tree; fi && \
+	$(MAKE) -s -C "$$kdir" M=$(CURDIR)/$(GVT_BUILD) RUSTC="$$RUSTC" BINDGEN="$$BINDGEN" modules 2>&1 | \
+		{ grep -v 'Failed to run rustfmt' || true; } | tee $(GVT_BUILD)/build.log && \
+	if grep -q 'undefined!' $(GVT_BUILD)/build.log; then \
+		echo "gvt: hag_mdev.ko has unresolved symbols (above)"; exit 1; fi && \
+	if ! nm -u $(GVT_MODULE) | grep -qw intel_gvt_audit_register; then \
+		echo "gvt: $(GVT_MODULE) was built without GVT-g support"; exit 1; fi && \
+	echo "built $(GVT_MODULE) against $$kdir"
+
+# SCENARIOS="a b" runs only those.
+gvt-test: gvt controller
+	HAG_FLAVOUR=gvt qemu-tests/run $(SCENARIOS)
 
 controller: deps
 	@cd controller && cargo build --release --quiet
@@ -63,4 +99,5 @@ clean:
 		$(MAKE) -s -C "$$kdir" M=$(CURDIR) clean || true
 	cd controller && cargo clean
 	cd rust && cargo clean
+	rm -rf build
 

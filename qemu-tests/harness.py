@@ -12,6 +12,11 @@ UDP datagrams to a hub socket on 127.0.0.1, and the hub forwards every frame
 to all other hosts on that segment. Nothing leaves the loopback interface, and QEMU runs with
 -nodefaults, so no host has user-mode networking.
 
+With HAG_FLAVOUR=gvt, hosts boot the GVT-g kernel (scripts/build-kernel.sh
+--flavour gvt, which reads the same variable) with the hag_mdev.ko that
+`make gvt` built against it, and kvmgt.ko in the initramfs for lib.sh to
+load before it; i915 finds no Intel GPU there, so no GVT-g device exists.
+
 A scenario loses a host for real by printing `HAG-KILL-HOST` on its console
 (lib.sh's `lose_this_host`): the harness then SIGKILLs that host's QEMU
 process at once, as a power cut would, and judges the host only on what it
@@ -55,6 +60,8 @@ class Build:
     module: Path
     hagctl: Path
     vmm: Path
+    # In-tree modules hag_mdev.ko needs loaded first (besides mdev.ko).
+    needs: list = field(default_factory=list)
 
     @property
     def bzimage(self):
@@ -62,19 +69,23 @@ class Build:
 
     @staticmethod
     def find():
-        tree = subprocess.run(
+        gvt = os.environ.get("HAG_FLAVOUR", "test") == "gvt"
+        tree = Path(subprocess.run(
             [str(ROOT / "scripts/build-kernel.sh"), "--print-dir"],
             check=True, capture_output=True, text=True,
-        ).stdout.strip()
+        ).stdout.strip())
         build = Build(
-            kernel_tree=Path(tree),
-            module=ROOT / "rust/hag_mdev/hag_mdev.ko",
+            kernel_tree=tree,
+            module=ROOT / ("build/gvt-module/rust/hag_mdev/hag_mdev.ko" if gvt
+                           else "rust/hag_mdev/hag_mdev.ko"),
             hagctl=ROOT / "controller/target/release/hagctl",
             vmm=ROOT / "controller/target/release/hag-vmm",
+            needs=[tree / "drivers/gpu/drm/i915/kvmgt.ko"] if gvt else [],
         )
-        for path in (build.bzimage, build.module, build.hagctl, build.vmm):
+        make = "make gvt controller" if gvt else "make"
+        for path in (build.bzimage, build.module, build.hagctl, build.vmm, *build.needs):
             if not path.exists():
-                raise SystemExit(f"qemu-tests: {path} missing: run `make` first")
+                raise SystemExit(f"qemu-tests: {path} missing: run `{make}` first")
         return build
 
 
@@ -101,6 +112,8 @@ def build_initramfs(build, dest):
             shutil.copy2(helper, root / "hag" / helper.name)
         shutil.copy2(build.module, root / "hag/hag_mdev.ko")
         shutil.copy2(build.kernel_tree / "drivers/vfio/mdev/mdev.ko", root / "hag/mdev.ko")
+        for module in build.needs:
+            shutil.copy2(module, root / "hag" / module.name)
         for script in sorted((TESTS / "scenarios").glob("*.sh")):
             shutil.copy2(script, root / "hag/scenarios" / script.name)
         shutil.copy2(TESTS / "demo.sh", root / "hag/scenarios/demo.sh")

@@ -1,23 +1,39 @@
 #!/usr/bin/env bash
-# Prepares and builds the test kernel once, cached outside the work tree.
+# Prepares and builds a test kernel once, cached outside the work tree.
 #
-# The tree is Debian's linux-source-6.12 configured as tinyconfig plus
-# scripts/kernel-test.config. The cache directory's name is a hash of the
-# fragment, the source package version, the Rust and bindgen versions and
-# a recipe number kept below, so a changed fragment rebuilds and an
-# unchanged one does not.
+# The tree is Debian's linux-source-6.12 configured as tinyconfig plus a
+# config fragment. Two flavours:
+#   test  scripts/kernel-test.config (the default)
+#   gvt   scripts/kernel-test.config + scripts/kernel-gvt.config (i915 with
+#         GVT-g and KVMGT), with the patch series scripts/gvt/*.patch
+#         applied in name order
+# Each flavour builds in its own source copy. The cache directory's name
+# is a hash of the fragment(s), the patches, the source package version,
+# the Rust and bindgen versions and a recipe number kept below, so a
+# changed input rebuilds and an unchanged one does not.
 #
-#   scripts/build-kernel.sh            build if needed, print nothing else
-#   scripts/build-kernel.sh --print-dir   build if needed, print the tree's path
-#   scripts/build-kernel.sh --cached-dir  print the tree's path if it is built,
-#                                         else fail (never builds)
+#   scripts/build-kernel.sh [--flavour F]               build if needed
+#   scripts/build-kernel.sh [--flavour F] --print-dir   build if needed, print
+#                                                       the tree's path
+#   scripts/build-kernel.sh [--flavour F] --cached-dir  print the tree's path
+#                                                       if built, else fail
+# The flavour may also come from $HAG_FLAVOUR.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 HAG_CACHE=${HAG_CACHE:-/var/cache/hag}
 HAG_TOOLS=${HAG_TOOLS:-$HAG_CACHE/tools}
-fragment=${HAG_KERNEL_FRAGMENT:-$here/kernel-test.config}
 tarball=/usr/src/linux-source-6.12.tar.xz
+flavour=${HAG_FLAVOUR:-test}
+mode=
+while [ $# -gt 0 ]; do
+	case $1 in
+	--flavour) flavour=${2:?--flavour needs a name}; shift 2 ;;
+	--flavour=*) flavour=${1#--flavour=}; shift ;;
+	--print-dir | --cached-dir) mode=$1; shift ;;
+	*) echo "build-kernel: unknown argument $1" >&2; exit 2 ;;
+	esac
+done
 
 log() { echo "build-kernel: $*" >&2; }
 die() { echo "build-kernel: $*" >&2; exit 1; }
@@ -29,22 +45,52 @@ src_version=$(dpkg-query -W -f='${Version}' linux-source-6.12)
 
 # Bump when a change to this script changes what it builds.
 recipe=1
-key=$( { cat "$fragment"; echo "$recipe $src_version"; "$RUSTC" --version; "$BINDGEN" --version; } |
-	sha256sum | cut -c1-16)
-name=$(basename "$fragment" .config)
+patches=()
+case $flavour in
+test)
+	# The key is computed as it always was, so that cached test kernels
+	# stay valid.
+	fragment=${HAG_KERNEL_FRAGMENT:-$here/kernel-test.config}
+	key=$( { cat "$fragment"; echo "$recipe $src_version"; "$RUSTC" --version; "$BINDGEN" --version; } |
+		sha256sum | cut -c1-16)
+	name=$(basename "$fragment" .config)
+	;;
+gvt)
+	fragment=$(mktemp)
+	trap 'rm -f "$fragment"' EXIT
+	cat "$here/kernel-test.config" "$here/kernel-gvt.config" >"$fragment"
+	shopt -s nullglob
+	patches=("$here"/gvt/*.patch)
+	shopt -u nullglob
+	[ ${#patches[@]} -gt 0 ] || die "no patches in $here/gvt"
+	key=$( { cat "$fragment"; echo "$recipe $src_version"; "$RUSTC" --version; "$BINDGEN" --version;
+		for p in "${patches[@]}"; do echo "$(basename "$p") $(sha256sum <"$p")"; done; } |
+		sha256sum | cut -c1-16)
+	name=kernel-gvt
+	;;
+*) die "unknown flavour '$flavour' (test or gvt)" ;;
+esac
 dir=$HAG_CACHE/$name-$key
 tree=$dir/linux
 
-if [ "${1:-}" = --cached-dir ]; then
+if [ "$mode" = --cached-dir ]; then
 	[ -e "$dir/.built" ] && echo "$tree"
 	exit $?
 fi
 if [ ! -e "$dir/.built" ]; then
-	log "building $name kernel $src_version into $dir (about 6 minutes on 2 cores)"
+	log "building $name kernel $src_version into $dir (on 2 cores about 6 minutes, gvt about 15)"
 	rm -rf "$dir"
 	mkdir -p "$dir"
 	tar -C "$dir" -xf "$tarball"
 	mv "$dir/linux-source-6.12" "$tree"
+	for p in "${patches[@]}"; do
+		# A dry run first, so that a patch that no longer applies leaves
+		# no half-patched file behind and is named.
+		out=$(patch -d "$tree" -p1 --dry-run -s -f <"$p" 2>&1) ||
+			die "scripts/gvt/$(basename "$p") does not apply to linux-source-6.12 $src_version: $out"
+		patch -d "$tree" -p1 -s -f <"$p" >/dev/null
+		log "applied $(basename "$p")"
+	done
 	kmake() { make -C "$tree" -s -j"$(nproc)" RUSTC="$RUSTC" BINDGEN="$BINDGEN" "$@"; }
 	kmake rustavailable >/dev/null || die "the kernel says Rust is not available: $(kmake rustavailable 2>&1 | tail -3)"
 	kmake tinyconfig >/dev/null
@@ -54,10 +100,12 @@ if [ ! -e "$dir/.built" ]; then
 	missing=$(grep -E '^CONFIG_[A-Z0-9_]+=' "$fragment" | while read -r line; do
 		grep -qx "$line" "$tree/.config" || echo "$line"; done)
 	[ -z "$missing" ] || die "the config fragment did not take effect for: $(echo $missing)"
-	kmake bzImage modules 2>&1 | grep -v -e '^  [A-Z]' -e 'Failed to run rustfmt' >&2 || true
-	[ -f "$tree/arch/x86/boot/bzImage" ] || die "the kernel build failed (see above)"
+	{ kmake bzImage modules 2>&1; echo $? >"$dir/.make-status"; } |
+		grep -v -e '^  [A-Z]' -e 'Failed to run rustfmt' >&2 || true
+	[ "$(cat "$dir/.make-status")" = 0 ] && [ -f "$tree/arch/x86/boot/bzImage" ] ||
+		die "the $name kernel build failed (see above)"
 	touch "$dir/.built"
 	log "built $tree/arch/x86/boot/bzImage"
 fi
-[ "${1:-}" = --print-dir ] && echo "$tree"
+[ "$mode" = --print-dir ] && echo "$tree"
 exit 0

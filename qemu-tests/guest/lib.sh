@@ -50,6 +50,8 @@ wait_for() {
 
 load_hag() {
 	grep -q '^mdev ' /proc/modules || insmod /hag/mdev.ko
+	# Only in the GVT-g kernel's initramfs: hag_mdev.ko then needs it.
+	[ ! -e /hag/kvmgt.ko ] || grep -q '^kvmgt ' /proc/modules || insmod /hag/kvmgt.ko
 	insmod "$HAG_MODULE" "$@"
 	[ -c /dev/hag ] || fail "/dev/hag missing after insmod"
 }

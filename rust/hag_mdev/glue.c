@@ -748,3 +748,174 @@ void hag_glue_unregister(void)
 	misc_deregister(&hag_misc);
 	genl_unregister_family(&hag_genl_family);
 }
+
+/* ---- GVT-g ------------------------------------------------------------ */
+/*
+ * Against a kernel whose i915 carries scripts/gvt/ (the workload audit
+ * interface) hag observes GVT-g vGPUs; against any other kernel the same
+ * functions exist and say GVT-g support is not compiled in, so glue.rs
+ * needs no conditional code.
+ */
+#if IS_ENABLED(CONFIG_DRM_I915_GVT_KVMGT) && __has_include(<drm/intel/gvt_audit.h>)
+#define HAG_GVT 1
+#include <drm/intel/gvt_audit.h>
+
+static_assert((int)HAG_GVT_PART_VREGS == (int)INTEL_GVT_AUDIT_VREGS);
+static_assert((int)HAG_GVT_PART_CFG_SPACE == (int)INTEL_GVT_AUDIT_CFG_SPACE);
+static_assert((int)HAG_GVT_PART_GGTT == (int)INTEL_GVT_AUDIT_GGTT);
+static_assert((int)HAG_GVT_PART_EXECLIST == (int)INTEL_GVT_AUDIT_EXECLIST);
+
+static int hag_gvt_vgpu_added(struct intel_vgpu *vgpu, unsigned int id)
+{
+	return hag_rust_gvt_vgpu_added(vgpu, id);
+}
+
+static void hag_gvt_vgpu_removed(struct intel_vgpu *vgpu)
+{
+	hag_rust_gvt_vgpu_removed(vgpu);
+}
+
+/* Batch buffers per workload handed over without an allocation. */
+#define HAG_GVT_BBS_ON_STACK 8
+
+static int hag_gvt_workload_scanned(const struct intel_gvt_audit_workload *wl)
+{
+	struct hag_gvt_bb on_stack[HAG_GVT_BBS_ON_STACK];
+	struct hag_gvt_bb *bbs = on_stack;
+	unsigned int i;
+	int ret;
+
+	if (wl->nr_bbs > ARRAY_SIZE(on_stack)) {
+		bbs = kmalloc_array(wl->nr_bbs, sizeof(*bbs), GFP_KERNEL);
+		if (!bbs)
+			return -ENOMEM;
+	}
+	for (i = 0; i < wl->nr_bbs; i++) {
+		bbs[i].gma = wl->bbs[i].gma;
+		bbs[i].va = wl->bbs[i].va;
+		bbs[i].size = wl->bbs[i].size;
+		bbs[i].ppgtt = wl->bbs[i].ppgtt;
+	}
+	ret = hag_rust_gvt_workload(wl, wl->vgpu, wl->engine, wl->ring,
+				    wl->ring_bytes, wl->ring_gma, wl->hwsp_gma,
+				    bbs, wl->nr_bbs);
+	if (bbs != on_stack)
+		kfree(bbs);
+	return ret;
+}
+
+static const struct intel_gvt_audit_ops hag_gvt_ops = {
+	.vgpu_added = hag_gvt_vgpu_added,
+	.vgpu_removed = hag_gvt_vgpu_removed,
+	.workload_scanned = hag_gvt_workload_scanned,
+};
+
+static bool hag_gvt_registered;
+
+bool hag_gvt_compiled_in(void)
+{
+	return true;
+}
+
+int hag_gvt_register(void)
+{
+	int ret = intel_gvt_audit_register(&hag_gvt_ops);
+
+	hag_gvt_registered = !ret;
+	return ret;
+}
+
+void hag_gvt_unregister(void)
+{
+	if (hag_gvt_registered)
+		intel_gvt_audit_unregister(&hag_gvt_ops);
+	hag_gvt_registered = false;
+}
+
+unsigned int hag_gvt_nr_devices(void)
+{
+	return intel_gvt_audit_nr_devices();
+}
+
+int hag_gvt_gma_to_gfn(const void *wl, u64 gma, u32 ppgtt, u64 *gfn)
+{
+	return intel_gvt_audit_gma_to_gfn(wl, gma, ppgtt, gfn);
+}
+
+u64 hag_gvt_ggtt_size(void *vgpu)
+{
+	return intel_gvt_audit_ggtt_size(vgpu);
+}
+
+int hag_gvt_wait_idle(void *vgpu)
+{
+	return intel_gvt_audit_wait_idle(vgpu);
+}
+
+long hag_gvt_part_size(void *vgpu, u32 part)
+{
+	return intel_gvt_audit_part_size(vgpu, part);
+}
+
+int hag_gvt_save_part(void *vgpu, u32 part, void *buf, size_t len)
+{
+	return intel_gvt_audit_save_part(vgpu, part, buf, len);
+}
+
+int hag_gvt_restore_part(void *vgpu, u32 part, const void *buf, size_t len)
+{
+	return intel_gvt_audit_restore_part(vgpu, part, buf, len);
+}
+
+#else /* no GVT-g, or a GVT-g without the audit interface */
+
+bool hag_gvt_compiled_in(void)
+{
+	return false;
+}
+
+int hag_gvt_register(void)
+{
+	return -ENODEV;
+}
+
+void hag_gvt_unregister(void)
+{
+}
+
+unsigned int hag_gvt_nr_devices(void)
+{
+	return 0;
+}
+
+int hag_gvt_gma_to_gfn(const void *wl, u64 gma, u32 ppgtt, u64 *gfn)
+{
+	return -ENODEV;
+}
+
+u64 hag_gvt_ggtt_size(void *vgpu)
+{
+	return 0;
+}
+
+int hag_gvt_wait_idle(void *vgpu)
+{
+	return -ENODEV;
+}
+
+long hag_gvt_part_size(void *vgpu, u32 part)
+{
+	return -ENODEV;
+}
+
+int hag_gvt_save_part(void *vgpu, u32 part, void *buf, size_t len)
+{
+	return -ENODEV;
+}
+
+int hag_gvt_restore_part(void *vgpu, u32 part, const void *buf, size_t len)
+{
+	return -ENODEV;
+}
+
+#endif

@@ -83,4 +83,47 @@ bool hag_glue_hang_injection_allowed(void);
 void hag_glue_msleep(u32 ms);
 void hag_glue_iova_bitmap_set(void *dirty, u64 iova, u64 length);
 
+/*
+ * GVT-g (glue.c's GVT section): hag as the observer of i915's workload
+ * audit interface (include/drm/intel/gvt_audit.h, from scripts/gvt/),
+ * flattened so that Rust needs no i915 header. vGPUs and workloads are
+ * opaque pointers; a workload pointer is valid only during the
+ * hag_rust_gvt_workload() call it is passed to. Against a kernel without
+ * the interface, the calls fail with -ENODEV (or return 0 / false).
+ */
+struct hag_gvt_bb { /* one batch buffer GVT shadowed; mirrored in glue.rs */
+	u64 gma; /* guest graphics address of the first shadowed byte */
+	const void *va; /* GVT's copy, size bytes */
+	u32 size; /* up to and including MI_BATCH_BUFFER_END */
+	u32 ppgtt; /* 1: gma is in the context's PPGTT, 0: in the GGTT */
+};
+
+/* Parts of a vGPU snapshot, in restore order (see gvt_audit.h). */
+enum hag_gvt_part {
+	HAG_GVT_PART_VREGS = 0,
+	HAG_GVT_PART_CFG_SPACE = 1,
+	HAG_GVT_PART_GGTT = 2,
+	HAG_GVT_PART_EXECLIST = 3,
+};
+
+/* Implemented in glue.c. */
+bool hag_gvt_compiled_in(void);
+int hag_gvt_register(void);
+void hag_gvt_unregister(void);
+unsigned int hag_gvt_nr_devices(void);
+int hag_gvt_gma_to_gfn(const void *wl, u64 gma, u32 ppgtt, u64 *gfn);
+u64 hag_gvt_ggtt_size(void *vgpu);
+int hag_gvt_wait_idle(void *vgpu);
+long hag_gvt_part_size(void *vgpu, u32 part);
+int hag_gvt_save_part(void *vgpu, u32 part, void *buf, size_t len);
+int hag_gvt_restore_part(void *vgpu, u32 part, const void *buf, size_t len);
+
+/* Implemented in glue.rs; called only while registered. */
+int hag_rust_gvt_vgpu_added(void *vgpu, unsigned int id);
+void hag_rust_gvt_vgpu_removed(void *vgpu);
+int hag_rust_gvt_workload(const void *wl, void *vgpu, unsigned int engine,
+			  const u32 *ring, u32 ring_bytes, u64 ring_gma,
+			  u64 hwsp_gma, const struct hag_gvt_bb *bbs,
+			  u32 nr_bbs);
+
 #endif /* HAG_GLUE_H */
