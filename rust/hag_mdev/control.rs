@@ -13,7 +13,7 @@ use kernel::uaccess::UserSlice;
 use crate::abi;
 use crate::dirty::DirtyLog;
 use crate::events::Event;
-use crate::sim::SNAPSHOT_BYTES;
+use crate::vgpu::Entry;
 use crate::State;
 
 /// Dispatches one ioctl. Unknown commands get `ENOTTY`, as the kernel's
@@ -42,17 +42,12 @@ fn dirty_start(state: &State, arg: usize) -> Result {
         return Err(EINVAL);
     }
     let log = DirtyLog::new(req.gpa, req.size)?;
-    let vgpu = state.vgpu(req.vgpu_id)?;
-    vgpu.sim.lock().start_dirty_log(log);
-    Ok(())
+    state.entry(req.vgpu_id)?.dirty_start(log)
 }
 
 fn dirty_stop(state: &State, arg: usize) -> Result {
     let req = read_vgpu_ref(arg)?;
-    let vgpu = state.vgpu(req.vgpu_id)?;
-    // Freed after the lock is released.
-    let log = vgpu.sim.lock().dirty.take();
-    drop(log);
+    state.entry(req.vgpu_id)?.dirty_stop();
     Ok(())
 }
 
@@ -61,19 +56,9 @@ fn dirty_read_clear(state: &State, arg: usize) -> Result {
     if req.reserved != 0 {
         return Err(EINVAL);
     }
-    let vgpu = state.vgpu(req.vgpu_id)?;
+    let vgpu = state.entry(req.vgpu_id)?;
     let mut words = KVVec::new();
-    {
-        let mut sim = vgpu.sim.lock();
-        let log = sim.dirty.as_mut().ok_or(ENOENT)?;
-        if req.bitmap_bytes < log.bitmap_bytes() as u64 {
-            return Err(ENOSPC);
-        }
-        req.dirty_pages = log.read_and_clear(&mut words)?;
-        // A submission still running writes after this read: its pages
-        // must be dirty again, or a copy made now would miss its writes.
-        sim.mark_running_write_set();
-    }
+    req.dirty_pages = vgpu.dirty_read_clear(req.bitmap_bytes, &mut words)?;
     // The copy happens without the lock: it may fault on user memory. If it
     // does, the bits go back into the log rather than being lost.
     let copied = (|| -> Result {
@@ -85,16 +70,29 @@ fn dirty_read_clear(state: &State, arg: usize) -> Result {
         write_user(arg, &req)
     })();
     if copied.is_err() {
-        if let Some(log) = vgpu.sim.lock().dirty.as_mut() {
-            log.merge(&words);
-        }
+        vgpu.dirty_merge(&words);
     }
     copied
 }
 
 fn vgpu_stats(state: &State, arg: usize) -> Result {
     let req: abi::HagVgpuStats = read_user(arg)?;
-    let vgpu = state.vgpu(req.vgpu_id)?;
+    let vgpu = match state.entry(req.vgpu_id)? {
+        Entry::Sim(vgpu) => vgpu,
+        Entry::Gvt(gvt) => {
+            // GVT's scanner rejects, hangs are GVT's: hag counts workloads.
+            let s = gvt.inner.lock().stats;
+            let answer = abi::HagVgpuStats {
+                vgpu_id: req.vgpu_id,
+                state: abi::VGPU_STATE_IDLE,
+                submissions: s.workloads,
+                commands: s.commands,
+                pages_marked: s.pages_marked,
+                ..Default::default()
+            };
+            return write_user(arg, &answer);
+        }
+    };
     let answer = {
         let sim = vgpu.sim.lock();
         let s = &sim.stats;
@@ -135,7 +133,8 @@ fn inject_hang(state: &State, arg: usize) -> Result {
 fn version(state: &State, arg: usize) -> Result {
     let mut answer = abi::HagVersion {
         abi_version: abi::ABI_VERSION,
-        features: abi::FEATURE_SIM_VGPU,
+        features: abi::FEATURE_SIM_VGPU
+            | if crate::glue::gvt_active() { abi::FEATURE_GVT } else { 0 },
         vgpu_count: u32::try_from(state.vgpu_count()).unwrap_or(u32::MAX),
         ..Default::default()
     };
@@ -180,15 +179,24 @@ fn quiesce(state: &State, arg: usize) -> Result {
     if req.timeout_ms > abi::QUIESCE_MAX_MS {
         return Err(EINVAL);
     }
-    let vgpu = state.vgpu(req.vgpu_id)?;
-    vgpu.quiesce(req.timeout_ms)?;
-    Event::new(abi::EVENT_STATE_CHANGED, vgpu.id, &vgpu.uuid).message("quiesced").send();
+    let vgpu = state.entry(req.vgpu_id)?;
+    match &vgpu {
+        Entry::Sim(sim) => sim.quiesce(req.timeout_ms)?,
+        // GVT's own wait: it does not hold new workloads, and its
+        // timeout is GVT's.
+        Entry::Gvt(gvt) => gvt.quiesce()?,
+    }
+    vgpu.event("quiesced");
     Ok(())
 }
 
 fn resume(state: &State, arg: usize) -> Result {
     let req = read_vgpu_ref(arg)?;
-    let vgpu = state.vgpu(req.vgpu_id)?;
+    let vgpu = match state.entry(req.vgpu_id)? {
+        Entry::Sim(vgpu) => vgpu,
+        // Quiescing a GVT-g vGPU holds nothing: nothing to let go.
+        Entry::Gvt(_) => return Ok(()),
+    };
     {
         let mut sim = vgpu.sim.lock();
         // A VMM stopped it for VFIO migration: only the VMM restarts it.
@@ -203,15 +211,15 @@ fn resume(state: &State, arg: usize) -> Result {
 
 fn save_context(state: &State, arg: usize) -> Result {
     let mut req: abi::HagContextBuf = read_user(arg)?;
-    let vgpu = state.vgpu(req.vgpu_id)?;
-    let need = SNAPSHOT_BYTES;
+    let vgpu = state.entry(req.vgpu_id)?;
+    let need = vgpu.snapshot_bytes()?;
     if req.buf_bytes < need as u64 {
         req.used_bytes = need as u64;
         write_user(arg, &req)?;
         return Err(ENOSPC);
     }
     let mut bytes = KVVec::from_elem(0u8, need, GFP_KERNEL)?;
-    let used = vgpu.sim.lock().save(&mut bytes)?;
+    let used = vgpu.save(&mut bytes)?;
     let buf = usize::try_from(req.buf).map_err(|_| EFAULT)?;
     UserSlice::new(buf, used).writer().write_slice(&bytes[..used])?;
     req.used_bytes = used as u64;
@@ -220,16 +228,19 @@ fn save_context(state: &State, arg: usize) -> Result {
 
 fn restore_context(state: &State, arg: usize) -> Result {
     let req: abi::HagContextBuf = read_user(arg)?;
-    if req.reserved != 0 || req.buf_bytes > abi::CONTEXT_MAX_BYTES {
+    if req.reserved != 0 {
         return Err(EINVAL);
     }
-    let vgpu = state.vgpu(req.vgpu_id)?;
+    let vgpu = state.entry(req.vgpu_id)?;
+    if req.buf_bytes > vgpu.snapshot_max_bytes() {
+        return Err(EINVAL);
+    }
     let len = req.buf_bytes as usize;
     let mut bytes = KVVec::from_elem(0u8, len, GFP_KERNEL)?;
     let buf = usize::try_from(req.buf).map_err(|_| EFAULT)?;
     UserSlice::new(buf, len).reader().read_slice(&mut bytes)?;
-    vgpu.sim.lock().restore(&bytes)?;
-    Event::new(abi::EVENT_STATE_CHANGED, vgpu.id, &vgpu.uuid).message("restored").send();
+    vgpu.restore(&bytes)?;
+    vgpu.event("restored");
     Ok(())
 }
 

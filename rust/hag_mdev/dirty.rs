@@ -55,6 +55,21 @@ impl DirtyLog {
         true
     }
 
+    /// Marks every logged page; returns how many there are. Bits past the
+    /// last page stay clear, so counts of dirty pages stay exact.
+    pub(crate) fn mark_all(&mut self) -> u64 {
+        for word in self.words.iter_mut() {
+            *word = u64::MAX;
+        }
+        let tail = self.pages % 64;
+        if tail != 0 {
+            if let Some(last) = self.words.last_mut() {
+                *last = (1u64 << tail) - 1;
+            }
+        }
+        self.pages
+    }
+
     /// Calls `report` with the guest physical address of every dirty page
     /// in `[gpa, gpa + len)` and clears those bits.
     pub(crate) fn drain_range(&mut self, gpa: u64, len: u64, report: &mut dyn FnMut(u64)) {

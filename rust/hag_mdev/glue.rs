@@ -11,12 +11,18 @@
 
 use core::ffi::{c_char, c_int, c_long, c_uint, c_ulong, c_void};
 use core::ptr;
+use core::sync::atomic::{AtomicPtr, Ordering};
 
 use kernel::prelude::*;
 use kernel::types::{AsBytes, FromBytes};
+use kernel::sync::Mutex;
 use kernel::uaccess::UserSlice;
+use kernel::{new_mutex, pin_init};
 
 use crate::abi;
+use crate::audit::AddressSpace;
+use crate::gvt::GvtPart;
+use crate::handoff;
 use crate::sim::vfio;
 use crate::State;
 
@@ -90,6 +96,7 @@ fn c_str(bytes: &'static [u8]) -> *const c_char {
 /// callback can see freed state.
 pub(crate) struct Registration {
     state: Pin<KBox<State>>,
+    gvt: GvtSupport,
 }
 
 impl Registration {
@@ -118,12 +125,26 @@ impl Registration {
         if ret != 0 {
             return Err(Error::from_errno(ret));
         }
-        Ok(Self { state })
+        // GVT may call back at once (for the vGPUs it already has), after
+        // /dev/hag exists; unloading unregisters from GVT first.
+        let gvt = gvt_register(ctx);
+        Ok(Self { state, gvt })
+    }
+
+    /// What the module found of GVT-g at load.
+    pub(crate) fn gvt(&self) -> GvtSupport {
+        self.gvt
     }
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
+        if let GvtSupport::Registered { .. } = self.gvt {
+            // SAFETY: registered in `new`; this runs once. It waits for
+            // GVT's calls in flight, so none sees the state after this.
+            unsafe { hag_gvt_unregister() };
+            GVT_STATE.store(ptr::null_mut(), Ordering::Release);
+        }
         // SAFETY: `new` registered successfully (a `Registration` exists
         // only then), and this runs once.
         unsafe { hag_glue_unregister() };
@@ -558,4 +579,300 @@ impl Drop for EventMessage {
         // by `self`.
         unsafe { hag_glue_msg_cancel(&mut self.msg) };
     }
+}
+
+// ---- GVT-g: the hook interface of the i915 patch, flattened by glue.c
+// (/work/notes/gvt-interface.md). glue.c builds the real functions when the
+// kernel has the patch and stubs (-ENODEV, 0) otherwise.
+
+/// Mirrors `struct hag_gvt_bb` in glue.h: one batch buffer GVT shadowed.
+#[repr(C)]
+pub(crate) struct CGvtBb {
+    gma: u64,
+    va: *const c_void,
+    size: u32,
+    ppgtt: u32,
+}
+
+extern "C" {
+    fn hag_gvt_compiled_in() -> bool;
+    fn hag_gvt_register() -> c_int;
+    fn hag_gvt_unregister();
+    fn hag_gvt_nr_devices() -> c_uint;
+    fn hag_gvt_gma_to_gfn(wl: *const c_void, gma: u64, ppgtt: u32, gfn: *mut u64) -> c_int;
+    fn hag_gvt_ggtt_size(vgpu: *mut c_void) -> u64;
+    fn hag_gvt_wait_idle(vgpu: *mut c_void) -> c_int;
+    fn hag_gvt_part_size(vgpu: *mut c_void, part: u32) -> c_long;
+    fn hag_gvt_save_part(vgpu: *mut c_void, part: u32, buf: *mut c_void, len: usize) -> c_int;
+    fn hag_gvt_restore_part(vgpu: *mut c_void, part: u32, buf: *const c_void, len: usize)
+        -> c_int;
+}
+
+/// The state GVT's callbacks reach: they carry no context pointer. Set
+/// before `hag_gvt_register` and cleared after `hag_gvt_unregister` (which
+/// waits for calls in flight), while the `Registration` owning the state
+/// lives.
+static GVT_STATE: AtomicPtr<State> = AtomicPtr::new(ptr::null_mut());
+
+/// What the module found of GVT-g at load, for the one load line.
+#[derive(Clone, Copy)]
+pub(crate) enum GvtSupport {
+    /// The kernel was built without the i915 patch (or without KVMGT).
+    NotCompiledIn,
+    /// Registered with GVT, which had this many GVT-g devices.
+    Registered { devices: u32 },
+    /// Compiled in, but GVT refused the registration (another observer).
+    Failed(Error),
+}
+
+/// Registers hag's ops with GVT, if the module was built with them.
+fn gvt_register(state: *const State) -> GvtSupport {
+    // SAFETY: no preconditions.
+    if !unsafe { hag_gvt_compiled_in() } {
+        return GvtSupport::NotCompiledIn;
+    }
+    GVT_STATE.store(state.cast_mut(), Ordering::Release);
+    // SAFETY: GVT_STATE points to the registered state from now until
+    // `Registration::drop` clears it after `hag_gvt_unregister`.
+    let ret = unsafe { hag_gvt_register() };
+    if ret != 0 {
+        GVT_STATE.store(ptr::null_mut(), Ordering::Release);
+        return GvtSupport::Failed(Error::from_errno(ret));
+    }
+    // SAFETY: no preconditions.
+    let devices = unsafe { hag_gvt_nr_devices() };
+    GvtSupport::Registered { devices }
+}
+
+/// Whether hag is registered with GVT-g (GVT-g vGPUs are tracked).
+pub(crate) fn gvt_active() -> bool {
+    !GVT_STATE.load(Ordering::Acquire).is_null()
+}
+
+/// The state, inside a GVT callback.
+fn gvt_state<'a>() -> Option<&'a State> {
+    let state = GVT_STATE.load(Ordering::Acquire);
+    // SAFETY: non-NULL only while registered with GVT, and GVT makes no
+    // call after `hag_gvt_unregister` returned, which happens before the
+    // state is freed (see `Registration::drop`).
+    unsafe { state.as_ref() }
+}
+
+/// GVT's `struct intel_vgpu`, as a pointer that may be sent between threads.
+struct CGvtVgpu(*mut c_void);
+
+// SAFETY: GVT's vGPU is a kernel object usable from any thread; hag only
+// passes the pointer back to GVT's exported functions.
+unsafe impl Send for CGvtVgpu {}
+
+/// GVT's vGPU: valid from `vgpu_added` until `vgpu_removed`, after which
+/// [`GvtHandle::forget`] has made every later use fail with `ENODEV`.
+#[pin_data]
+pub(crate) struct GvtHandle {
+    /// The pointer's value, for finding the vGPU a callback names without
+    /// taking `live` (held across `wait_idle`, which waits for workloads
+    /// whose callbacks look the vGPU up).
+    addr: usize,
+    /// The pointer, NULL once GVT removed the vGPU. Held across every call
+    /// into GVT made outside GVT's own callbacks.
+    #[pin]
+    live: Mutex<CGvtVgpu>,
+}
+
+impl GvtHandle {
+    fn new(vgpu: *mut c_void) -> impl PinInit<Self> {
+        pin_init!(Self {
+            addr: vgpu as usize,
+            live <- new_mutex!(CGvtVgpu(vgpu), "hag_gvt_handle"),
+        })
+    }
+
+    /// Whether this is the vGPU GVT passed as `vgpu`.
+    pub(crate) fn is(&self, vgpu: usize) -> bool {
+        self.addr == vgpu
+    }
+
+    /// Runs `call` with GVT's vGPU pointer, which stays valid until it
+    /// returns; `ENODEV` once GVT removed the vGPU.
+    fn with_live<R>(&self, call: impl FnOnce(*mut c_void) -> R) -> Result<R> {
+        let live = self.live.lock();
+        if live.0.is_null() {
+            return Err(ENODEV);
+        }
+        // `forget` cannot run before `live` is released.
+        Ok(call(live.0))
+    }
+
+    /// Waits until GVT has no workload of the vGPU in flight (GVT's
+    /// `intel_gvt_wait_vgpu_idle`). GVT deactivates (and so idles) a vGPU
+    /// before removing it, so a removal waiting for this returns soon.
+    pub(crate) fn wait_idle(&self) -> Result {
+        // SAFETY: `with_live` passes a vGPU GVT has not removed.
+        check(self.with_live(|vgpu| unsafe { hag_gvt_wait_idle(vgpu) })?)
+    }
+
+    /// Bytes of one part of the vGPU's snapshot.
+    pub(crate) fn part_size(&self, part: GvtPart) -> Result<usize> {
+        // SAFETY: `with_live` passes a vGPU GVT has not removed.
+        let ret = self.with_live(|vgpu| unsafe { hag_gvt_part_size(vgpu, part as u32) })?;
+        if ret < 0 {
+            return Err(Error::from_errno(c_int::try_from(ret).unwrap_or(-(EINVAL.to_errno()))));
+        }
+        usize::try_from(ret).map_err(|_| EINVAL)
+    }
+
+    /// Saves one part of the snapshot into `out` (of its `part_size`).
+    pub(crate) fn save_part(&self, part: GvtPart, out: &mut [u8]) -> Result {
+        let (buf, len) = (out.as_mut_ptr().cast::<c_void>(), out.len());
+        // SAFETY: a vGPU GVT has not removed; `buf` is valid for writes of
+        // `len` bytes for the call.
+        check(self.with_live(|vgpu| unsafe { hag_gvt_save_part(vgpu, part as u32, buf, len) })?)
+    }
+
+    /// Restores one part (GVT checks it, and refuses once the vGPU ran).
+    pub(crate) fn restore_part(&self, part: GvtPart, bytes: &[u8]) -> Result {
+        let (buf, len) = (bytes.as_ptr().cast::<c_void>(), bytes.len());
+        // SAFETY: a vGPU GVT has not removed; `buf` is valid for reads of
+        // `len` bytes for the call.
+        check(self.with_live(|vgpu| unsafe { hag_gvt_restore_part(vgpu, part as u32, buf, len) })?)
+    }
+
+    /// GVT removed the vGPU: no call reaches it any more.
+    pub(crate) fn forget(&self) {
+        self.live.lock().0 = ptr::null_mut();
+    }
+}
+
+/// Translates through GVT's GTT shadows for the workload being handed
+/// over; exists only inside `hag_rust_gvt_workload`.
+pub(crate) struct GvtTranslate {
+    wl: *const c_void,
+}
+
+impl handoff::Translate for GvtTranslate {
+    fn gma_to_gfn(&mut self, space: AddressSpace, gma: u64) -> Result<u64, handoff::TranslateFault> {
+        let ppgtt = u32::from(space == AddressSpace::Ppgtt);
+        let mut gfn = 0u64;
+        // SAFETY: `self.wl` is the workload of the callback this value lives
+        // in (see the type's docs), as `intel_gvt_audit_gma_to_gfn`
+        // requires; `gfn` is valid for writes.
+        let ret = unsafe { hag_gvt_gma_to_gfn(self.wl, gma, ppgtt, &mut gfn) };
+        if ret == 0 {
+            Ok(gfn)
+        } else {
+            Err(handoff::TranslateFault)
+        }
+    }
+}
+
+/// GVT created a vGPU (or had it when hag registered).
+#[no_mangle]
+extern "C" fn hag_rust_gvt_vgpu_added(vgpu: *mut c_void, id: c_uint) -> c_int {
+    let Some(state) = gvt_state() else { return 0 };
+    // SAFETY: GVT passes a vGPU it has initialised, valid for the call.
+    let ggtt_size = unsafe { hag_gvt_ggtt_size(vgpu) };
+    match state.gvt_vgpu_added(id, ggtt_size, GvtHandle::new(vgpu)) {
+        Ok(_) => 0,
+        Err(e) => {
+            pr_warn!("GVT vGPU {}: not tracked (error {}): its writes are not logged\n", id, e.to_errno());
+            e.to_errno()
+        }
+    }
+}
+
+/// GVT is destroying a vGPU.
+#[no_mangle]
+extern "C" fn hag_rust_gvt_vgpu_removed(vgpu: *mut c_void) {
+    if let Some(state) = gvt_state() {
+        state.gvt_vgpu_removed(vgpu as usize);
+    }
+}
+
+/// GVT scanned and shadowed a workload of `vgpu` (under its vgpu_lock).
+/// Always 0: GVT's scanner is the gate, hag only logs (see gvt.rs).
+#[no_mangle]
+extern "C" fn hag_rust_gvt_workload(
+    wl: *const c_void,
+    vgpu: *mut c_void,
+    engine: c_uint,
+    ring: *const u32,
+    ring_bytes: u32,
+    ring_gma: u64,
+    hwsp_gma: u64,
+    bbs: *const CGvtBb,
+    nr_bbs: u32,
+) -> c_int {
+    let Some(state) = gvt_state() else { return 0 };
+    let Some(gvt) = state.gvt_vgpu(vgpu as usize) else { return 0 };
+    let mut translate = GvtTranslate { wl };
+    let mut shadows = KVec::new();
+    let ring = gvt_ring(ring, ring_bytes).and_then(|ring| {
+        gvt_shadows(bbs, nr_bbs, &mut shadows)?;
+        Ok(ring)
+    });
+    let workload = ring.map(|ring| handoff::Workload {
+        ring,
+        ring_gma,
+        hwsp_gma,
+        bbs: &shadows,
+        ggtt_size: gvt.ggtt_size,
+    });
+    gvt.workload(engine, workload.as_ref().map_err(|why| *why), &mut translate);
+    0
+}
+
+/// The ring slice of a workload callback.
+fn gvt_ring<'a>(ring: *const u32, ring_bytes: u32) -> core::result::Result<&'a [u32], &'static str> {
+    if ring_bytes % 4 != 0 || (ring.is_null() && ring_bytes != 0) {
+        return Err("the ring slice is not whole dwords");
+    }
+    if ring_bytes == 0 {
+        return Ok(&[]);
+    }
+    // SAFETY: glue.c passes GVT's scanned copy of the ring slice,
+    // `ring_bytes` long and dword aligned, which GVT neither frees nor
+    // changes while it holds vgpu_lock across the callback; the slice
+    // does not outlive the callback.
+    Ok(unsafe { core::slice::from_raw_parts(ring, ring_bytes as usize / 4) })
+}
+
+/// The shadowed batch buffers of a workload callback, into `out`.
+fn gvt_shadows<'a>(
+    bbs: *const CGvtBb,
+    nr_bbs: u32,
+    out: &mut KVec<handoff::ShadowBb<'a>>,
+) -> core::result::Result<(), &'static str> {
+    let nr = nr_bbs as usize;
+    if nr == 0 {
+        return Ok(());
+    }
+    if nr > handoff::MAX_SHADOWS {
+        return Err("more shadowed batch buffers than the hand-off takes");
+    }
+    if bbs.is_null() {
+        return Err("no batch buffer array");
+    }
+    // SAFETY: glue.c passes its array of `nr_bbs` entries, valid for the
+    // callback.
+    let cbbs = unsafe { core::slice::from_raw_parts(bbs, nr) };
+    out.reserve(nr, GFP_KERNEL).map_err(|_| "out of memory")?;
+    for bb in cbbs {
+        let bytes: &[u8] = if bb.size == 0 {
+            &[]
+        } else if bb.va.is_null() {
+            return Err("a shadowed batch buffer has no copy");
+        } else {
+            // SAFETY: `va` is GVT's shadow copy of the batch buffer, `size`
+            // bytes, freed only with the workload, after the callback.
+            unsafe { core::slice::from_raw_parts(bb.va.cast::<u8>(), bb.size as usize) }
+        };
+        let space = if bb.ppgtt != 0 {
+            AddressSpace::Ppgtt
+        } else {
+            AddressSpace::Ggtt
+        };
+        let shadow = handoff::ShadowBb { space, gma: bb.gma, bytes };
+        out.push(shadow, GFP_KERNEL).map_err(|_| "out of memory")?;
+    }
+    Ok(())
 }

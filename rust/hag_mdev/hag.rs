@@ -14,7 +14,8 @@
 //! [`control`] answers the `/dev/hag` ioctls; [`events`] sends netlink
 //! events. [`abi`] and [`audit`] are the shared crates' sources (the ABI and
 //! the command auditor), compiled in so kernel and userspace use the same
-//! code.
+//! code; [`handoff`] is hag_gvt's, which [`gvt`] runs for every workload
+//! i915's GVT-g hands over.
 
 use kernel::prelude::*;
 
@@ -26,10 +27,13 @@ pub mod sim_regs;
 pub mod snapshot;
 #[path = "../hag_audit/src/audit.rs"]
 pub mod audit;
+#[path = "../hag_gvt/src/handoff.rs"]
+pub mod handoff;
 mod control;
 mod dirty;
 mod events;
 mod glue;
+mod gvt;
 mod sim;
 mod vgpu;
 
@@ -68,6 +72,19 @@ impl kernel::Module for HagModule {
             abi::SIM_TYPE_NAME,
             abi::ABI_VERSION
         );
+        match registration.gvt() {
+            glue::GvtSupport::NotCompiledIn => pr_info!("built without GVT-g support\n"),
+            glue::GvtSupport::Registered { devices: 0 } => {
+                pr_info!("GVT-g support compiled in, no GVT-g device present\n")
+            }
+            glue::GvtSupport::Registered { devices } => {
+                pr_info!("GVT-g support compiled in, {} GVT-g device(s)\n", devices)
+            }
+            glue::GvtSupport::Failed(e) => pr_warn!(
+                "GVT-g support compiled in, but GVT refused hag's hooks (error {}): GVT-g vGPUs are not tracked\n",
+                e.to_errno()
+            ),
+        }
         Ok(Self {
             _registration: registration,
         })

@@ -6,6 +6,11 @@
 //! Ids are never reused while the module is loaded, so an id in an event or
 //! an ioctl answer names one vGPU only.
 //!
+//! The table holds simulated vGPUs (hag's own mdev) and GVT-g vGPUs (i915's,
+//! which hag only logs), as an [`Entry`] of either kind: what only one kind
+//! has is reached by matching, so a GVT-g vGPU cannot be handed to the
+//! simulated device model by mistake.
+//!
 //! Locking: the table's mutex is taken before a vGPU's own mutex, never
 //! after; callers look a vGPU up (cloning its `Arc`), drop the table lock,
 //! then lock the vGPU.
@@ -19,7 +24,8 @@ use kernel::{new_mutex, pin_init};
 use crate::abi;
 use crate::dirty::DirtyLog;
 use crate::events::Event;
-use crate::glue::{MigAction, VgpuHandle};
+use crate::glue::{GvtHandle, MigAction, VgpuHandle};
+use crate::gvt::GvtVgpu;
 use crate::sim::vfio::mig_state;
 use crate::sim::{vfio, Sim};
 
@@ -69,10 +75,155 @@ impl Vgpu {
     }
 }
 
+/// A vGPU in the table, of either kind.
+#[derive(Clone)]
+pub(crate) enum Entry {
+    /// hag's simulated vGPU.
+    Sim(Arc<Vgpu>),
+    /// A GVT-g vGPU of i915.
+    Gvt(Arc<GvtVgpu>),
+}
+
+impl Entry {
+    pub(crate) fn id(&self) -> u32 {
+        match self {
+            Entry::Sim(v) => v.id,
+            Entry::Gvt(g) => g.id,
+        }
+    }
+
+    /// The mdev UUID (GVT-g does not tell hag its vGPUs' UUIDs: zeros).
+    pub(crate) fn uuid(&self) -> [u8; 16] {
+        match self {
+            Entry::Sim(v) => v.uuid,
+            Entry::Gvt(_) => [0; 16],
+        }
+    }
+
+    /// Announces a state change on the events group.
+    pub(crate) fn event(&self, what: &str) {
+        let uuid = self.uuid();
+        Event::new(abi::EVENT_STATE_CHANGED, self.id(), &uuid).message(what).send();
+    }
+
+    /// Starts the `/dev/hag` dirty log (replacing one already running).
+    pub(crate) fn dirty_start(&self, log: DirtyLog) -> Result {
+        match self {
+            Entry::Sim(v) => {
+                v.sim.lock().start_dirty_log(log);
+                Ok(())
+            }
+            Entry::Gvt(g) => g.inner.lock().start_dirty_log(log),
+        }
+    }
+
+    /// Stops the `/dev/hag` dirty log.
+    pub(crate) fn dirty_stop(&self) {
+        // Freed after the lock is released.
+        let log = match self {
+            Entry::Sim(v) => v.sim.lock().dirty.take(),
+            Entry::Gvt(g) => {
+                let log = g.inner.lock().stop_dirty_log();
+                g.log_stats("dirty log stopped");
+                log
+            }
+        };
+        drop(log);
+    }
+
+    /// Moves the dirty bits into `words` and clears them; returns how many
+    /// pages were dirty. `ENOENT` without a log, `ENOSPC` if the log needs
+    /// more than `room` bytes of bitmap.
+    pub(crate) fn dirty_read_clear(&self, room: u64, words: &mut KVVec<u64>) -> Result<u64> {
+        match self {
+            Entry::Sim(v) => {
+                let mut sim = v.sim.lock();
+                let log = sim.dirty.as_mut().ok_or(ENOENT)?;
+                if room < log.bitmap_bytes() as u64 {
+                    return Err(ENOSPC);
+                }
+                let dirty = log.read_and_clear(words)?;
+                // A submission still running writes after this read: its
+                // pages must be dirty again, or a copy made now would miss
+                // its writes.
+                sim.mark_running_write_set();
+                Ok(dirty)
+            }
+            // Workloads still running: see gvt.rs.
+            Entry::Gvt(g) => g.inner.lock().read_and_clear(room, words),
+        }
+    }
+
+    /// Bytes a context snapshot of the vGPU takes.
+    pub(crate) fn snapshot_bytes(&self) -> Result<usize> {
+        match self {
+            Entry::Sim(_) => Ok(crate::sim::SNAPSHOT_BYTES),
+            Entry::Gvt(g) => g.snapshot_bytes(),
+        }
+    }
+
+    /// The most a snapshot restored into this vGPU may take.
+    pub(crate) fn snapshot_max_bytes(&self) -> u64 {
+        match self {
+            Entry::Sim(_) => abi::CONTEXT_MAX_BYTES,
+            Entry::Gvt(_) => crate::gvt::SNAPSHOT_MAX_BYTES,
+        }
+    }
+
+    /// Writes the context snapshot into `out`; returns the bytes used.
+    pub(crate) fn save(&self, out: &mut [u8]) -> Result<usize> {
+        match self {
+            Entry::Sim(v) => v.sim.lock().save(out),
+            Entry::Gvt(g) => g.save(out),
+        }
+    }
+
+    /// Loads a context snapshot; refused ones leave the vGPU unchanged.
+    pub(crate) fn restore(&self, bytes: &[u8]) -> Result {
+        match self {
+            Entry::Sim(v) => v.sim.lock().restore(bytes),
+            Entry::Gvt(g) => g.restore(bytes),
+        }
+    }
+
+    /// ORs bits [`Self::dirty_read_clear`] took back in (handing them out
+    /// failed).
+    pub(crate) fn dirty_merge(&self, words: &[u64]) {
+        let merge = |log: Option<&mut DirtyLog>| {
+            if let Some(log) = log {
+                log.merge(words);
+            }
+        };
+        match self {
+            Entry::Sim(v) => merge(v.sim.lock().dirty.as_mut()),
+            Entry::Gvt(g) => merge(g.inner.lock().dirty.as_mut()),
+        }
+    }
+}
+
 /// Fixed slots: adding a vGPU never grows the table, and removal is O(1).
 struct Table {
-    slots: [Option<Arc<Vgpu>>; MAX_VGPUS],
+    slots: [Option<Entry>; MAX_VGPUS],
     next_id: u32,
+}
+
+impl Table {
+    /// Puts the vGPU `make` builds with the next id into a free slot.
+    fn insert(&mut self, make: impl FnOnce(u32) -> Result<Entry>) -> Result<u32> {
+        let free = self.slots.iter().position(Option::is_none).ok_or(ENOSPC)?;
+        let id = self.next_id;
+        let next_id = id.checked_add(1).ok_or(ENOSPC)?;
+        let entry = make(id)?;
+        self.next_id = next_id;
+        self.slots[free] = Some(entry);
+        Ok(id)
+    }
+
+    /// Takes the first entry `pick` chooses out of the table.
+    fn remove(&mut self, pick: impl Fn(&Entry) -> bool) -> Option<Entry> {
+        let slot = self.slots.iter_mut().find(|s| s.as_ref().is_some_and(&pick));
+        slot.and_then(Option::take)
+    }
 }
 
 /// Everything the module's callbacks share.
@@ -92,41 +243,78 @@ impl State {
         })
     }
 
-    /// The vGPU with this id, if it exists.
-    pub(crate) fn vgpu(&self, id: u32) -> Result<Arc<Vgpu>> {
+    /// The vGPU with this id, of either kind.
+    pub(crate) fn entry(&self, id: u32) -> Result<Entry> {
         let table = self.table.lock();
-        let found = table.slots.iter().flatten().find(|v| v.id == id);
+        let found = table.slots.iter().flatten().find(|e| e.id() == id);
         found.cloned().ok_or(ENODEV)
+    }
+
+    /// The simulated vGPU with this id; `EOPNOTSUPP` for a GVT-g vGPU
+    /// (what is asked exists only in the simulated device).
+    pub(crate) fn vgpu(&self, id: u32) -> Result<Arc<Vgpu>> {
+        match self.entry(id)? {
+            Entry::Sim(v) => Ok(v),
+            Entry::Gvt(_) => Err(crate::errno(kernel::bindings::EOPNOTSUPP)),
+        }
     }
 
     /// Adds a simulated vGPU; returns its id.
     pub(crate) fn vgpu_created(&self, uuid: [u8; 16], handle: VgpuHandle) -> Result<u32> {
-        let mut table = self.table.lock();
-        let free = table.slots.iter().position(Option::is_none).ok_or(ENOSPC)?;
-        let id = table.next_id;
-        let next_id = id.checked_add(1).ok_or(ENOSPC)?;
-        let sim = Sim::new(id, uuid)?;
-        let vgpu = Arc::pin_init(
-            pin_init!(Vgpu { id, uuid, handle, sim <- new_mutex!(sim, "hag_vgpu") }),
-            GFP_KERNEL,
-        )?;
-        table.next_id = next_id;
-        table.slots[free] = Some(vgpu);
-        drop(table);
+        let id = self.table.lock().insert(|id| {
+            let sim = Sim::new(id, uuid)?;
+            let vgpu = Arc::pin_init(
+                pin_init!(Vgpu { id, uuid, handle, sim <- new_mutex!(sim, "hag_vgpu") }),
+                GFP_KERNEL,
+            )?;
+            Ok(Entry::Sim(vgpu))
+        })?;
         Event::new(abi::EVENT_VGPU_CREATED, id, &uuid).send();
         Ok(id)
     }
 
-    /// Forgets a vGPU. Unknown ids are ignored: glue.c only passes ids that
-    /// `vgpu_created` returned.
+    /// Forgets a simulated vGPU. Unknown ids are ignored: glue.c only
+    /// passes ids that `vgpu_created` returned.
     pub(crate) fn vgpu_removed(&self, id: u32) {
-        let removed = {
-            let mut table = self.table.lock();
-            let slot = table.slots.iter_mut().find(|s| s.as_ref().is_some_and(|v| v.id == id));
-            slot.and_then(Option::take)
-        };
-        if let Some(vgpu) = removed {
-            Event::new(abi::EVENT_VGPU_REMOVED, vgpu.id, &vgpu.uuid).send();
+        let removed = self.table.lock().remove(|e| matches!(e, Entry::Sim(v) if v.id == id));
+        if let Some(entry) = removed {
+            Event::new(abi::EVENT_VGPU_REMOVED, entry.id(), &entry.uuid()).send();
+        }
+    }
+
+    /// Adds a GVT-g vGPU (GVT's id `gvt_id`); returns hag's id for it.
+    pub(crate) fn gvt_vgpu_added(
+        &self,
+        gvt_id: u32,
+        ggtt_size: u64,
+        handle: impl PinInit<GvtHandle>,
+    ) -> Result<u32> {
+        let id = self.table.lock().insert(|id| {
+            let vgpu = Arc::pin_init(GvtVgpu::new(id, gvt_id, ggtt_size, handle), GFP_KERNEL)?;
+            Ok(Entry::Gvt(vgpu))
+        })?;
+        pr_info!("GVT vGPU {} is hag vGPU {} (GGTT of {:#x} bytes)\n", gvt_id, id, ggtt_size);
+        Event::new(abi::EVENT_VGPU_CREATED, id, &[0; 16]).send();
+        Ok(id)
+    }
+
+    /// The GVT-g vGPU whose GVT pointer is `vgpu`.
+    pub(crate) fn gvt_vgpu(&self, vgpu: usize) -> Option<Arc<GvtVgpu>> {
+        let table = self.table.lock();
+        table.slots.iter().flatten().find_map(|e| match e {
+            Entry::Gvt(g) if g.handle.is(vgpu) => Some(g.clone()),
+            _ => None,
+        })
+    }
+
+    /// GVT removes a vGPU: it leaves the table, and no call reaches GVT's
+    /// vGPU after this returns.
+    pub(crate) fn gvt_vgpu_removed(&self, vgpu: usize) {
+        let removed = self.table.lock().remove(|e| matches!(e, Entry::Gvt(g) if g.handle.is(vgpu)));
+        if let Some(Entry::Gvt(g)) = removed {
+            g.handle.forget();
+            g.log_stats("removed");
+            Event::new(abi::EVENT_VGPU_REMOVED, g.id, &[0; 16]).send();
         }
     }
 
@@ -286,7 +474,7 @@ impl State {
     /// vGPUs there are. Copies, so callers can fault on user memory without
     /// holding a lock.
     pub(crate) fn infos(&self) -> ([abi::HagVgpuInfo; MAX_VGPUS], usize) {
-        let mut vgpus: [Option<Arc<Vgpu>>; MAX_VGPUS] = [const { None }; MAX_VGPUS];
+        let mut vgpus: [Option<Entry>; MAX_VGPUS] = [const { None }; MAX_VGPUS];
         {
             let table = self.table.lock();
             for (out, slot) in vgpus.iter_mut().zip(table.slots.iter()) {
@@ -295,14 +483,25 @@ impl State {
         }
         let mut infos = [abi::HagVgpuInfo::default(); MAX_VGPUS];
         let mut count = 0;
-        for vgpu in vgpus.iter().flatten() {
-            infos[count] = abi::HagVgpuInfo {
-                id: vgpu.id,
-                source: abi::VGPU_SOURCE_SIM,
-                state: vgpu.sim.lock().vgpu_state(),
-                reserved: 0,
-                uuid: vgpu.uuid,
-                gfx_mem_size: abi::SIM_GFX_MEM_SIZE,
+        for entry in vgpus.iter().flatten() {
+            infos[count] = match entry {
+                Entry::Sim(vgpu) => abi::HagVgpuInfo {
+                    id: vgpu.id,
+                    source: abi::VGPU_SOURCE_SIM,
+                    state: vgpu.sim.lock().vgpu_state(),
+                    reserved: 0,
+                    uuid: vgpu.uuid,
+                    gfx_mem_size: abi::SIM_GFX_MEM_SIZE,
+                },
+                Entry::Gvt(gvt) => abi::HagVgpuInfo {
+                    id: gvt.id,
+                    source: abi::VGPU_SOURCE_GVT,
+                    // GVT does not tell hag whether a VMM has it open.
+                    state: abi::VGPU_STATE_IDLE,
+                    reserved: 0,
+                    uuid: [0; 16],
+                    gfx_mem_size: gvt.ggtt_size,
+                },
             };
             count += 1;
         }

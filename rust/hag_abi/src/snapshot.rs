@@ -32,6 +32,18 @@ pub const TAG_GTT: u32 = 3;
 /// watchdog ms, reserved.
 pub const TAG_ENGINE: u32 = 4;
 
+/// GVT-g vGPU (source `VGPU_SOURCE_GVT`): its virtual registers, as i915's
+/// GVT saves them (`intel_gvt_audit_save_part`); the body is GVT's and
+/// only GVT checks it. The four GVT sections are restored in tag order.
+pub const TAG_GVT_VREGS: u32 = 5;
+/// GVT-g vGPU: its virtual PCI config space, as GVT saves it.
+pub const TAG_GVT_CFG_SPACE: u32 = 6;
+/// GVT-g vGPU: its guest GGTT entries, as GVT saves them (restored through
+/// GVT's own GGTT write emulation, which checks them).
+pub const TAG_GVT_GGTT: u32 = 7;
+/// GVT-g vGPU: execlist and ring state, as GVT saves them.
+pub const TAG_GVT_EXECLIST: u32 = 8;
+
 /// Number of u32 in a [`TAG_REGS`] section.
 pub const REGS_WORDS: usize = 16 + 32;
 
@@ -305,7 +317,17 @@ impl<'a> Iterator for Sections<'a> {
             let start = self.pos + 8;
             let end = start.checked_add(len).filter(|&e| e <= self.body.len());
             let end = end.ok_or(SnapshotError::Malformed("section runs past the end"))?;
-            if !matches!(tag, TAG_CONFIG | TAG_REGS | TAG_GTT | TAG_ENGINE) {
+            if !matches!(
+                tag,
+                TAG_CONFIG
+                    | TAG_REGS
+                    | TAG_GTT
+                    | TAG_ENGINE
+                    | TAG_GVT_VREGS
+                    | TAG_GVT_CFG_SPACE
+                    | TAG_GVT_GGTT
+                    | TAG_GVT_EXECLIST
+            ) {
                 return Err(SnapshotError::UnknownSection(tag));
             }
             Ok((tag, start, end))
@@ -350,6 +372,36 @@ mod tests {
         assert_eq!(s.section(TAG_GTT, 24).unwrap()[23], 9);
         assert!(s.section(TAG_GTT, 16).is_err());
         assert!(s.section(TAG_REGS, 4).is_err());
+    }
+
+    #[test]
+    fn gvt_sections_round_trip_and_unknown_tags_are_refused() {
+        let mut buf = [0u8; 256];
+        let mut w = Writer::new(&mut buf, 2, 4 << 30).unwrap();
+        for (i, tag) in [
+            TAG_GVT_VREGS,
+            TAG_GVT_CFG_SPACE,
+            TAG_GVT_GGTT,
+            TAG_GVT_EXECLIST,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            w.section(tag, 3 + i, |b| b.fill(tag as u8)).unwrap();
+        }
+        let len = w.finish();
+        let s = Snapshot::parse(&buf[..len]).unwrap();
+        assert_eq!((s.source, s.gfx_mem_size), (2, 4 << 30));
+        assert_eq!(s.section(TAG_GVT_GGTT, 5).unwrap(), [7; 5]);
+        assert_eq!(s.section(TAG_GVT_EXECLIST, 6).unwrap(), [8; 6]);
+
+        let mut w = Writer::new(&mut buf, 2, 0).unwrap();
+        w.section(TAG_GVT_EXECLIST + 1, 4, |_| {}).unwrap();
+        let len = w.finish();
+        assert_eq!(
+            Snapshot::parse(&buf[..len]).err(),
+            Some(SnapshotError::UnknownSection(TAG_GVT_EXECLIST + 1))
+        );
     }
 
     #[test]
