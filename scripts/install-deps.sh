@@ -19,6 +19,8 @@ packages=(
 	rustc-web rust-web-src cargo-web
 	linux-source-6.12
 	busybox-static qemu-system-x86 python3
+	# the evaluation's plots (qemu-tests/eval)
+	python3-matplotlib
 )
 
 missing=()

@@ -12,7 +12,7 @@ load_hag
 hagctl status
 json=$(hagctl status --json)
 echo "$json"
-echo "$json" | grep -q '"abi_version":1' || fail "status --json does not report ABI 1: $json"
+echo "$json" | grep -q '"abi_version":2' || fail "status --json does not report ABI 2: $json"
 echo "$json" | grep -q '"vgpus":\[\]' || fail "fresh module should have no vGPUs: $json"
 
 step "hagctl events without the module"

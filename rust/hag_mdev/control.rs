@@ -107,6 +107,7 @@ fn vgpu_stats(state: &State, arg: usize) -> Result {
             hangs: s.hangs,
             watchdog_ms: sim.watchdog_ms,
             reserved: 0,
+            bytes_written: s.bytes_written,
         }
     };
     write_user(arg, &answer)

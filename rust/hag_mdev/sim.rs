@@ -62,6 +62,8 @@ pub(crate) struct Stats {
     pub(crate) pages_marked: u64,
     pub(crate) interrupts: u64,
     pub(crate) hangs: u64,
+    /// Bytes the engine wrote to guest memory (sim/engine.rs).
+    pub(crate) bytes_written: u64,
 }
 
 /// The guest-visible registers that are plain storage.

@@ -63,6 +63,11 @@ pub struct Report {
     pub vfio_missed_gpas: Option<Vec<String>>,
     /// written / dirty (`None` when nothing was marked).
     pub precision: Option<f64>,
+    /// Bytes the vGPU's engine wrote during the workload (its
+    /// `bytes_written` counter; absent when not read): against
+    /// `dirty_pages` × 4 KiB, the audit's precision in bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_bytes_written: Option<u64>,
     /// MSIs received.
     pub interrupts: u64,
     /// What the device did: "completed", "rejected", "hung", or an error.
@@ -190,6 +195,7 @@ pub fn run_workload_with<R: Registers>(
         vfio_dirty_pages: None,
         vfio_missed: None,
         vfio_missed_gpas: None,
+        gpu_bytes_written: None,
         precision: None,
         interrupts: 0,
         outcome: "completed".to_owned(),

@@ -14,6 +14,12 @@
 //! - MI_STORE_DATA_INDEX puts `i + 1` in the status page, and
 //!   MI_USER_INTERRUPT signals completion.
 //!
+//! With `dirty_pages` D > 0 (`hag-vmm serve --dirty-pages D`, the
+//! evaluation's synthetic workload, swept across dirty rates), each
+//! iteration also fills one of [`SCRATCH_WINDOWS`] windows of D pages
+//! (XY_COLOR_BLT, one 4 KiB row per page) with `scratch_color(i)`: D more
+//! GPU-dirty pages per iteration, each wholly rewritten.
+//!
 //! Then the CPU writes `i + 1` to the control page. After the last
 //! iteration [`Frames::verify`] checks all of guest RAM the workload owns
 //! against a model (frames, every history slot, counter, control page,
@@ -53,12 +59,21 @@ pub const DEFAULT_ITERATIONS: u32 = 30_000;
 const COPY: (u32, u32, u32) = (64, 8, FRAME_H / 2);
 /// Second dword of the control page.
 const CONTROL_MAGIC: u32 = 0x4652_4d53; // "SMRF"
+/// Windows of the synthetic scratch area (iteration `i` fills `i % 4`).
+pub const SCRATCH_WINDOWS: u32 = 4;
+/// Most `dirty_pages`: 4 windows of 1024 pages are 16 MiB.
+pub const MAX_DIRTY_PAGES: u32 = 1024;
 /// Version of [`FramesState`]'s encoding.
 pub const STATE_VERSION: u32 = 1;
 
 /// The fill color of iteration `i` (never zero).
 pub fn color(i: u32) -> u32 {
     0xff00_0000 | (i.wrapping_mul(0x9e37_79b1) >> 8)
+}
+
+/// The scratch fill of iteration `i` (never zero, unlike `color(i)`).
+pub fn scratch_color(i: u32) -> u32 {
+    0x5300_0000 | (i.wrapping_mul(0x2545_f491) >> 8)
 }
 
 /// The history value of iteration `i` (never zero).
@@ -77,11 +92,19 @@ pub struct Layout {
     pub history: u64,
     /// First frame (frames follow each other).
     pub frames: u64,
+    /// Synthetic scratch area ([`SCRATCH_WINDOWS`] × `dirty_pages` pages;
+    /// 0 without one).
+    #[serde(default)]
+    pub scratch: u64,
 }
 
 impl Layout {
     fn frame(&self, k: u32) -> u64 {
         self.frames + u64::from(k) * FRAME_BYTES
+    }
+
+    fn window(&self, w: u32, dirty_pages: u32) -> u64 {
+        self.scratch + u64::from(w) * u64::from(dirty_pages) * PAGE_SIZE
     }
 
     fn slot(&self, i: u32) -> u64 {
@@ -123,6 +146,9 @@ pub struct FramesState {
     pub layout: Layout,
     /// Loop position.
     pub phase: Phase,
+    /// Synthetic pages filled per iteration.
+    #[serde(default)]
+    pub dirty_pages: u32,
     /// The driver's state.
     pub driver: DriverState,
 }
@@ -149,6 +175,11 @@ impl FramesState {
             ram_size >> 20
         );
         ensure!(
+            state.dirty_pages <= MAX_DIRTY_PAGES,
+            "VM state asks for {} dirty pages per iteration, at most {MAX_DIRTY_PAGES}",
+            state.dirty_pages
+        );
+        ensure!(
             state.iterations <= MAX_ITERATIONS,
             "VM state asks for {} iterations, at most {MAX_ITERATIONS}",
             state.iterations
@@ -162,6 +193,7 @@ impl FramesState {
 pub struct Frames {
     layout: Layout,
     iterations: u32,
+    dirty_pages: u32,
     phase: Phase,
     timeout: Duration,
 }
@@ -170,22 +202,41 @@ impl Frames {
     /// Allocates the buffers and writes the control page: a fresh run of
     /// `iterations` iterations on an initialised driver.
     pub fn start<R: Registers>(drv: &mut Driver<'_, R>, iterations: u32) -> anyhow::Result<Self> {
+        Self::start_synthetic(drv, iterations, 0)
+    }
+
+    /// [`Self::start`] with `dirty_pages` synthetic pages per iteration.
+    pub fn start_synthetic<R: Registers>(
+        drv: &mut Driver<'_, R>,
+        iterations: u32,
+        dirty_pages: u32,
+    ) -> anyhow::Result<Self> {
         ensure!(
             iterations <= MAX_ITERATIONS,
             "{iterations} iterations: the history holds at most {MAX_ITERATIONS}"
         );
-        let layout = Layout {
+        ensure!(
+            dirty_pages <= MAX_DIRTY_PAGES,
+            "{dirty_pages} dirty pages per iteration: at most {MAX_DIRTY_PAGES}"
+        );
+        let mut layout = Layout {
             control: drv.alloc(PAGE_SIZE)?,
             counter: drv.alloc(PAGE_SIZE)?,
             history: drv.alloc(u64::from(HISTORY_PAGES) * PAGE_SIZE)?,
             frames: drv.alloc(u64::from(FRAMES) * FRAME_BYTES)?,
+            scratch: 0,
         };
+        if dirty_pages > 0 {
+            layout.scratch =
+                drv.alloc(u64::from(SCRATCH_WINDOWS) * u64::from(dirty_pages) * PAGE_SIZE)?;
+        }
         let mem = drv.mem();
         mem.write_u32(layout.control, 0)?;
         mem.write_u32(layout.control + 4, CONTROL_MAGIC)?;
         Ok(Frames {
             layout,
             iterations,
+            dirty_pages,
             phase: Phase::Idle,
             timeout: Duration::from_secs(10),
         })
@@ -196,6 +247,7 @@ impl Frames {
         Frames {
             layout: state.layout,
             iterations: state.iterations,
+            dirty_pages: state.dirty_pages,
             phase: state.phase,
             timeout: Duration::from_secs(10),
         }
@@ -209,6 +261,7 @@ impl Frames {
             iterations: self.iterations,
             layout: self.layout,
             phase: self.phase,
+            dirty_pages: self.dirty_pages,
             driver: drv.state(),
         }
     }
@@ -240,7 +293,28 @@ impl Frames {
         };
         let (cw, ch, cy) = COPY;
         let dst_x = ((i % 4) * cw) as u16;
-        vec![
+        let mut synthetic = Vec::new();
+        if self.dirty_pages > 0 {
+            // One row per page: pitch and row are 4 KiB.
+            let base = l.window(i % SCRATCH_WINDOWS, self.dirty_pages);
+            let page = BlitRect {
+                base,
+                pitch: PAGE_SIZE as u16,
+                x: 0,
+                y: 0,
+            };
+            synthetic.push(
+                encode::xy_color_blt(
+                    page,
+                    4,
+                    (PAGE_SIZE / 4) as u16,
+                    self.dirty_pages as u16,
+                    scratch_color(i),
+                )
+                .to_vec(),
+            );
+        }
+        let mut cmds = vec![
             encode::xy_color_blt(
                 rect(l.frame(k), 0, 0),
                 4,
@@ -261,7 +335,11 @@ impl Frames {
             encode::atomic(l.counter, atomic_op::INC, 0).to_vec(),
             encode::store_data_index(HWS_SEQNO, i.wrapping_add(1)).to_vec(),
             encode::user_interrupt().to_vec(),
-        ]
+        ];
+        // Before the seqno store: the fill is done when the seqno says so.
+        let at = cmds.len() - 2;
+        cmds.splice(at..at, synthetic);
+        cmds
     }
 
     /// Runs one step: submit the next iteration, or wait for the submitted
@@ -364,6 +442,32 @@ impl Frames {
                 }
             }
         }
+        // Synthetic windows: the last iteration that filled each.
+        let windows = if self.dirty_pages > 0 {
+            SCRATCH_WINDOWS
+        } else {
+            0
+        };
+        for w in 0..windows {
+            let last = (0..n)
+                .rev()
+                .take(SCRATCH_WINDOWS as usize)
+                .find(|i| i % SCRATCH_WINDOWS == w);
+            let want = last.map_or(0, scratch_color);
+            for pg in 0..self.dirty_pages {
+                let gfx = l.window(w, self.dirty_pages) + u64::from(pg) * PAGE_SIZE;
+                mem.read(gfx, &mut page)?;
+                for (d, b) in page.chunks_exact(4).enumerate() {
+                    let got = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    if got != want {
+                        bail!(
+                            "scratch window {w} page {pg} at {} is {got:#010x}, expected {want:#010x}",
+                            where_(gfx + 4 * d as u64)
+                        );
+                    }
+                }
+            }
+        }
         // Pages nobody allocated stay zero.
         let used = drv.state().next_page;
         for g in used..drv.gtt().pages() {
@@ -399,6 +503,22 @@ mod tests {
         let mut frames = Frames::start(&mut drv, 50).unwrap();
         run_to_end(&mut frames, &mut drv);
         assert_eq!(frames.verify(&drv).unwrap(), 50);
+    }
+
+    #[test]
+    fn the_synthetic_fill_runs_and_verifies() {
+        let ram = GuestRam::with_mib(8).unwrap();
+        let gpu = FakeGpu::new(&ram);
+        let mut drv = Driver::init(&gpu, &ram, DriverConfig::default()).unwrap();
+        let mut frames = Frames::start_synthetic(&mut drv, 11, 3).unwrap();
+        run_to_end(&mut frames, &mut drv);
+        assert_eq!(frames.verify(&drv).unwrap(), 11);
+        // Window 1 was last filled by iteration 9; a page of it lost:
+        let gfx = frames.layout.window(1, 3) + 2 * PAGE_SIZE;
+        drv.mem().write_u32(gfx + 8, 0).unwrap();
+        let err = frames.verify(&drv).unwrap_err().to_string();
+        assert!(err.starts_with("scratch window 1 page 2 at gfx"), "{err}");
+        assert!(Frames::start_synthetic(&mut drv, 1, MAX_DIRTY_PAGES + 1).is_err());
     }
 
     #[test]

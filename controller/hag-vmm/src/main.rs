@@ -124,7 +124,10 @@ reject add ', hung' or ', rejected at gfx 0x… header 0x… reason N'.
 JSON output (--json), one object per workload per line:
   {\"workload\": \"stores\", \"passed\": true, \"commands\": 528, \"submissions\": 8,
    \"written_pages\": 129, \"dirty_pages\": 129, \"missed\": 0, \"missed_gpas\": [],
-   \"precision\": 1.0, \"interrupts\": 8, \"outcome\": \"completed\", \"error\": null}
+   \"precision\": 1.0, \"gpu_bytes_written\": 2112, \"interrupts\": 8,
+   \"outcome\": \"completed\", \"error\": null}
+gpu_bytes_written is what the vGPU's engine wrote during the workload (the
+module's counter): the audit's precision in bytes is it over dirty_pages × 4096.
 
 --no-dirty-log stops the vGPU's dirty log instead of starting it, so every
 written page counts as missed: the check must then fail.
@@ -247,6 +250,11 @@ state and resume it, then continues the workload where it was.")]
         /// like the result line while a checkpoint holds output
         #[arg(long, value_name = "N", default_value_t = 0)]
         progress: u32,
+        /// The synthetic workload: each iteration also fills N more pages
+        /// (one of 4 windows of N pages), to sweep the GPU's dirty rate
+        #[arg(long, value_name = "N", default_value_t = 0,
+              value_parser = clap::value_parser!(u32).range(0..=i64::from(hag_vmm::frames::MAX_DIRTY_PAGES)))]
+        dirty_pages: u32,
     },
 }
 
@@ -388,8 +396,14 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     for name in names {
         let mut w = workloads::by_name(name).context("unknown workload")?;
         let vfio_dyn = vfio_log.as_mut().map(|l| l as &mut dyn DirtyLog);
-        let report = run_workload_with(&mut drv, &mut log, vfio_dyn, w.as_mut(), args.timeout)
+        let written0 = dev.vgpu_stats(vgpu.id)?.bytes_written;
+        let mut report = run_workload_with(&mut drv, &mut log, vfio_dyn, w.as_mut(), args.timeout)
             .with_context(|| format!("workload {name}"))?;
+        report.gpu_bytes_written = Some(
+            dev.vgpu_stats(vgpu.id)?
+                .bytes_written
+                .wrapping_sub(written0),
+        );
         print_report(&report, args.json)?;
         if !report.passed {
             failed.push(format!(
@@ -495,6 +509,7 @@ fn main() -> ExitCode {
             ram_mib,
             incoming,
             progress,
+            dirty_pages,
         } => run_serve(&hag_vmm::serve::ServeConfig {
             mdev,
             control,
@@ -503,6 +518,7 @@ fn main() -> ExitCode {
             ram_mib,
             incoming,
             progress,
+            dirty_pages,
         }),
     };
     match result {

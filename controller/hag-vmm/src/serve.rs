@@ -42,6 +42,8 @@ pub struct ServeConfig {
     pub incoming: bool,
     /// Print a progress line every this many iterations (0: none).
     pub progress: u32,
+    /// Synthetic GPU-dirty pages per iteration (0: plain frames).
+    pub dirty_pages: u32,
 }
 
 /// How serving ended.
@@ -488,7 +490,7 @@ fn run_loop(
         };
         let mut drv =
             Driver::init(vfio, ram, dcfg).context("cannot set up the guest GPU driver")?;
-        let frames = Frames::start(&mut drv, cfg.iterations)?;
+        let frames = Frames::start_synthetic(&mut drv, cfg.iterations, cfg.dirty_pages)?;
         vm = Some((drv, frames));
     }
     // Benchmarks (qemu-tests/bench-checkpoint) time the workload on stderr,

@@ -45,8 +45,10 @@ use hag_vmm::ram::PAGE_SIZE;
 
 use crate::backup::HEARTBEAT;
 use crate::migrate::{
-    connect, open_running, tune, MigrateError, MigrateOptions, MigrationReport, Source,
+    connect, gtt_guest_pages, open_running, tune, GpuDirty, MigrateError, MigrateOptions,
+    MigrationReport, Source,
 };
+use crate::pagehash::PageHashes;
 use crate::wire::{read_msg, write_msg, Msg, PageData, PAGE, PAGES_PER_FRAME};
 
 /// Options of `hagctl checkpoint`.
@@ -70,6 +72,10 @@ pub struct CheckpointOptions {
     pub max_rounds: u32,
     /// Pre-copy ends at this many dirty pages.
     pub threshold_pages: u64,
+    /// Where the GPU's dirty pages come from (audit, or a baseline).
+    pub gpu_dirty: GpuDirty,
+    /// LZ4-compress pages.
+    pub compress: bool,
     /// How long to try reaching the backup at start.
     pub connect_timeout: Duration,
     /// Where the status file goes.
@@ -99,6 +105,15 @@ pub struct EpochReport {
     pub iteration: u32,
     /// Console lines released after the ack.
     pub released: u64,
+    /// Page bytes before compression (pages × 4 KiB).
+    pub raw_bytes: u64,
+    /// Bytes the vGPU's engine wrote to guest memory since the last epoch
+    /// (hag-sim's counter; rewrites counted each time).
+    pub gpu_bytes_written: u64,
+    /// `--gpu-dirty hash`: pages hashed at this epoch.
+    pub hashed_pages: u64,
+    /// `--gpu-dirty hash`: milliseconds spent hashing (inside the pause).
+    pub hash_ms: f64,
 }
 
 /// What `hagctl checkpoint` reports.
@@ -126,6 +141,10 @@ pub struct CheckpointReport {
     pub ack_ms_mean: f64,
     /// Bytes of all epochs.
     pub epoch_bytes: u64,
+    /// Where the GPU's dirty pages came from.
+    pub gpu_dirty_mode: GpuDirty,
+    /// Pages were LZ4-compressed.
+    pub compress: bool,
     /// Every epoch.
     pub per_epoch: Vec<EpochReport>,
 }
@@ -571,6 +590,8 @@ struct Primary {
     link: Arc<Link>,
     opts: CheckpointOptions,
     hangs0: u64,
+    /// The engine's bytes-written counter at the last epoch.
+    written0: u64,
     carry: BTreeSet<u64>,
     round: u32,
     epoch: u64,
@@ -631,6 +652,10 @@ impl Primary {
             self.opts.backup
         );
         self.src.handshake()?;
+        if self.src.hashes.is_some() {
+            // A new session replaces the backup's image: it starts from zero.
+            self.src.hashes = Some(PageHashes::new(self.src.ram.pages()));
+        }
         let mut rep = MigrationReport::default();
         let (round, pending, _) = self.src.precopy(&mut rep)?;
         self.report.syncs += 1;
@@ -725,10 +750,27 @@ impl Primary {
             .map_err(|e| EpochError::Retry(format!("the vGPU did not quiesce: {e}")))?;
         self.src.quiesced = true;
         report.quiesce_ms = tq.elapsed().as_secs_f64() * 1e3;
+        // The vGPU is idle: its context and GTT hold still. The baselines
+        // need the GTT before they collect.
+        let context = self.src.dev.save_context(self.src.vgpu_id)?;
+        hag_abi::snapshot::Snapshot::parse(&context).map_err(MigrateError::BadContext)?;
+        if matches!(self.opts.gpu_dirty, GpuDirty::Full | GpuDirty::Hash) {
+            self.src.gtt = Some(gtt_guest_pages(&context).map_err(MigrateError::BadContext)?);
+        }
         let d = self.src.collect()?;
         report.cpu_dirty = d.cpu;
         report.gpu_dirty = d.gpu;
         self.carry.extend(d.pages);
+        if self.opts.gpu_dirty == GpuDirty::Full {
+            let limit = self.src.ram.pages();
+            let mapped = self.src.gtt.as_deref().unwrap_or_default();
+            report.gpu_dirty = mapped.len() as u64;
+            self.carry
+                .extend(mapped.iter().copied().filter(|&p| p < limit));
+        }
+        let scan = std::mem::take(&mut self.src.scan);
+        report.hashed_pages = scan.hashed;
+        report.hash_ms = scan.ms;
         let stats = self
             .src
             .dev
@@ -740,8 +782,8 @@ impl Primary {
                 self.src.vgpu_id, self.hangs0, stats.hangs
             )));
         }
-        let context = self.src.dev.save_context(self.src.vgpu_id)?;
-        hag_abi::snapshot::Snapshot::parse(&context).map_err(MigrateError::BadContext)?;
+        report.gpu_bytes_written = stats.bytes_written.wrapping_sub(self.written0);
+        self.written0 = stats.bytes_written;
         let vm_state = self
             .src
             .vm
@@ -750,9 +792,11 @@ impl Primary {
         let pages: Vec<u64> = self.carry.iter().copied().collect();
         let mut raw = vec![0u8; pages.len() * PAGE];
         for (i, p) in pages.iter().enumerate() {
-            self.src
-                .ram
-                .read(p * PAGE_SIZE, &mut raw[i * PAGE..(i + 1) * PAGE])?;
+            let page = &mut raw[i * PAGE..(i + 1) * PAGE];
+            self.src.ram.read(p * PAGE_SIZE, page)?;
+            if let Some(h) = &mut self.src.hashes {
+                h.record(*p, page);
+            }
         }
         // Console output so far belongs to this epoch.
         self.src
@@ -775,7 +819,7 @@ impl Primary {
             let list = chunk_pages
                 .iter()
                 .zip(chunk_raw.chunks(PAGE))
-                .map(|(&p, b)| (p, PageData::encode(b)))
+                .map(|(&p, b)| (p, PageData::encode_with(b, self.opts.compress)))
                 .collect();
             bytes += self.src.send(&Msg::Pages { round, pages: list }, "epoch")?;
         }
@@ -809,6 +853,7 @@ impl Primary {
             }
             Msg::EpochAck { epoch: e, .. } if e == epoch => {
                 cap.report.pages = cap.pages.len() as u64;
+                cap.report.raw_bytes = cap.report.pages * PAGE as u64;
                 cap.report.bytes = bytes;
                 cap.report.ack_ms = cap.resumed_at.elapsed().as_secs_f64() * 1e3;
                 Ok(())
@@ -1040,7 +1085,7 @@ impl Primary {
 /// `hagctl checkpoint`.
 pub fn checkpoint(opts: &CheckpointOptions) -> anyhow::Result<CheckpointReport> {
     let (vm, ram, dev, vgpu_id) = open_running(&opts.vm)?;
-    let hangs0 = dev.vgpu_stats(vgpu_id)?.hangs;
+    let stats0 = dev.vgpu_stats(vgpu_id)?;
     // Until the backup is reached, nothing holds the VM's output.
     let link = Arc::new(Link {
         shared: Mutex::new(Shared {
@@ -1078,20 +1123,23 @@ pub fn checkpoint(opts: &CheckpointOptions) -> anyhow::Result<CheckpointReport> 
         max_rounds: opts.max_rounds,
         threshold_pages: opts.threshold_pages,
         quiesce_timeout_ms: opts.quiesce_timeout_ms,
-        no_gpu_dirty: false,
+        gpu_dirty: opts.gpu_dirty,
+        compress: opts.compress,
         connect_timeout: opts.connect_timeout,
-        gpu_full_copy: false,
         inject_fault: None,
     };
     // The first connection may take a while (the backup starting).
     let mut src = Source::connect(vm, ram, dev, vgpu_id, mopts)?;
-    src.start_gpu_log()?;
+    if opts.gpu_dirty == GpuDirty::Audit {
+        src.start_gpu_log()?;
+    }
     let first = src.stream.try_clone()?;
     let mut p = Primary {
         src,
         link,
         opts: opts.clone(),
-        hangs0,
+        hangs0: stats0.hangs,
+        written0: stats0.bytes_written,
         carry: BTreeSet::new(),
         round: 0,
         epoch: 0,
@@ -1106,6 +1154,8 @@ pub fn checkpoint(opts: &CheckpointOptions) -> anyhow::Result<CheckpointReport> 
         report: CheckpointReport {
             backup: opts.backup.clone(),
             generation: opts.generation,
+            gpu_dirty_mode: opts.gpu_dirty,
+            compress: opts.compress,
             ..CheckpointReport::default()
         },
     };

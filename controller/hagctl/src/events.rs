@@ -922,14 +922,14 @@ mod tests {
 
     #[test]
     fn family_of_another_version_or_without_group_is_refused() {
-        let other = parse_family(&family_answer(2, &[(abi::GENL_MCGRP_EVENTS_C, 9)])).unwrap();
+        let other = parse_family(&family_answer(3, &[(abi::GENL_MCGRP_EVENTS_C, 9)])).unwrap();
         let err = check_family(&other).unwrap_err();
         assert!(matches!(
             err,
-            SubscribeError::Abi(AbiMismatch { module: 2 })
+            SubscribeError::Abi(AbiMismatch { module: 3 })
         ));
         assert!(
-            err.to_string().starts_with("hag_mdev speaks ABI 2"),
+            err.to_string().starts_with("hag_mdev speaks ABI 3"),
             "{err}"
         );
 

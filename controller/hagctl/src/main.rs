@@ -18,7 +18,7 @@
 //!
 //! ```text
 //! $ hagctl status
-//! hag_mdev 0.1.0, ABI 1, features: sim
+//! hag_mdev 0.1.0, ABI 2, features: sim
 //! 1 vGPU
 //!   ID  UUID                                  SOURCE  STATE  GFX-MEM
 //!    1  83b8f4f2-509f-382f-3c1e-e6bfe0fa1001  sim     idle   64 MiB
@@ -35,6 +35,7 @@ mod commands;
 mod events;
 mod migrate;
 mod output;
+mod pagehash;
 mod wire;
 
 use std::process::ExitCode;
@@ -132,13 +133,19 @@ per_round [{round, kind, pages, zero_pages, cpu_dirty, gpu_dirty, raw_bytes,
 wire_bytes, ms}], total_pages, total_bytes, downtime_bytes, context_bytes,
 vm_state_bytes, paused_at_iteration, gpu_dirty, total_ms.
 
---no-gpu-dirty ignores hag's GPU dirty log: pages only the GPU wrote are
-then missed, which the workload's own check must catch (for tests).
-
---gpu-full-copy replaces hag's GPU dirty log by a full copy, during
-stop-and-copy, of every guest page the vGPU's GTT maps (read from the saved
-vGPU context): the baseline without command auditing (for benchmarks). The
-report then has gpu_full_copy true and gtt_pages.
+--gpu-dirty says where the GPU's dirty pages come from (the report's
+gpu_dirty_mode):
+  audit  hag's audited GPU dirty log (the default);
+  full   no tracking: during stop-and-copy, every guest page the vGPU's GTT
+         maps (read from the saved vGPU context) is copied; the report then
+         has gpu_full_copy true and gtt_pages (--gpu-full-copy is the same);
+  hash   page hashing: each pre-copy round hashes every page of guest RAM,
+         stop-and-copy every GTT-mapped page, and sends those whose hash
+         changed since sent; the report has hashed_pages and hash_ms (also
+         per round), the cost of it;
+  none   ignore the GPU: pages only the GPU wrote are missed, which the
+         workload's own check must catch (for tests; --no-gpu-dirty).
+--no-compress sends every page raw (zero pages too) instead of LZ4.
 
 --inject-fault damages the stream on purpose (for tests only):
 corrupt-page flips a byte of the last PAGES frame of round 0 after its CRC
@@ -163,13 +170,18 @@ its VM, and the source VM must run on.")]
         #[arg(long, value_name = "MS", default_value_t = 2000,
               value_parser = clap::value_parser!(u32).range(1..=i64::from(abi::QUIESCE_MAX_MS)))]
         quiesce_timeout_ms: u32,
-        /// Ignore hag's GPU dirty log (tests: the workload must then fail)
-        #[arg(long)]
+        /// Where the GPU's dirty pages come from: audit, full, hash, none
+        #[arg(long, value_name = "MODE", value_enum, default_value_t = migrate::GpuDirty::Audit)]
+        gpu_dirty: migrate::GpuDirty,
+        /// Same as --gpu-dirty none
+        #[arg(long, conflicts_with_all = ["gpu_dirty", "gpu_full_copy"], hide_short_help = true)]
         no_gpu_dirty: bool,
-        /// Instead of the GPU dirty log, copy every GTT-mapped page at stop
-        /// time (benchmark baseline)
-        #[arg(long, conflicts_with = "no_gpu_dirty")]
+        /// Same as --gpu-dirty full
+        #[arg(long, conflicts_with = "gpu_dirty", hide_short_help = true)]
         gpu_full_copy: bool,
+        /// Send pages raw instead of LZ4-compressed (baseline)
+        #[arg(long)]
+        no_compress: bool,
         /// For tests only: damage the stream (corrupt-page, truncate-context)
         #[arg(long, value_name = "FAULT", value_enum, hide_short_help = true)]
         inject_fault: Option<migrate::Fault>,
@@ -203,11 +215,17 @@ backup still hearing the primary on one does not take over when the data
 link fails (a partition), and waits for the primary to resynchronise.
 The state is in STATUS_DIR/checkpoint-vgpuN.json ('hagctl status' shows it).
 
+--gpu-dirty (audit, full, hash) and --no-compress choose the baselines of
+the evaluation as in migrate: full copies every GTT-mapped page at every
+epoch, hash hashes them at every epoch and sends the changed ones.
+
 Report on stdout when it ends (--json: one object with outcome, detail,
 generation, epochs, syncs, sync_bytes, pause_ms_mean, pause_ms_max,
-ack_ms_mean, epoch_bytes, per_epoch [{epoch, pause_ms, quiesce_ms, pages,
-cpu_dirty, gpu_dirty, bytes, ack_ms, iteration, released}]). outcome:
-finished, handed-over, fenced or vm-stopped.")]
+ack_ms_mean, epoch_bytes, gpu_dirty_mode, compress, per_epoch [{epoch,
+pause_ms, quiesce_ms, pages, cpu_dirty, gpu_dirty, bytes, raw_bytes, ack_ms,
+iteration, released, gpu_bytes_written, hashed_pages, hash_ms}]).
+gpu_bytes_written is what the vGPU's engine wrote since the last epoch
+(hag-sim's counter). outcome: finished, handed-over, fenced or vm-stopped.")]
     Checkpoint {
         /// Control socket of the VM (hag-vmm serve --control)
         #[arg(long, value_name = "SOCKET")]
@@ -239,6 +257,12 @@ finished, handed-over, fenced or vm-stopped.")]
         /// Pre-copy ends once at most this many pages are dirty
         #[arg(long, value_name = "N", default_value_t = 256)]
         threshold_pages: u64,
+        /// Where the GPU's dirty pages come from: audit, full, hash
+        #[arg(long, value_name = "MODE", default_value = "audit", value_parser = checkpoint_gpu_dirty)]
+        gpu_dirty: migrate::GpuDirty,
+        /// Send pages raw instead of LZ4-compressed (baseline)
+        #[arg(long)]
+        no_compress: bool,
         /// Keep trying to reach the backup at start for SECONDS
         #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = parse_seconds)]
         connect_timeout: Duration,
@@ -331,6 +355,17 @@ vm_state_bytes, bytes, resumed}.")]
     },
 }
 
+/// A backup must never miss a page: `none` is for migration tests only.
+fn checkpoint_gpu_dirty(text: &str) -> Result<migrate::GpuDirty, String> {
+    use clap::ValueEnum;
+    match migrate::GpuDirty::from_str(text, false)? {
+        migrate::GpuDirty::None => {
+            Err("'none' would miss GPU writes; use audit, full or hash".into())
+        }
+        mode => Ok(mode),
+    }
+}
+
 fn parse_duration(text: &str) -> Result<Duration, String> {
     let t = text.trim();
     if let Some(ms) = t.strip_suffix("ms") {
@@ -392,21 +427,30 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             max_rounds,
             threshold_pages,
             quiesce_timeout_ms,
+            gpu_dirty,
             no_gpu_dirty,
             gpu_full_copy,
+            no_compress,
             inject_fault,
             connect_timeout,
             json,
         } => {
+            let gpu_dirty = if no_gpu_dirty {
+                migrate::GpuDirty::None
+            } else if gpu_full_copy {
+                migrate::GpuDirty::Full
+            } else {
+                gpu_dirty
+            };
             let report = migrate::migrate(&migrate::MigrateOptions {
                 vm,
                 to,
                 max_rounds,
                 threshold_pages,
                 quiesce_timeout_ms,
-                no_gpu_dirty,
+                gpu_dirty,
+                compress: !no_compress,
                 connect_timeout,
-                gpu_full_copy,
                 inject_fault,
             })?;
             print_report(json, &report, report.text())?;
@@ -421,11 +465,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             quiesce_timeout_ms,
             max_rounds,
             threshold_pages,
+            gpu_dirty,
+            no_compress,
             connect_timeout,
             status_dir,
             json,
         } => {
             let report = checkpoint::checkpoint(&checkpoint::CheckpointOptions {
+                gpu_dirty,
+                compress: !no_compress,
                 vm,
                 backup,
                 heartbeat_addrs: heartbeat_addr,

@@ -15,6 +15,10 @@
 //! copied before its write lands. The source therefore sends each round's
 //! GPU-dirty pages again in the next round (and after the quiesce, when the
 //! engine is idle, in the final one).
+//!
+//! Where the GPU's dirty pages come from is one choice, [`GpuDirty`]: hag's
+//! audited log, or one of the baselines it is measured against (a full copy
+//! of every page the vGPU's GTT maps, or page hashing, [`crate::pagehash`]).
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -25,6 +29,7 @@ use hag_dev::{bitmap_pages, bitmap_words, Device};
 use hag_vmm::control::VmClient;
 use hag_vmm::ram::{GuestRam, PAGE_SIZE};
 
+use crate::pagehash::{PageHashes, Scan};
 use crate::wire::{
     self, read_msg, write_msg, Msg, PageData, ReceiveError, Received, Receiver, Target,
     COMMIT_PHASE, PAGE, PAGES_PER_FRAME, VERSION_MAX, VERSION_MIN,
@@ -43,15 +48,32 @@ pub struct MigrateOptions {
     pub threshold_pages: u64,
     /// vGPU quiesce timeout.
     pub quiesce_timeout_ms: u32,
-    /// Do not use hag's GPU dirty log (tests: must then fail).
-    pub no_gpu_dirty: bool,
+    /// Where the GPU's dirty pages come from.
+    pub gpu_dirty: GpuDirty,
+    /// LZ4-compress pages (off: every page goes raw, zero pages too).
+    pub compress: bool,
     /// How long to keep trying to connect.
     pub connect_timeout: Duration,
-    /// Instead of hag's GPU dirty log, send every guest page the vGPU's
-    /// GTT maps at stop time (the baseline without command auditing).
-    pub gpu_full_copy: bool,
     /// Damage the stream on purpose (tests).
     pub inject_fault: Option<Fault>,
+}
+
+/// How the source learns which guest pages the GPU wrote.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GpuDirty {
+    /// hag's audited GPU dirty log (command auditing).
+    #[default]
+    Audit,
+    /// No tracking: every guest page the vGPU's GTT maps is copied while
+    /// the VM is paused (at stop-and-copy, and at every epoch).
+    Full,
+    /// Page hashing: every round and epoch, hash every page the GPU could
+    /// have written (the GTT-mapped ones; all of guest RAM while the VM
+    /// runs) and send those that changed.
+    Hash,
+    /// Ignore the GPU entirely (tests: GPU-only writes are then missed).
+    None,
 }
 
 /// A fault `hagctl migrate --inject-fault` puts into the stream, so tests
@@ -177,6 +199,10 @@ pub struct RoundReport {
     pub wire_bytes: u64,
     /// Milliseconds for the round.
     pub ms: f64,
+    /// `--gpu-dirty hash`: pages hashed to find this round's GPU pages.
+    pub hashed_pages: u64,
+    /// `--gpu-dirty hash`: milliseconds spent hashing them.
+    pub hash_ms: f64,
 }
 
 /// What `hagctl migrate` reports.
@@ -206,10 +232,19 @@ pub struct MigrationReport {
     pub paused_at_iteration: u32,
     /// hag's GPU dirty log was used.
     pub gpu_dirty: bool,
+    /// Where the GPU's dirty pages came from: audit, full, hash, none.
+    pub gpu_dirty_mode: GpuDirty,
+    /// Pages were LZ4-compressed.
+    pub compress: bool,
     /// GPU pages were sent as a full copy of what the GTT maps at stop time.
     pub gpu_full_copy: bool,
-    /// With `gpu_full_copy`: guest pages the GTT mapped.
+    /// With `gpu_full_copy` or hashing: guest pages the GTT mapped at stop
+    /// time.
     pub gtt_pages: u64,
+    /// Hashing: pages hashed in all rounds, and the milliseconds it took.
+    pub hashed_pages: u64,
+    /// Hashing: milliseconds.
+    pub hash_ms: f64,
     /// Whole migration, milliseconds.
     pub total_ms: f64,
 }
@@ -232,13 +267,18 @@ impl MigrationReport {
             mib(self.downtime_bytes),
             self.context_bytes,
             self.vm_state_bytes,
-            if self.gpu_full_copy {
-                format!(" (GPU dirty log replaced by a full copy of {} GTT-mapped pages)", self.gtt_pages)
-            } else if self.gpu_dirty {
-                String::new()
-            } else {
-                " (GPU dirty log NOT used)".to_owned()
-            }
+            match self.gpu_dirty_mode {
+                GpuDirty::Audit => String::new(),
+                GpuDirty::Full => format!(
+                    " (GPU dirty log replaced by a full copy of {} GTT-mapped pages)",
+                    self.gtt_pages
+                ),
+                GpuDirty::Hash => format!(
+                    " (GPU dirty pages found by hashing {} pages in {:.1} ms)",
+                    self.hashed_pages, self.hash_ms
+                ),
+                GpuDirty::None => " (GPU dirty log NOT used)".to_owned(),
+            } + if self.compress { "" } else { ", uncompressed" }
         );
         for r in &self.per_round {
             s += &format!(
@@ -308,6 +348,13 @@ pub(crate) struct Source {
     pub(crate) stream: TcpStream,
     pub(crate) gpu_bitmap: Option<Vec<u64>>,
     pub(crate) prev_gpu: BTreeSet<u64>,
+    /// `--gpu-dirty hash`: what the peer has.
+    pub(crate) hashes: Option<PageHashes>,
+    /// The guest pages the vGPU's GTT mapped at the last saved context
+    /// (hashing looks only there once known).
+    pub(crate) gtt: Option<Vec<u64>>,
+    /// Hashing done since last taken.
+    pub(crate) scan: Scan,
     pub(crate) paused: bool,
     pub(crate) quiesced: bool,
     pub(crate) opts: MigrateOptions,
@@ -349,6 +396,7 @@ impl Source {
     ) -> Result<Source, MigrateError> {
         let stream = connect(&opts.to, opts.connect_timeout)?;
         tune(&stream);
+        let hashes = (opts.gpu_dirty == GpuDirty::Hash).then(|| PageHashes::new(ram.pages()));
         Ok(Source {
             vm,
             ram,
@@ -357,6 +405,9 @@ impl Source {
             stream,
             gpu_bitmap: None,
             prev_gpu: BTreeSet::new(),
+            hashes,
+            gtt: None,
+            scan: Scan::default(),
             paused: false,
             quiesced: false,
             opts,
@@ -408,12 +459,24 @@ impl Source {
         let cpu_words = self.vm.cpu_dirty()?;
         let cpu: BTreeSet<u64> = bitmap_pages(&cpu_words).collect();
         let mut gpu = BTreeSet::new();
+        let limit = self.ram.pages();
         if let Some(bitmap) = &mut self.gpu_bitmap {
             bitmap.fill(0);
             self.dev.dirty_read_clear(self.vgpu_id, bitmap)?;
             gpu = bitmap_pages(bitmap).collect();
         }
-        let limit = self.ram.pages();
+        if let Some(hashes) = &self.hashes {
+            // Pages the CPU dirtied are sent anyway: hash only the rest.
+            let candidates: Vec<u64> = match &self.gtt {
+                Some(mapped) => mapped.iter().copied().filter(|&p| p < limit).collect(),
+                None => (0..limit).collect(),
+            };
+            let candidates = candidates.into_iter().filter(|p| !cpu.contains(p));
+            gpu = hashes
+                .changed_in(&self.ram, candidates, &mut self.scan)?
+                .into_iter()
+                .collect();
+        }
         let mut pages: BTreeSet<u64> = cpu.union(&gpu).copied().collect();
         pages.extend(self.prev_gpu.iter().copied());
         pages.retain(|&p| p < limit);
@@ -422,7 +485,10 @@ impl Source {
             cpu: cpu.len() as u64,
             gpu: gpu.len() as u64,
         };
-        self.prev_gpu = gpu;
+        // Only the audited log marks pages before they are written.
+        if self.gpu_bitmap.is_some() {
+            self.prev_gpu = gpu;
+        }
         Ok(d)
     }
 
@@ -441,7 +507,10 @@ impl Source {
             batch.clear();
             for p in pages.by_ref().take(PAGES_PER_FRAME) {
                 self.ram.read(p * PAGE_SIZE, &mut buf)?;
-                let data = PageData::encode(&buf);
+                if let Some(h) = &mut self.hashes {
+                    h.record(p, &buf);
+                }
+                let data = PageData::encode_with(&buf, self.opts.compress);
                 if data == PageData::Zero {
                     report.zero_pages += 1;
                 }
@@ -493,7 +562,7 @@ impl Source {
     fn run(&mut self, report: &mut MigrationReport) -> Result<(), MigrateError> {
         let start = Instant::now();
         self.handshake()?;
-        if !self.opts.no_gpu_dirty && !self.opts.gpu_full_copy {
+        if self.opts.gpu_dirty == GpuDirty::Audit {
             self.start_gpu_log()?;
         }
         let (round, pending, pending_counts) = self.precopy(report)?;
@@ -585,6 +654,13 @@ impl Source {
             report.per_round.push(r);
             round += 1;
             let d = self.collect()?;
+            if let Some(last) = report.per_round.last_mut() {
+                // The scan that found the next round's pages: counted with
+                // the round it fed, as the stop-and-copy's is.
+                let scan = std::mem::take(&mut self.scan);
+                last.hashed_pages += scan.hashed;
+                last.hash_ms += scan.ms;
+            }
             pending_counts = (d.cpu, d.gpu);
             pending = d.pages;
             // The stop-and-copy round counts toward --max-rounds.
@@ -619,25 +695,32 @@ impl Source {
             Err(e) => return Err(e.into()),
         }
         report.quiesce_ms = tq.elapsed().as_secs_f64() * 1e3;
+        // The vGPU is idle: its context (and GTT) no longer changes.
+        let context = self.dev.save_context(self.vgpu_id)?;
+        hag_abi::snapshot::Snapshot::parse(&context).map_err(MigrateError::BadContext)?;
+        if matches!(self.opts.gpu_dirty, GpuDirty::Full | GpuDirty::Hash) {
+            let mapped = gtt_guest_pages(&context).map_err(MigrateError::BadContext)?;
+            report.gtt_pages = mapped.len() as u64;
+            self.gtt = Some(mapped);
+        }
         let d = self.collect()?;
         pages.extend(d.pages);
         cpu += d.cpu;
         gpu += d.gpu;
-        // The vGPU is idle: its context (and GTT) no longer changes.
-        let context = self.dev.save_context(self.vgpu_id)?;
-        hag_abi::snapshot::Snapshot::parse(&context).map_err(MigrateError::BadContext)?;
-        if self.opts.gpu_full_copy {
+        if self.opts.gpu_dirty == GpuDirty::Full {
             let limit = self.ram.pages();
-            let mapped = gtt_guest_pages(&context).map_err(MigrateError::BadContext)?;
-            report.gtt_pages = mapped.len() as u64;
+            let mapped = self.gtt.as_deref().unwrap_or_default();
             gpu = mapped.len() as u64;
-            pages.extend(mapped.into_iter().filter(|&p| p < limit));
+            pages.extend(mapped.iter().copied().filter(|&p| p < limit));
         }
+        let scan = std::mem::take(&mut self.scan);
         let mut r = RoundReport {
             round,
             kind: "stop-copy",
             cpu_dirty: cpu,
             gpu_dirty: gpu,
+            hashed_pages: scan.hashed,
+            hash_ms: scan.ms,
             ..RoundReport::default()
         };
         self.send_round(round, pages, &mut r)?;
@@ -677,6 +760,8 @@ impl Source {
         report.rounds = round + 1;
         report.total_pages = report.per_round.iter().map(|r| r.pages).sum();
         report.total_bytes = report.per_round.iter().map(|r| r.wire_bytes).sum();
+        report.hashed_pages = report.per_round.iter().map(|r| r.hashed_pages).sum();
+        report.hash_ms = report.per_round.iter().map(|r| r.hash_ms).sum();
         report.total_ms = start.elapsed().as_secs_f64() * 1e3;
         Ok(())
     }
@@ -710,8 +795,10 @@ pub fn migrate(opts: &MigrateOptions) -> anyhow::Result<MigrationReport> {
     let mut src = Source::connect(vm, ram, dev, vgpu_id, opts.clone())?;
     let mut report = MigrationReport {
         to: opts.to.clone(),
-        gpu_dirty: !opts.no_gpu_dirty && !opts.gpu_full_copy,
-        gpu_full_copy: opts.gpu_full_copy,
+        gpu_dirty: opts.gpu_dirty == GpuDirty::Audit,
+        gpu_dirty_mode: opts.gpu_dirty,
+        compress: opts.compress,
+        gpu_full_copy: opts.gpu_dirty == GpuDirty::Full,
         ..MigrationReport::default()
     };
     let result = src.run(&mut report);

@@ -297,6 +297,7 @@ mod tests {
             hangs: 2,
             watchdog_ms: 2000,
             reserved: 0,
+            bytes_written: 0,
         }
     }
 
@@ -308,7 +309,7 @@ mod tests {
         ];
         assert_eq!(
             status_text(&module(), &vgpus, &[Some(stats(1, 0)), Some(stats(2, 8))]),
-            "hag_mdev 0.1.0, ABI 1, features: sim\n\
+            "hag_mdev 0.1.0, ABI 2, features: sim\n\
              2 vGPUs\n\
              \x20 ID  UUID                                  SOURCE  STATE  GFX-MEM\n\
              \x20  1  83b8f4f2-509f-382f-3c1e-e6bfe0fa1001  sim     idle   64 MiB\n\
@@ -323,7 +324,7 @@ mod tests {
         let vgpus = [vgpu(12, 0x01, abi::VGPU_STATE_IDLE)];
         assert_eq!(
             status_text(&module(), &vgpus, &[None]),
-            "hag_mdev 0.1.0, ABI 1, features: sim\n\
+            "hag_mdev 0.1.0, ABI 2, features: sim\n\
              1 vGPU\n\
              \x20 ID  UUID                                  SOURCE  STATE  GFX-MEM\n\
              \x20 12  83b8f4f2-509f-382f-3c1e-e6bfe0fa1001  sim     idle   64 MiB\n\
@@ -342,7 +343,7 @@ mod tests {
         m.features = 0;
         assert_eq!(
             status_text(&m, &[], &[]),
-            "hag_mdev 0.1.0, ABI 1, features: none\nno vGPUs\n"
+            "hag_mdev 0.1.0, ABI 2, features: none\nno vGPUs\n"
         );
     }
 
@@ -354,7 +355,7 @@ mod tests {
         ];
         assert_eq!(
             status_json(&module(), &vgpus, &[Some(stats(1, 8)), None]),
-            r#"{"abi_version":1,"module_version":"0.1.0","features":["sim"],"vgpus":[{"id":1,"uuid":"83b8f4f2-509f-382f-3c1e-e6bfe0fa1001","source":"sim","state":"idle","gfx_mem_size":67108864,"stats":{"submissions":8,"rejected":1,"commands":528,"pages_marked":129,"interrupts":8,"hangs":2,"watchdog_ms":2000}},{"id":2,"uuid":"83b8f4f2-509f-382f-3c1e-e6bfe0fa1002","source":"sim","state":"open","gfx_mem_size":67108864,"stats":null}]}"#
+            r#"{"abi_version":2,"module_version":"0.1.0","features":["sim"],"vgpus":[{"id":1,"uuid":"83b8f4f2-509f-382f-3c1e-e6bfe0fa1001","source":"sim","state":"idle","gfx_mem_size":67108864,"stats":{"submissions":8,"rejected":1,"commands":528,"pages_marked":129,"interrupts":8,"hangs":2,"watchdog_ms":2000}},{"id":2,"uuid":"83b8f4f2-509f-382f-3c1e-e6bfe0fa1002","source":"sim","state":"open","gfx_mem_size":67108864,"stats":null}]}"#
         );
     }
 
@@ -362,7 +363,7 @@ mod tests {
     fn status_json_with_no_vgpus() {
         assert_eq!(
             status_json(&module(), &[], &[]),
-            r#"{"abi_version":1,"module_version":"0.1.0","features":["sim"],"vgpus":[]}"#
+            r#"{"abi_version":2,"module_version":"0.1.0","features":["sim"],"vgpus":[]}"#
         );
     }
 

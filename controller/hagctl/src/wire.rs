@@ -257,6 +257,16 @@ impl PageData {
         }
     }
 
+    /// [`Self::encode`], or with `compress` off every page raw, zero
+    /// pages too (the baseline without compression).
+    pub fn encode_with(page: &[u8], compress: bool) -> PageData {
+        if compress {
+            PageData::encode(page)
+        } else {
+            PageData::Raw(page.to_vec())
+        }
+    }
+
     /// The page's 4096 bytes.
     pub fn decode(&self, out: &mut [u8; PAGE]) -> Result<(), String> {
         match self {

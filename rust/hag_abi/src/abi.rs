@@ -7,7 +7,7 @@
 
 /// The version of everything in this file. Bump on any change to a number,
 /// a layout or a meaning; `hagctl` refuses a module of another version.
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
 
 /// The misc device's name; userspace opens `/dev/` + this.
 pub const DEVICE_NAME: &str = "hag";
@@ -221,6 +221,10 @@ pub struct HagVgpuStats {
     pub watchdog_ms: u32,
     /// Explicit padding; always zero.
     pub reserved: u32,
+    /// Bytes the vGPU's engine really wrote to guest memory (every write
+    /// counted, rewrites too; hag-sim only, 0 for a GVT-g vGPU). Against
+    /// `pages_marked` it shows how much the audit over-approximates.
+    pub bytes_written: u64,
 }
 
 /// Argument of [`IOC_SET_WATCHDOG`].
@@ -428,7 +432,7 @@ mod tests {
         assert_eq!(size_of::<HagVgpuRef>(), 8);
         assert_eq!(size_of::<HagDirtyStart>(), 24);
         assert_eq!(size_of::<HagDirtyRead>(), 32);
-        assert_eq!(size_of::<HagVgpuStats>(), 64);
+        assert_eq!(size_of::<HagVgpuStats>(), 72);
         assert_eq!(size_of::<HagWatchdog>(), 8);
         assert_eq!(size_of::<HagQuiesce>(), 8);
         assert_eq!(size_of::<HagContextBuf>(), 32);

@@ -235,7 +235,7 @@ fn execute(
                             sim.gfx_access(handle, from, buf, false)?;
                         }
                     }
-                    sim.gfx_access(handle, dst_row + done, buf, true)?;
+                    write_gfx(sim, handle, dst_row + done, buf)?;
                     done += n as u64;
                 }
                 run.blit_row += 1;
@@ -268,20 +268,29 @@ fn read_u32(sim: &Sim, handle: &VgpuHandle, addr: u64) -> core::result::Result<u
     Ok(u32::from_le_bytes(b))
 }
 
-fn write_bytes(sim: &Sim, handle: &VgpuHandle, addr: u64, bytes: &[u8]) -> core::result::Result<(), u64> {
+/// Every engine write to guest memory goes through here, so the
+/// `bytes_written` counter is what the GPU really wrote: the measure the
+/// audit's (page-granular, superset) write sets are compared with.
+fn write_gfx(sim: &mut Sim, handle: &VgpuHandle, addr: u64, buf: &mut [u8]) -> core::result::Result<(), u64> {
+    sim.gfx_access(handle, addr, buf, true)?;
+    sim.stats.bytes_written = sim.stats.bytes_written.wrapping_add(buf.len() as u64);
+    Ok(())
+}
+
+fn write_bytes(sim: &mut Sim, handle: &VgpuHandle, addr: u64, bytes: &[u8]) -> core::result::Result<(), u64> {
     let mut buf = [0u8; 8];
     let buf = &mut buf[..bytes.len()];
     buf.copy_from_slice(bytes);
-    sim.gfx_access(handle, addr, buf, true)
+    write_gfx(sim, handle, addr, buf)
 }
 
-fn write_data(sim: &Sim, handle: &VgpuHandle, addr: u64, data: [u32; 2], qword: bool) -> core::result::Result<(), u64> {
+fn write_data(sim: &mut Sim, handle: &VgpuHandle, addr: u64, data: [u32; 2], qword: bool) -> core::result::Result<(), u64> {
     let value = u64::from(data[0]) | (u64::from(data[1]) << 32);
     let bytes = value.to_le_bytes();
     write_bytes(sim, handle, addr, if qword { &bytes } else { &bytes[..4] })
 }
 
-fn post_sync_write(sim: &Sim, handle: &VgpuHandle, post_sync: PostSync, qword: bool) -> core::result::Result<(), u64> {
+fn post_sync_write(sim: &mut Sim, handle: &VgpuHandle, post_sync: PostSync, qword: bool) -> core::result::Result<(), u64> {
     match post_sync {
         PostSync::None => Ok(()),
         // MI_FLUSH_DW's short form stores a dword; both forms carry the
@@ -298,7 +307,7 @@ fn post_sync_write(sim: &Sim, handle: &VgpuHandle, post_sync: PostSync, qword: b
 /// MI_ATOMIC on a dword or qword: AND, OR, XOR, MOVE, INC, DEC, ADD, SUB
 /// (the low nibble of the opcode); other operations leave memory as it is
 /// (the audit still counted the bytes as written).
-fn atomic(sim: &Sim, handle: &VgpuHandle, addr: u64, len: u8, opcode: u8, operand: [u32; 2]) -> core::result::Result<(), u64> {
+fn atomic(sim: &mut Sim, handle: &VgpuHandle, addr: u64, len: u8, opcode: u8, operand: [u32; 2]) -> core::result::Result<(), u64> {
     let width = if len >= 8 { 8 } else { 4 };
     let mut b = [0u8; 8];
     sim.gfx_access(handle, addr, &mut b[..width], false)?;
