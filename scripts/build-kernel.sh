@@ -77,6 +77,11 @@ if [ "$mode" = --cached-dir ]; then
 	[ -e "$dir/.built" ] && echo "$tree"
 	exit $?
 fi
+# One build per tree at a time: a second caller waits for the first and
+# then finds the tree built.
+mkdir -p "$HAG_CACHE"
+exec 9>"$HAG_CACHE/.$name-$key.lock"
+flock 9
 if [ ! -e "$dir/.built" ]; then
 	log "building $name kernel $src_version into $dir (on 2 cores about 6 minutes, gvt about 15)"
 	rm -rf "$dir"
