@@ -4,6 +4,10 @@
 #                 $(HAG_CACHE)), hag_mdev.ko and hagctl
 #   make demo     boot a test host, load the module, create a vGPU, show status
 #   make test     userspace tests, fmt and clippy, then every qemu-tests scenario
+#                 and the evaluation harness's own tests
+#   make eval     the evaluation (qemu-tests/eval/run, ~40 min) into $(EVAL_OUT):
+#                 report.md, results.json, plots; `make eval-quick` (~10 min)
+#                 does the same in short; `make eval-report` redraws them
 #   make gvt      the GVT-g kernel (scripts/gvt/ applied, cached) and
 #                 hag_mdev.ko built against it in build/gvt-module/
 #   make gvt-test every qemu-tests scenario on the GVT-g kernel
@@ -20,7 +24,10 @@ MODULE := rust/hag_mdev/hag_mdev.ko
 HAGCTL := controller/target/release/hagctl
 
 .PHONY: all deps kernel module controller check-userspace fuzz test demo clean \
-	gvt-kernel gvt gvt-test
+	gvt-kernel gvt gvt-test eval eval-quick eval-report
+
+# Where `make eval` writes: the README links the plots in docs/eval.
+EVAL_OUT ?= docs/eval
 
 all: module controller
 
@@ -90,6 +97,16 @@ fuzz:
 
 test: all check-userspace fuzz
 	qemu-tests/run
+	qemu-tests/eval/selftest
+
+eval: all
+	qemu-tests/eval/run --out $(EVAL_OUT)
+
+eval-quick: all
+	qemu-tests/eval/run --quick --out $(EVAL_OUT)
+
+eval-report: deps
+	qemu-tests/eval/run --report-only --out $(EVAL_OUT)
 
 demo: all
 	qemu-tests/demo

@@ -25,12 +25,11 @@ peer=$(host_ip $((1 - HAG_HOST)))
 me=$(host_ip "$HAG_HOST")
 wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
 now_cs() { cut -d' ' -f1 /proc/uptime | tr -d .; }
+. /hag/bandwidth.sh
+measure_bandwidth "$BW_MIB" BENCH-BW
 stamp() { while IFS= read -r l; do echo "$(now_cs) $l"; done; }
 
 if [ "$HAG_HOST" = 1 ]; then
-	for t in 1 2; do
-		nc -l -p "720$t" >/dev/null || fail "bandwidth receiver $t failed"
-	done
 	k=0
 	for run in $(seq "$RUNS"); do
 		for mode in $INTERVALS; do
@@ -49,23 +48,6 @@ if [ "$HAG_HOST" = 1 ]; then
 		done
 	done
 else
-	dd if=/dev/urandom of=/tmp/blob bs=1048576 count="$BW_MIB" 2>/dev/null
-	bytes=$(wc -c </tmp/blob)
-	for t in 1 2; do
-		tries=0
-		while :; do
-			start=$(now_cs)
-			if nc "$peer" "720$t" </tmp/blob 2>/dev/null; then
-				end=$(now_cs)
-				break
-			fi
-			tries=$((tries + 1))
-			[ "$tries" -lt 150 ] || fail "bandwidth transfer $t: cannot reach $peer:720$t"
-			sleep 0.2
-		done
-		echo "BENCH-BW $bytes $((end - start))"
-	done
-	rm -f /tmp/blob
 	k=0
 	for run in $(seq "$RUNS"); do
 		for mode in none $INTERVALS; do

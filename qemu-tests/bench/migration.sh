@@ -5,7 +5,7 @@
 # host 0 sends BW_MIB MiB of random bytes to host 1 with busybox nc, timed
 # on host 0 (twice; the faster counts). Then, RUNS times per mode, a fresh
 # frames VM on host 0 migrates to host 1 mid-run: mode "dirty" uses hag's
-# GPU dirty log, mode "full" (hagctl migrate --gpu-full-copy) copies every
+# GPU dirty log, mode "full" (hagctl migrate --gpu-dirty full) copies every
 # page the vGPU's GTT maps at stop time instead. host 1 lets each VM run to
 # the end and checks PASS, so both modes are also checked for correctness.
 # host 0 prints `BENCH-BW bytes centiseconds` and `BENCH-RESULT mode run
@@ -17,12 +17,10 @@ load_hag
 peer=$(host_ip $((1 - HAG_HOST)))
 me=$(host_ip "$HAG_HOST")
 wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
-now_cs() { cut -d' ' -f1 /proc/uptime | tr -d .; }
+. /hag/bandwidth.sh
+measure_bandwidth "$BW_MIB" BENCH-BW
 
 if [ "$HAG_HOST" = 1 ]; then
-	for t in 1 2; do
-		nc -l -p "720$t" >/dev/null || fail "bandwidth receiver $t failed"
-	done
 	k=0
 	for mode in dirty full; do
 		for run in $(seq "$RUNS"); do
@@ -45,26 +43,10 @@ if [ "$HAG_HOST" = 1 ]; then
 		done
 	done
 else
-	dd if=/dev/urandom of=/tmp/blob bs=1048576 count="$BW_MIB" 2>/dev/null
-	bytes=$(wc -c </tmp/blob)
-	for t in 1 2; do
-		tries=0
-		while :; do
-			start=$(now_cs)
-			if nc "$peer" "720$t" </tmp/blob 2>/dev/null; then
-				end=$(now_cs)
-				break
-			fi
-			tries=$((tries + 1))
-			[ "$tries" -lt 150 ] || fail "bandwidth transfer $t: cannot reach $peer:720$t"
-			sleep 0.2
-		done
-		echo "BENCH-BW $bytes $((end - start))"
-	done
 	k=0
 	for mode in dirty full; do
 		flags=""
-		[ "$mode" = full ] && flags="--gpu-full-copy"
+		[ "$mode" = full ] && flags="--gpu-dirty full"
 		for run in $(seq "$RUNS"); do
 			k=$((k + 1))
 			uuid=$(new_uuid)
