@@ -8,9 +8,10 @@
 #         GVT-g and KVMGT), with the patch series scripts/gvt/*.patch
 #         applied in name order
 # Each flavour builds in its own source copy. The cache directory's name
-# is a hash of the fragment(s), the patches, the source package version,
-# the Rust and bindgen versions and a recipe number kept below, so a
-# changed input rebuilds and an unchanged one does not.
+# is a hash of the fragment(s) (for gvt, their settings only), the patches,
+# the source package version, the Rust and bindgen versions and a recipe
+# number kept below, so a changed input rebuilds and an unchanged one does
+# not.
 #
 #   scripts/build-kernel.sh [--flavour F]               build if needed
 #   scripts/build-kernel.sh [--flavour F] --print-dir   build if needed, print
@@ -63,8 +64,10 @@ gvt)
 	patches=("$here"/gvt/*.patch)
 	shopt -u nullglob
 	[ ${#patches[@]} -gt 0 ] || die "no patches in $here/gvt"
-	key=$( { cat "$fragment"; echo "$recipe $src_version"; "$RUSTC" --version; "$BINDGEN" --version;
-		for p in "${patches[@]}"; do echo "$(basename "$p") $(sha256sum <"$p")"; done; } |
+	# Keyed on the settings, not the comments, so that editing an
+	# explanation does not cost a kernel build.
+	key=$( { grep -E '^CONFIG_|^# CONFIG_' "$fragment"; echo "$recipe $src_version"; "$RUSTC" --version;
+		"$BINDGEN" --version; for p in "${patches[@]}"; do echo "$(basename "$p") $(sha256sum <"$p")"; done; } |
 		sha256sum | cut -c1-16)
 	name=kernel-gvt
 	;;
