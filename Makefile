@@ -100,13 +100,13 @@ test: all check-userspace fuzz
 	qemu-tests/eval/selftest
 
 eval: all
-	qemu-tests/eval/run --out $(EVAL_OUT)
+	qemu-tests/eval/run --out $(EVAL_OUT) --readme README.md
 
 eval-quick: all
-	qemu-tests/eval/run --quick --out $(EVAL_OUT)
+	qemu-tests/eval/run --quick --out $(EVAL_OUT) --readme README.md
 
 eval-report: deps
-	qemu-tests/eval/run --report-only --out $(EVAL_OUT)
+	qemu-tests/eval/run --report-only --out $(EVAL_OUT) --readme README.md
 
 demo: all
 	qemu-tests/demo

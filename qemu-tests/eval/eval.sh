@@ -185,7 +185,9 @@ echo "$PLAN" | while read -r id kind d mode compress interval seconds; do
 		end_vm "$id"
 		;;
 	hang | loss)
-		start_vm "$id" "$d" "$(iterations_for "$d" "$seconds")" 20
+		# Four times the iterations: the VM must outlive three epochs even
+		# if it runs faster than calibrated; the backup runs the rest.
+		start_vm "$id" "$d" "$(iterations_for "$d" $((seconds * 4)))" 20
 		cpo=/tmp/cp$id
 		hagctl checkpoint --vm "$sock" --backup "$peer:$(port "$id")" --interval "$interval" \
 			--failover-timeout "$FAILOVER" --connect-timeout 120 --status-dir "/tmp/cpstate$id" --json \
