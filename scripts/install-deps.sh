@@ -5,7 +5,8 @@
 #   Debian packages: the kernel build (GCC, bison, flex, libelf, libssl, bc,
 #   cpio), libclang for bindgen, Debian's Rust 1.96 with its library source
 #   (the kernel needs rust-src, which rustup's toolchain here lacks), the
-#   kernel source, busybox for test-host initramfs, QEMU for test hosts.
+#   kernel source, busybox for test-host initramfs, QEMU for test hosts,
+#   matplotlib for the evaluation's plots.
 #   bindgen-cli: Debian's 0.60 is older than the kernel's minimum 0.65.1, so
 #   a pinned version is built from crates.io into $HAG_TOOLS.
 set -euo pipefail

@@ -560,6 +560,45 @@ mod tests {
     }
 
     #[test]
+    fn gpu_dirty_modes_parse() {
+        let parse = |args: &[&str]| Cli::try_parse_from(args.iter().copied());
+        let mig = ["hagctl", "migrate", "--vm", "s", "--to", "h:1"];
+        let Command::Migrate { gpu_dirty, .. } = parse(&mig).unwrap().command else {
+            panic!("not migrate");
+        };
+        assert_eq!(gpu_dirty, migrate::GpuDirty::Audit);
+        for (flag, mode) in [
+            ("hash", migrate::GpuDirty::Hash),
+            ("none", migrate::GpuDirty::None),
+        ] {
+            let args = [&mig[..], &["--gpu-dirty", flag, "--no-compress"]].concat();
+            let Command::Migrate {
+                gpu_dirty,
+                no_compress,
+                ..
+            } = parse(&args).unwrap().command
+            else {
+                panic!("not migrate");
+            };
+            assert_eq!((gpu_dirty, no_compress), (mode, true));
+        }
+        // The old spellings stay, and do not combine with the new one.
+        assert!(parse(&[&mig[..], &["--gpu-full-copy"]].concat()).is_ok());
+        assert!(parse(&[&mig[..], &["--gpu-full-copy", "--gpu-dirty", "hash"]].concat()).is_err());
+        let cp = ["hagctl", "checkpoint", "--vm", "s", "--backup", "h:1"];
+        let Command::Checkpoint { gpu_dirty, .. } =
+            parse(&[&cp[..], &["--gpu-dirty", "full"]].concat())
+                .unwrap()
+                .command
+        else {
+            panic!("not checkpoint");
+        };
+        assert_eq!(gpu_dirty, migrate::GpuDirty::Full);
+        // A backup fed by a log that ignores the GPU would miss writes.
+        assert!(parse(&[&cp[..], &["--gpu-dirty", "none"]].concat()).is_err());
+    }
+
+    #[test]
     fn seconds_parse() {
         assert_eq!(parse_seconds("2"), Ok(Duration::from_secs(2)));
         assert_eq!(parse_seconds("0.5"), Ok(Duration::from_millis(500)));
