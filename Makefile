@@ -53,8 +53,8 @@ module: kernel
 # GVT-g. The module is built from a copy of its sources (and of the shared
 # crates' sources hag.rs includes by relative path) in its own directory,
 # so that its objects never mix with those built against the test kernel.
-# The build fails if a symbol is unresolved or if GVT-g support did not
-# get compiled in.
+# The build fails if the patches do not pass checkpatch --strict, if a
+# symbol is unresolved or if GVT-g support did not get compiled in.
 GVT_BUILD := build/gvt-module
 GVT_MODULE := $(GVT_BUILD)/rust/hag_mdev/hag_mdev.ko
 GVT_SOURCES = Kbuild rust/hag_mdev $(wildcard rust/hag_*/src)
@@ -66,6 +66,8 @@ gvt-kernel: deps
 
 gvt: gvt-kernel
 	@set -o pipefail; $(TOOLCHAIN) && kdir=$$(scripts/build-kernel.sh --flavour gvt --print-dir) && \
+	{ (cd "$$kdir" && perl scripts/checkpatch.pl --no-tree --strict --quiet $(CURDIR)/scripts/gvt/*.patch) || \
+		{ echo "gvt: scripts/gvt/ does not pass checkpatch (above)"; exit 1; }; } && \
 	mkdir -p $(GVT_BUILD) && \
 	tar -c $(addprefix --exclude=,$(GVT_NOT_SOURCES)) $(GVT_SOURCES) | tar -C $(GVT_BUILD) -x && \
 	if [ "$$(cat $(GVT_BUILD)/.kernel-tree 2>/dev/null)" != "$$kdir" ]; then \
