@@ -2,9 +2,10 @@
 #
 #   make          install what is missing, build the test kernel (cached under
 #                 $(HAG_CACHE)), hag_mdev.ko and hagctl
-#   make demo     boot a test host, load the module, create a vGPU, show status
-#   make test     userspace tests, fmt and clippy, then every qemu-tests scenario
-#                 and the evaluation harness's own tests
+#   make demo     the main job: a VM with a vGPU migrated, protected by a backup,
+#                 a GPU hang injected, the backup taking over
+#   make test     userspace tests, fmt and clippy, every qemu-tests scenario,
+#                 the evaluation harness's own tests, then `make gvt-test`
 #   make eval     the evaluation (qemu-tests/eval/run, ~40 min) into $(EVAL_OUT):
 #                 report.md, results.json, plots; `make eval-quick` (~10 min)
 #                 does the same in short; `make eval-report` redraws them
@@ -100,6 +101,7 @@ fuzz:
 test: all check-userspace fuzz
 	qemu-tests/run
 	qemu-tests/eval/selftest
+	$(MAKE) gvt-test
 
 eval: all
 	qemu-tests/eval/run --out $(EVAL_OUT) --readme README.md
