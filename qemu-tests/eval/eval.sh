@@ -41,10 +41,15 @@ now_cs() { cut -d' ' -f1 /proc/uptime | tr -d .; }
 stamp() { while IFS= read -r l; do echo "$(now_cs) $l"; done; }
 port() { echo $((7300 + $1)); }
 
-# host 0: iterations for SECONDS of workload D at its calibrated rate.
-iterations_for() {
+# host 0: iterations for SECONDS of workload D at its calibrated rate. The
+# load on the machine moves the rate: runs that must outlive a migration or
+# three epochs ask for at least MIN_S seconds at an idle host's rate (about
+# 1200 frames iterations/s, slower with more synthetic pages).
+iterations_for() { # D SECONDS [MIN_S]
 	rate=$(cat "/tmp/rate-$1" 2>/dev/null || echo 500)
-	awk -v r="$rate" -v s="$2" 'BEGIN { n = int(r * s); if (n < 50) n = 50; if (n > 65000) n = 65000; print n }'
+	awk -v r="$rate" -v s="$2" -v d="$1" -v m="${3:-0}" 'BEGIN {
+		n = int(r * s); f = int(m * 1200 / (1 + d / 16)); if (n < f) n = f
+		if (n < 50) n = 50; if (n > 65000) n = 65000; print n }'
 }
 
 # host 0: starts a VM; sets $vm (pid) and $sock.
@@ -75,12 +80,17 @@ cp_flags() { # MODE COMPRESS
 	echo "$f"
 }
 
+# host 1: how long to wait for host 0 in item ID at most, so that a failure
+# there ends this host's script too instead of waiting for the harness's
+# timeout.
+patience() { echo $(($1 * 10 + 180)); }
+
 # host 1: a backup for item ID; prints what it applied and any takeover.
-run_backup() { # ID
+run_backup() { # ID SECONDS
 	buuid=$(new_uuid)
 	mdev_create "$buuid"
 	rc=0
-	hagctl backup --listen "$me:$(port "$1")" --mdev "$buuid" --control "/tmp/bk$1.sock" \
+	timeout "$(patience "$2")" hagctl backup --listen "$me:$(port "$1")" --mdev "$buuid" --control "/tmp/bk$1.sock" \
 		--failover-timeout "$FAILOVER" --status-dir "/tmp/bkstate$1" --json \
 		>"/tmp/backup$1.out" 2>"/tmp/backup$1.err" || rc=$?
 	grep '^hagctl: epoch [0-9]* applied' "/tmp/backup$1.err" | sed "s/^/EVAL-APPLIED $1 /"
@@ -108,7 +118,7 @@ echo "$PLAN" | while read -r id kind d mode compress interval seconds; do
 			hag-vmm serve --mdev "$uuid" --control "$sock" --incoming >"/tmp/in$id.out" 2>"/tmp/in$id.err" &
 			vm=$!
 			wait_for 30 test -S "$sock" || fail "incoming VM $id did not start: $(cat "/tmp/in$id.err")"
-			hagctl receive --listen "$me:$(port "$id")" --vm "$sock" --json >"/tmp/recv$id.out" 2>"/tmp/recv$id.err" ||
+			timeout "$(patience "$seconds")" hagctl receive --listen "$me:$(port "$id")" --vm "$sock" --json >"/tmp/recv$id.out" 2>"/tmp/recv$id.err" ||
 				fail "receive $id failed: $(cat "/tmp/recv$id.err")"
 			echo "EVAL-RECV $id $(cat "/tmp/recv$id.out")"
 			rc=0
@@ -119,10 +129,10 @@ echo "$PLAN" | while read -r id kind d mode compress interval seconds; do
 			mdev_remove "$uuid"
 			;;
 		cp)
-			[ "$mode" = none ] || run_backup "$id"
+			[ "$mode" = none ] || run_backup "$id" "$seconds"
 			;;
 		hang | loss)
-			run_backup "$id"
+			run_backup "$id" "$seconds"
 			;;
 		esac
 		echo "EVAL-DONE $id"
@@ -155,7 +165,7 @@ echo "$PLAN" | while read -r id kind d mode compress interval seconds; do
 		# Three times the iterations: the VM must still run when the
 		# migration pauses it, even if it runs faster than calibrated and
 		# pre-copy is slow (hashing); at most 5 rounds.
-		start_vm "$id" "$d" "$(iterations_for "$d" $((seconds * 3)))"
+		start_vm "$id" "$d" "$(iterations_for "$d" $((seconds * 3)) 5)"
 		sleep "$(awk -v s="$seconds" 'BEGIN { print s / 2 }')"
 		# shellcheck disable=SC2046
 		hagctl migrate --vm "$sock" --to "$peer:$(port "$id")" $(cp_flags "$mode" "$compress") \
@@ -165,7 +175,7 @@ echo "$PLAN" | while read -r id kind d mode compress interval seconds; do
 		end_vm "$id"
 		;;
 	cp)
-		start_vm "$id" "$d" "$(iterations_for "$d" "$seconds")" 20
+		start_vm "$id" "$d" "$(iterations_for "$d" "$seconds" 5)" 20
 		if [ "$mode" != none ]; then
 			cpo=/tmp/cp$id
 			{
@@ -187,7 +197,7 @@ echo "$PLAN" | while read -r id kind d mode compress interval seconds; do
 	hang | loss)
 		# Four times the iterations: the VM must outlive three epochs even
 		# if it runs faster than calibrated; the backup runs the rest.
-		start_vm "$id" "$d" "$(iterations_for "$d" $((seconds * 4)))" 20
+		start_vm "$id" "$d" "$(iterations_for "$d" $((seconds * 4)) 7)" 20
 		cpo=/tmp/cp$id
 		hagctl checkpoint --vm "$sock" --backup "$peer:$(port "$id")" --interval "$interval" \
 			--failover-timeout "$FAILOVER" --connect-timeout 120 --status-dir "/tmp/cpstate$id" --json \
