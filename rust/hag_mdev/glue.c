@@ -785,12 +785,13 @@ static int hag_gvt_workload_scanned(const struct intel_gvt_audit_workload *wl)
 	unsigned int i;
 	int ret;
 
-	if (wl->nr_bbs > ARRAY_SIZE(on_stack)) {
+	/*
+	 * Without memory for the copy, hand over no array: hag then marks the
+	 * whole dirty log instead of failing a workload GVT accepted.
+	 */
+	if (wl->nr_bbs > ARRAY_SIZE(on_stack))
 		bbs = kmalloc_array(wl->nr_bbs, sizeof(*bbs), GFP_KERNEL);
-		if (!bbs)
-			return -ENOMEM;
-	}
-	for (i = 0; i < wl->nr_bbs; i++) {
+	for (i = 0; bbs && i < wl->nr_bbs; i++) {
 		bbs[i].gma = wl->bbs[i].gma;
 		bbs[i].va = wl->bbs[i].va;
 		bbs[i].size = wl->bbs[i].size;

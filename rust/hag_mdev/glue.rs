@@ -110,7 +110,7 @@ impl Registration {
             genl_name: c_str(abi::GENL_NAME_C),
             genl_mcgrp_events: c_str(abi::GENL_MCGRP_EVENTS_C),
             mig_data_bytes: crate::sim::SNAPSHOT_BYTES,
-            mig_max_bytes: abi::CONTEXT_MAX_BYTES as usize,
+            mig_max_bytes: abi::SIM_CONTEXT_MAX_BYTES as usize,
             sim_max_instances: abi::SIM_MAX_INSTANCES,
             genl_maxattr: abi::ATTR_MAX,
             genl_pad_attr: abi::ATTR_PAD,

@@ -283,9 +283,8 @@ impl GvtVgpu {
     }
 }
 
-/// The most a GVT-g snapshot may take: GVT's virtual registers are 2 MiB,
-/// and the GGTT entries of a 4 GiB GGTT 8 MiB.
-pub(crate) const SNAPSHOT_MAX_BYTES: u64 = 64 << 20;
+/// The most a GVT-g snapshot may take (see [`abi::CONTEXT_MAX_BYTES`]).
+pub(crate) const SNAPSHOT_MAX_BYTES: u64 = abi::CONTEXT_MAX_BYTES;
 
 /// One part of a GVT-g vGPU's snapshot; mirrors `enum hag_gvt_part` in
 /// glue.h.

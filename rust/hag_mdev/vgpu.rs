@@ -165,7 +165,7 @@ impl Entry {
     /// The most a snapshot restored into this vGPU may take.
     pub(crate) fn snapshot_max_bytes(&self) -> u64 {
         match self {
-            Entry::Sim(_) => abi::CONTEXT_MAX_BYTES,
+            Entry::Sim(_) => abi::SIM_CONTEXT_MAX_BYTES,
             Entry::Gvt(_) => crate::gvt::SNAPSHOT_MAX_BYTES,
         }
     }

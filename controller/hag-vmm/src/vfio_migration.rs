@@ -436,7 +436,7 @@ pub fn run(mdev_a: &str, mdev_b: &str) -> anyhow::Result<()> {
 
     // No more than the module's limit can be written.
     let mut fd = go(&b, STATE_RESUMING)?.context("RESUMING returned no data fd")?;
-    let limit = usize::try_from(abi::CONTEXT_MAX_BYTES)?;
+    let limit = usize::try_from(abi::SIM_CONTEXT_MAX_BYTES)?;
     let big = vec![0x5au8; limit];
     fd.write_all(&big)
         .context("writing the limit to RESUMING")?;

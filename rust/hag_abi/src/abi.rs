@@ -144,8 +144,14 @@ pub struct HagContextBuf {
     pub used_bytes: u64,
 }
 
-/// Largest snapshot either ioctl handles.
-pub const CONTEXT_MAX_BYTES: u64 = 1 << 20;
+/// Largest snapshot either ioctl handles, for any kind of vGPU: a GVT-g
+/// vGPU's virtual registers (2 MiB) and GGTT entries (8 MiB for a 4 GiB
+/// GGTT) must fit, with room for GVT's parts to grow.
+pub const CONTEXT_MAX_BYTES: u64 = 64 << 20;
+
+/// Largest snapshot a simulated vGPU accepts, through the ioctls or its VFIO
+/// migration data file (its own snapshots are a few KiB).
+pub const SIM_CONTEXT_MAX_BYTES: u64 = 1 << 20;
 
 /// Names one vGPU by its id.
 #[repr(C)]
