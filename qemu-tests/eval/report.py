@@ -474,10 +474,17 @@ def headline(res):
                  "(same floor rule)", f"{fmt(pause, '.0f')} ms, floor {fmt(agg(a, 'floor_ms_mean'), '.1f')} ms; "
                  f"output held {fmt(agg(a, 'ack_ms_mean'), '.0f')} ms more until the ack", "–"))
     tp = agg(a, "throughput_pct")
+    base = [r["steady_ips"] for r in cp_rows(res, d=0, variant="unprotected") if r["steady_ips"]]
+    spread = f" (unprotected runs {min(base):.0f}–{max(base):.0f} it/s)" if base else ""
+    if tp and tp > 105:
+        # More than unprotected: the baseline runs were slowed by the
+        # machine's load, not the protected one sped up.
+        verdict = "unclear: baseline disturbed"
+    else:
+        verdict = "met" if tp and tp >= ref["target_throughput_pct_at_2s"] else "**missed**"
     rows.append((f"throughput with a backup every {interval_label(hl)} (frames)",
                  f"{ref['original_throughput_pct'][0]}–{ref['original_throughput_pct'][1]} %",
-                 f"≥ {ref['target_throughput_pct_at_2s']} %", f"{fmt(tp)} % of unprotected",
-                 "met" if tp and tp >= ref["target_throughput_pct_at_2s"] else "**missed**"))
+                 f"≥ {ref['target_throughput_pct_at_2s']} %", f"{fmt(tp)} % of unprotected{spread}", verdict))
     mb = agg(a, "replication_mbit_s")
     wire, raw = agg(a, "wire_bytes_per_epoch"), agg(a, "raw_bytes_per_epoch")
     rows.append((f"replication bandwidth (frames, {interval_label(hl)})",
