@@ -350,6 +350,8 @@ impl<'a> FakeGpu<'a> {
                     }
                 }
                 Command::Noop
+                | Command::ArbCheck
+                | Command::ArbOnOff { .. }
                 | Command::BatchStart { .. }
                 | Command::BatchEnd
                 | Command::SemaphoreWait { .. } => {}

@@ -407,6 +407,14 @@ pub enum Command {
     Noop,
     /// MI_USER_INTERRUPT.
     UserInterrupt,
+    /// MI_ARB_CHECK: a preemption point (writes nothing).
+    ArbCheck,
+    /// MI_ARB_ON_OFF: turns preemption at arbitration points on or off
+    /// (writes nothing).
+    ArbOnOff {
+        /// Arbitration enabled (bit 0).
+        enable: bool,
+    },
     /// MI_BATCH_BUFFER_START.
     BatchStart {
         /// Address space of the batch (and of every command in it).
@@ -574,6 +582,8 @@ impl Command {
             },
             Command::Noop
             | Command::UserInterrupt
+            | Command::ArbCheck
+            | Command::ArbOnOff { .. }
             | Command::BatchStart { .. }
             | Command::BatchEnd
             | Command::SemaphoreWait { .. }

@@ -49,6 +49,83 @@ fn mi_user_interrupt() {
 }
 
 #[test]
+fn mi_arb_on_off() {
+    // MI_ARB_ON_OFF: opcode 0x08 << 23, bit 0 enable. i915 emits both
+    // around every batch start (gen8_emit_bb_start{,_noarb}) and enables
+    // again in the final breadcrumb.
+    let (on, off) = ([0x0400_0001], [0x0400_0000]);
+    assert_eq!(encode::arb_on_off(true), on);
+    assert_eq!(encode::arb_on_off(false), off);
+    assert_eq!(decode_one(&on), Command::ArbOnOff { enable: true });
+    assert_eq!(decode_one(&off), Command::ArbOnOff { enable: false });
+    assert_eq!(
+        Command::ArbOnOff { enable: true }.write_set(),
+        WriteSet::None
+    );
+    assert_eq!(
+        Command::ArbOnOff { enable: false }.write_set(),
+        WriteSet::None
+    );
+}
+
+#[test]
+fn mi_arb_check() {
+    // MI_ARB_CHECK: opcode 0x05 << 23, no fields (i915's preemption
+    // points: init breadcrumb, busywait, wa tail).
+    let golden = [0x0280_0000];
+    assert_eq!(encode::arb_check(), golden);
+    assert_eq!(decode_one(&golden), Command::ArbCheck);
+    assert_eq!(Command::ArbCheck.write_set(), WriteSet::None);
+}
+
+/// Every command of a Linux 6.12 i915 request on Gen8/Gen9 execlists, as
+/// `gt/gen8_engine_cs.c` writes it, decoded one by one with its write set.
+#[test]
+fn i915_gen8_request_commands() {
+    let seqno = 0x6080;
+    let cases: [(&[u32], WriteSet); 11] = [
+        // gen8_emit_flush_rcs(EMIT_INVALIDATE), Gen9 VF workaround: a null
+        // PIPE_CONTROL.
+        (&[0x7a00_0004, 0, 0, 0, 0, 0], WriteSet::None),
+        // ... then CS stall, invalidates, qword write, store data index at
+        // LRC_PPHWSP_SCRATCH_ADDR (0xd0).
+        (
+            &[0x7a00_0004, 0x0034_4c1c, 0xd0, 0, 0, 0],
+            range(HWSP + 0xd0, 8),
+        ),
+        // gen8_emit_flush_rcs(EMIT_FLUSH): CS stall and cache flushes; the
+        // scratch offset is there but without a post-sync operation
+        // nothing is written.
+        (&[0x7a00_0004, 0x0010_10a1, 0xd0, 0, 0, 0], WriteSet::None),
+        // gen8_emit_flush_xcs(EMIT_INVALIDATE): MI_FLUSH_DW + 1, store
+        // index, post-sync dword store, TLB invalidate.
+        (&[0x1324_4002, 0xd0, 0, 0], range(HWSP + 0xd0, 8)),
+        // gen8_emit_init_breadcrumb: MI_STORE_DWORD_IMM_GEN4 | MI_USE_GGTT.
+        (&[0x1040_0002, seqno as u32, 0, 41], range(seqno, 4)),
+        // gen8_emit_fini_breadcrumb_rcs: a flushing PIPE_CONTROL ...
+        (&[0x7a00_0004, 0x0014_1021, 0, 0, 0, 0], WriteSet::None),
+        // ... and gen8_emit_ggtt_write_rcs: flush enable, CS stall, GGTT,
+        // qword write.
+        (
+            &[0x7a00_0004, 0x0110_4080, seqno as u32, 0, 42, 0],
+            range(seqno, 8),
+        ),
+        // gen8_emit_fini_breadcrumb_xcs: gen8_emit_ggtt_write, a 4-dword
+        // MI_FLUSH_DW storing a dword through the GGTT (audited as the
+        // qword every post-sync write is).
+        (&[0x1300_4002, seqno as u32 | 4, 0, 42], range(seqno, 8)),
+        // emit_preempt_busywait: poll the status page's preemption slot.
+        (&[0x0e40_c002, 0, (HWSP + 0xc8) as u32, 0], WriteSet::None),
+        // The tail: MI_USER_INTERRUPT, MI_ARB_ON_OFF | MI_ARB_ENABLE.
+        (&[0x0100_0000], WriteSet::None),
+        (&[0x0400_0001], WriteSet::None),
+    ];
+    for (dw, expected) in cases {
+        assert_eq!(decode_one(dw).write_set(), expected, "{dw:08x?}");
+    }
+}
+
+#[test]
 fn mi_batch_buffer_start_and_end() {
     // MI_BATCH_BUFFER_START (Gen8): opcode 0x31 << 23, length 1 (3 dwords),
     // DW1 address 31:2, DW2 address 47:32. Bit 22: second level.

@@ -409,6 +409,91 @@ fn unknown_opcodes_lengths_reserved_bits_alignment() {
     assert!(matches!(reason(&d), Reason::BadField { .. }));
 }
 
+/// MI_ARB_ON_OFF and MI_ARB_CHECK take no bits besides their opcode (and
+/// the enable bit); the Gen12 forms of MI_SEMAPHORE_WAIT and the MI
+/// commands next to them that i915 does not emit on Gen8/Gen9 stay refused.
+#[test]
+fn arbitration_and_neighbours() {
+    for bit in 1..23 {
+        assert_eq!(
+            reason(&[0x0400_0000 | (1 << bit)]),
+            Reason::ReservedBits {
+                dword: 0,
+                bits: 1 << bit
+            },
+            "MI_ARB_ON_OFF bit {bit}"
+        );
+    }
+    for bit in 0..23 {
+        assert_eq!(
+            reason(&[0x0280_0000 | (1 << bit)]),
+            Reason::ReservedBits {
+                dword: 0,
+                bits: 1 << bit
+            },
+            "MI_ARB_CHECK bit {bit}"
+        );
+    }
+    let (r, _) = run(&[0x0400_0003]);
+    assert_eq!(
+        r.unwrap_err().to_string(),
+        "MI_ARB_ON_OFF at 0x1000: reserved bits 0x2 set in dword 0"
+    );
+    let (r, _) = run(&[0, 0x0280_0000, 0x0281_0000]);
+    assert_eq!(
+        r.unwrap_err().to_string(),
+        "MI_ARB_CHECK at 0x1008: reserved bits 0x10000 set in dword 0"
+    );
+    // MI_SET_PREDICATE (0x01), MI_WAIT_FOR_EVENT (0x03), MI_REPORT_HEAD
+    // (0x07), MI_SUSPEND_FLUSH (0x0b), MI_SET_APPID (0x0e).
+    for h in [
+        0x0080_0000u32,
+        0x0180_0000,
+        0x0380_0000,
+        0x0580_0000,
+        0x0700_0000,
+    ] {
+        assert_eq!(reason(&[h]), Reason::UnknownOpcode, "{h:#x}");
+    }
+    // Gen12 MI_SEMAPHORE_WAIT: register poll (bit 16), token form (5
+    // dwords).
+    let mut d = encode::semaphore_wait(HWSP + 0xc8, 0, 4);
+    d[0] |= 1 << 16;
+    assert_eq!(
+        reason(&d),
+        Reason::ReservedBits {
+            dword: 0,
+            bits: 1 << 16
+        }
+    );
+    assert_eq!(
+        reason(&[0x0e40_c003, 0, 0xb000, 0, 0]),
+        Reason::BadLength {
+            len: 5,
+            expected: 4
+        }
+    );
+    // A semaphore in the PPGTT (no GGTT bit) with no PPGTT configured.
+    let mut d = encode::semaphore_wait(0xb000, 0, 4);
+    d[0] &= !(1 << 22);
+    assert!(matches!(reason(&d), Reason::Unsupported { .. }));
+    // PIPE_CONTROL's LRI post-sync operation writes a register: refused.
+    let mut d = encode::pipe_control(1 << 20);
+    d[1] |= 1 << 23;
+    assert_eq!(
+        reason(&d),
+        Reason::Unsupported {
+            what: "PIPE_CONTROL LRI post-sync operation"
+        }
+    );
+    // i915's store-index writes must stay inside the status page.
+    let mut d = [0x1324_4002, 0xd0, 0, 0];
+    d[1] = 0xff8 + 8;
+    assert!(matches!(reason(&d), Reason::BadField { .. }));
+    let d = [0x7a00_0004, 0x0034_4c1c, 0x1000, 0, 0, 0];
+    assert!(matches!(reason(&d), Reason::BadField { .. }));
+}
+
 #[test]
 fn disallowed_registers() {
     // Second pair names a register not on the list: the sink saw the first

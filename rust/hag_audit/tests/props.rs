@@ -39,6 +39,8 @@ fn chunk() -> impl Strategy<Value = Vec<u32>> {
     prop_oneof![
         prop::collection::vec(any::<u32>(), 1..8),
         Just(encode::noop().to_vec()),
+        Just(encode::arb_check().to_vec()),
+        any::<bool>().prop_map(|on| encode::arb_on_off(on).to_vec()),
         Just(encode::batch_buffer_end().to_vec()),
         (addr(), any::<bool>())
             .prop_map(|(a, s)| encode::batch_buffer_start(a % 0x1_0000, s).to_vec()),

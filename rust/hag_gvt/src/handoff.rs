@@ -349,6 +349,11 @@ pub fn hand_off<T: Translate, F: FnMut(u64)>(
             second: gma(j),
         });
     }
+    // No register is allowed: the only MI_LOAD_REGISTER_IMM i915 (6.12)
+    // puts in a Gen8/Gen9 execlists ring is `emit_pdps`, which loads the
+    // PPGTT page-directory pointers (3-level PPGTTs only). Those redirect
+    // every later PPGTT write, and the write set could not follow them, so
+    // such a workload stays unmodelled.
     let cfg = AuditConfig::new(wl.ggtt_size, wl.hwsp_gma).with_ppgtt(PPGTT_SIZE);
     let mut mapper = Mapper {
         translate,

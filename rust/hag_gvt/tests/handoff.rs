@@ -132,12 +132,13 @@ fn ggtt_ring_commands() {
     assert_eq!(gfns, [0x900, 0x901, 0x77]);
 }
 
-/// One i915 request as a GVT-g guest submits it on the render ring
-/// (`gen8_emit_bb_start`, `gen8_emit_fini_breadcrumb_rcs`): the batch start
-/// framed by arbitration on/off, and the breadcrumb (a PIPE_CONTROL writing
-/// the seqno to the timeline's status page in the GGTT, then the user
-/// interrupt). The user batch lives in the context's PPGTT.
-fn i915_request_as_emitted(batch_gma: u64, seqno_gma: u64) -> Vec<u32> {
+/// A simplified i915 request on the render ring (`gen8_emit_bb_start`,
+/// `gen8_emit_fini_breadcrumb_rcs`): the batch start framed by arbitration
+/// on/off, and the breadcrumb (a PIPE_CONTROL writing the seqno to the
+/// timeline's status page in the GGTT, then the user interrupt). The user
+/// batch lives in the context's PPGTT. The full sequences are in
+/// `i915_render_submission` and `i915_blitter_submission`.
+fn i915_request(batch_gma: u64, seqno_gma: u64) -> Vec<u32> {
     vec![
         MI_ARB_ENABLE,
         MI_BB_START_PPGTT,
@@ -155,18 +156,6 @@ fn i915_request_as_emitted(batch_gma: u64, seqno_gma: u64) -> Vec<u32> {
         MI_USER_INTERRUPT,
         MI_ARB_ENABLE,
     ]
-}
-
-/// The same request with the arbitration commands (which hag's auditor
-/// does not model yet, see `arbitration_is_not_modelled_yet`) as MI_NOOPs.
-fn i915_request(batch_gma: u64, seqno_gma: u64) -> Vec<u32> {
-    let mut ring = i915_request_as_emitted(batch_gma, seqno_gma);
-    for dw in ring.iter_mut() {
-        if *dw == MI_ARB_ENABLE || *dw == MI_ARB_DISABLE {
-            *dw = MI_NOOP;
-        }
-    }
-    ring
 }
 
 /// The user batch: a PIPE_CONTROL post-sync write and a store, both to
@@ -218,16 +207,319 @@ fn i915_request_with_ppgtt_batch() {
     );
 }
 
-/// MI_ARB_ON_OFF writes nothing, but hag's auditor does not know it yet:
-/// every request i915 emits is then unmodelled, and GVT runs it anyway.
+/// MI_ARB_ON_OFF (and MI_ARB_CHECK) write nothing: a request framed by
+/// them has the same write set as one with MI_NOOPs in their place.
 #[test]
-fn arbitration_is_not_modelled_yet() {
+fn arbitration_is_modelled() {
     let batch_gma = 0x7fff_0000_0000;
     let batch = bytes(&user_batch(0x7fff_1000_0ff8, 0x7fff_2000_0010));
     let bbs = [shadow(Ppgtt, batch_gma, &batch)];
-    let ring = i915_request_as_emitted(batch_gma, 0x6080);
-    let err = refused(run(&ring, &bbs, &mut FakeGtt::default()).0);
-    assert_eq!((err.gfx_addr, err.header), (RING, Some(MI_ARB_ENABLE)));
+    let with_arb = i915_request(batch_gma, 0x6080);
+    assert!(with_arb.contains(&MI_ARB_ENABLE) && with_arb.contains(&MI_ARB_DISABLE));
+    let mut with_noops = with_arb.clone();
+    for dw in with_noops.iter_mut() {
+        if *dw == MI_ARB_ENABLE || *dw == MI_ARB_DISABLE {
+            *dw = MI_NOOP;
+        }
+    }
+    let gtt = || {
+        FakeGtt::default()
+            .map(Ppgtt, 0x7fff_1000_0000, 0x1_0001)
+            .map(Ppgtt, 0x7fff_2000_0000, 0x1_0002)
+            .map(Ggtt, 0x6000, 0x50)
+    };
+    let arb = run(&with_arb, &bbs, &mut gtt());
+    assert_eq!(
+        arb.0,
+        Outcome::Audited {
+            pages: 3,
+            commands: 10
+        }
+    );
+    assert_eq!(arb, run(&with_noops, &bbs, &mut gtt()));
+    let mut check = with_arb;
+    check.extend([MI_ARB_CHECK, MI_NOOP]);
+    assert_eq!(run(&check, &bbs, &mut gtt()).1, [0x1_0001, 0x1_0002, 0x50]);
+}
+
+// ---- Full request sequences, dword for dword as Linux 6.12 i915 emits
+// them on Gen9 execlists (gt/gen8_engine_cs.c, gt/intel_execlists_submission.c,
+// gem/i915_gem_execbuffer.c eb_request_submit), for a user context with its
+// own timeline (`has_initial_breadcrumb`).
+
+/// The seqno slot of the request's timeline: a GGTT page of its own.
+const SEQNO: u64 = 0x6080;
+const SEQNO_GFN: u64 = 0x50;
+const HWSP_GFN: u64 = 0x77;
+/// `I915_GEM_HWS_PREEMPT_ADDR`: the preemption semaphore in the engine's
+/// status page.
+const HWS_PREEMPT_ADDR: u64 = 0x32 * 4;
+/// `LRC_PPHWSP_SCRATCH_ADDR`: the status-page slot i915's flushes write.
+const PPHWSP_SCRATCH_ADDR: u32 = 0x34 * 4;
+const MI_ARB_CHECK: u32 = 0x0280_0000;
+/// MI_STORE_DWORD_IMM_GEN4 | MI_USE_GGTT.
+const MI_SDI_GGTT: u32 = 0x1040_0002;
+/// MI_SEMAPHORE_WAIT | MI_SEMAPHORE_GLOBAL_GTT | MI_SEMAPHORE_POLL |
+/// MI_SEMAPHORE_SAD_EQ_SDD.
+const MI_SEMAPHORE_WAIT_GGTT_POLL_EQ: u32 = 0x0e40_c002;
+/// MI_FLUSH_DW + 1 (4 dwords).
+const MI_FLUSH_DW: u32 = 0x1300_0002;
+const MI_FLUSH_DW_STORE_INDEX: u32 = 1 << 21;
+const MI_FLUSH_DW_OP_STOREDW: u32 = 1 << 14;
+const MI_INVALIDATE_TLB: u32 = 1 << 18;
+const MI_FLUSH_DW_USE_GTT: u32 = 1 << 2;
+const PC_STORE_DATA_INDEX: u32 = 1 << 21;
+const PC_TLB_INVALIDATE: u32 = 1 << 18;
+const PC_RENDER_TARGET_CACHE_FLUSH: u32 = 1 << 12;
+const PC_INSTRUCTION_CACHE_INVALIDATE: u32 = 1 << 11;
+const PC_TEXTURE_CACHE_INVALIDATE: u32 = 1 << 10;
+const PC_DC_FLUSH_ENABLE: u32 = 1 << 5;
+const PC_VF_CACHE_INVALIDATE: u32 = 1 << 4;
+const PC_CONST_CACHE_INVALIDATE: u32 = 1 << 3;
+const PC_STATE_CACHE_INVALIDATE: u32 = 1 << 2;
+const PC_DEPTH_CACHE_FLUSH: u32 = 1 << 0;
+
+/// `gen8_emit_flush_rcs(rq, EMIT_INVALIDATE)` on Gen9, which
+/// `execlists_request_alloc` emits at the start of every request: the
+/// VF-invalidate workaround's null PIPE_CONTROL, then the invalidating one
+/// with a qword write to the status page's scratch slot (store data index,
+/// no GGTT bit).
+fn rcs_invalidate() -> Vec<u32> {
+    vec![
+        PIPE_CONTROL,
+        0,
+        0,
+        0,
+        0,
+        0,
+        PIPE_CONTROL,
+        PC_CS_STALL
+            | PC_TLB_INVALIDATE
+            | PC_INSTRUCTION_CACHE_INVALIDATE
+            | PC_TEXTURE_CACHE_INVALIDATE
+            | PC_VF_CACHE_INVALIDATE
+            | PC_CONST_CACHE_INVALIDATE
+            | PC_STATE_CACHE_INVALIDATE
+            | PC_QW_WRITE
+            | PC_STORE_DATA_INDEX,
+        PPHWSP_SCRATCH_ADDR,
+        0,
+        0,
+        0,
+    ]
+}
+
+/// `gen8_emit_flush_xcs(rq, EMIT_INVALIDATE)` on the blitter.
+fn xcs_invalidate() -> Vec<u32> {
+    vec![
+        MI_FLUSH_DW | MI_FLUSH_DW_STORE_INDEX | MI_FLUSH_DW_OP_STOREDW | MI_INVALIDATE_TLB,
+        PPHWSP_SCRATCH_ADDR,
+        0,
+        0,
+    ]
+}
+
+/// `gen8_emit_init_breadcrumb`: seqno - 1 to the timeline, then a
+/// preemption point.
+fn init_breadcrumb(seqno: u32) -> Vec<u32> {
+    vec![
+        MI_SDI_GGTT,
+        SEQNO as u32,
+        0,
+        seqno - 1,
+        MI_NOOP,
+        MI_ARB_CHECK,
+    ]
+}
+
+/// `gen8_emit_bb_start_noarb`, what a vGPU guest uses (i915 gives engines
+/// no preemption under `intel_vgpu_active`), or `gen8_emit_bb_start` with
+/// preemption (bare metal); the batch is a user one (PPGTT, bit 8).
+fn bb_start(batch_gma: u64, preemptible: bool) -> Vec<u32> {
+    let (lo, hi) = (batch_gma as u32, (batch_gma >> 32) as u32);
+    if preemptible {
+        vec![
+            MI_ARB_ENABLE,
+            MI_BB_START_PPGTT,
+            lo,
+            hi,
+            MI_ARB_DISABLE,
+            MI_NOOP,
+        ]
+    } else {
+        vec![MI_ARB_DISABLE, MI_BB_START_PPGTT, lo, hi]
+    }
+}
+
+/// `gen8_emit_fini_breadcrumb_tail`: the interrupt, arbitration back on,
+/// with semaphores (bare metal only) `emit_preempt_busywait` polling the
+/// engine's status page, then `gen8_emit_wa_tail`.
+fn fini_tail(semaphores: bool) -> Vec<u32> {
+    let mut cs = vec![MI_USER_INTERRUPT, MI_ARB_ENABLE];
+    if semaphores {
+        cs.extend([
+            MI_ARB_CHECK,
+            MI_SEMAPHORE_WAIT_GGTT_POLL_EQ,
+            0,
+            (HWSP + HWS_PREEMPT_ADDR) as u32,
+            0,
+            MI_NOOP,
+        ]);
+    }
+    cs.extend([MI_ARB_CHECK, MI_NOOP]);
+    cs
+}
+
+/// `gen8_emit_fini_breadcrumb_rcs`: a flushing PIPE_CONTROL, then
+/// `gen8_emit_ggtt_write_rcs` of the seqno.
+fn fini_breadcrumb_rcs(seqno: u32, semaphores: bool) -> Vec<u32> {
+    let mut cs = vec![
+        PIPE_CONTROL,
+        PC_CS_STALL
+            | PC_TLB_INVALIDATE
+            | PC_RENDER_TARGET_CACHE_FLUSH
+            | PC_DEPTH_CACHE_FLUSH
+            | PC_DC_FLUSH_ENABLE,
+        0,
+        0,
+        0,
+        0,
+        PIPE_CONTROL,
+        PC_FLUSH_ENABLE | PC_CS_STALL | PC_GLOBAL_GTT | PC_QW_WRITE,
+        SEQNO as u32,
+        0,
+        seqno,
+        0,
+    ];
+    cs.extend(fini_tail(semaphores));
+    cs
+}
+
+/// `gen8_emit_fini_breadcrumb_xcs`: `gen8_emit_ggtt_write` (MI_FLUSH_DW
+/// storing the seqno through the GGTT).
+fn fini_breadcrumb_xcs(seqno: u32, semaphores: bool) -> Vec<u32> {
+    let mut cs = vec![
+        MI_FLUSH_DW | MI_FLUSH_DW_OP_STOREDW,
+        SEQNO as u32 | MI_FLUSH_DW_USE_GTT,
+        0,
+        seqno,
+    ];
+    cs.extend(fini_tail(semaphores));
+    cs
+}
+
+/// A render request: invalidate, initial breadcrumb, batch start, final
+/// breadcrumb; as a vGPU guest emits it, or on bare metal.
+fn render_request(batch_gma: u64, seqno: u32, bare_metal: bool) -> Vec<u32> {
+    let mut ring = rcs_invalidate();
+    ring.extend(init_breadcrumb(seqno));
+    ring.extend(bb_start(batch_gma, bare_metal));
+    ring.extend(fini_breadcrumb_rcs(seqno, bare_metal));
+    ring
+}
+
+fn blitter_request(batch_gma: u64, seqno: u32, bare_metal: bool) -> Vec<u32> {
+    let mut ring = xcs_invalidate();
+    ring.extend(init_breadcrumb(seqno));
+    ring.extend(bb_start(batch_gma, bare_metal));
+    ring.extend(fini_breadcrumb_xcs(seqno, bare_metal));
+    ring
+}
+
+/// The pages of a render request with `user_batch`: the flush's scratch
+/// write in the engine's status page (hag counts it there, in the guest's
+/// HWSP, where GVT redirects status-page writes), the timeline's seqno page
+/// (initial breadcrumb), the batch's two PPGTT pages, the seqno page again
+/// (final breadcrumb).
+#[test]
+fn i915_render_submission() {
+    let batch_gma = 0x7fff_0000_0000;
+    let batch = bytes(&user_batch(0x7fff_1000_0ff8, 0x7fff_2000_0010));
+    let bbs = [shadow(Ppgtt, batch_gma, &batch)];
+    let gtt = || {
+        FakeGtt::default()
+            .map(Ppgtt, 0x7fff_1000_0000, 0x1_0001)
+            .map(Ppgtt, 0x7fff_2000_0000, 0x1_0002)
+            .map(Ggtt, SEQNO, SEQNO_GFN)
+            .map(Ggtt, HWSP, HWSP_GFN)
+    };
+    for (bare_metal, commands) in [(false, 16), (true, 21)] {
+        let ring = render_request(batch_gma, 42, bare_metal);
+        let mut gtt = gtt();
+        let (outcome, gfns) = run(&ring, &bbs, &mut gtt);
+        assert_eq!(
+            outcome,
+            Outcome::Audited { pages: 5, commands },
+            "{bare_metal}"
+        );
+        assert_eq!(gfns, [HWSP_GFN, SEQNO_GFN, 0x1_0001, 0x1_0002, SEQNO_GFN]);
+        assert_eq!(
+            gtt.lookups,
+            [
+                (Ggtt, HWSP),
+                (Ggtt, SEQNO & !0xfff),
+                (Ppgtt, 0x7fff_1000_0000),
+                (Ppgtt, 0x7fff_2000_0000),
+                (Ggtt, SEQNO & !0xfff),
+            ]
+        );
+    }
+}
+
+/// A blitter request: the user batch copies a 16x4 rectangle of 32-bit
+/// pixels (linear, PPGTT) and flushes with a PPGTT post-sync store.
+#[test]
+fn i915_blitter_submission() {
+    let batch_gma = 0x7ffe_0000_0000;
+    let dst = encode::BlitRect {
+        base: 0x7ffe_1000_0000,
+        pitch: 4096,
+        x: 0,
+        y: 0,
+    };
+    let src = encode::BlitRect {
+        base: 0x7ffe_2000_0000,
+        ..dst
+    };
+    let mut user = encode::xy_src_copy_blt(dst, src, 4, 16, 4).to_vec();
+    // MI_FLUSH_DW + 1 with a post-sync dword store, no USE_GTT: PPGTT.
+    user.extend([MI_FLUSH_DW | MI_FLUSH_DW_OP_STOREDW, 0x3000_0008, 0x7ffe, 9]);
+    user.extend([MI_BB_END, MI_NOOP]);
+    let batch = bytes(&user);
+    let bbs = [shadow(Ppgtt, batch_gma, &batch)];
+    let mut gtt = FakeGtt::default()
+        .map(Ggtt, SEQNO, SEQNO_GFN)
+        .map(Ggtt, HWSP, HWSP_GFN)
+        .map(Ppgtt, 0x7ffe_3000_0000, 0x2_0003);
+    for row in 0..4 {
+        gtt = gtt.map(Ppgtt, 0x7ffe_1000_0000 + row * 4096, 0x2_0100 + row);
+    }
+    for (bare_metal, commands) in [(false, 14), (true, 19)] {
+        let ring = blitter_request(batch_gma, 7, bare_metal);
+        gtt.lookups.clear();
+        let (outcome, gfns) = run(&ring, &bbs, &mut gtt);
+        assert_eq!(
+            outcome,
+            Outcome::Audited { pages: 8, commands },
+            "{bare_metal}"
+        );
+        assert_eq!(
+            gfns,
+            [HWSP_GFN, SEQNO_GFN, 0x2_0100, 0x2_0101, 0x2_0102, 0x2_0103, 0x2_0003, SEQNO_GFN]
+        );
+    }
+}
+
+/// The only MI_LOAD_REGISTER_IMM i915 puts in a Gen8/Gen9 ring,
+/// `emit_pdps` (3-level PPGTTs), loads page-directory pointers: that would
+/// move every later PPGTT write, so it stays unmodelled.
+#[test]
+fn page_directory_pointer_loads_stay_unmodelled() {
+    // MI_LOAD_REGISTER_IMM(2) | MI_LRI_FORCE_POSTED: PDP0 upper, lower
+    // (GEN8_RING_PDP_UDW/LDW of the render engine).
+    let ring = [0x1100_1003, 0x2274, 0, 0x2270, 0x1_2000, MI_NOOP];
+    let err = refused(run(&ring, &[], &mut FakeGtt::default()).0);
+    assert_eq!(err.reason, Reason::RegisterNotAllowed { reg: 0x2274 });
 }
 
 /// The same graphics address in the two spaces is two different pages.

@@ -142,7 +142,9 @@ fn execute(
     budget: &mut u64,
 ) -> core::result::Result<Step, u64> {
     match cmd.kind {
-        Command::Noop => {}
+        // Arbitration only decides where the real engine may preempt; the
+        // simulated engine never preempts a submission.
+        Command::Noop | Command::ArbCheck | Command::ArbOnOff { .. } => {}
         Command::UserInterrupt => sim.raise(r::INT_USER),
         Command::BatchStart { addr, second_level, level, already_audited, .. } => {
             let call = cmd.level == 0 || second_level;

@@ -43,7 +43,9 @@ fn expect_len(field: u32, expected: u32) -> Result<Shape, Reason> {
 pub(super) fn shape(op: Op, header: u32) -> Result<Shape, Reason> {
     let len8 = header & LEN_MASK_8;
     match op {
-        Op::Noop | Op::UserInterrupt | Op::BatchEnd => Ok(Shape::Fixed(1)),
+        Op::Noop | Op::UserInterrupt | Op::ArbCheck | Op::ArbOnOff | Op::BatchEnd => {
+            Ok(Shape::Fixed(1))
+        }
         Op::BatchStart => expect_len(len8, MI_BB_START_DWORDS),
         Op::SemaphoreWait => expect_len(len8, MI_SEMAPHORE_WAIT_DWORDS),
         Op::StoreDataImm => {
@@ -220,6 +222,16 @@ pub(super) fn decode(
         Op::UserInterrupt => {
             reserved(0, h, MI_ID_BITS)?;
             Ok(Command::UserInterrupt)
+        }
+        Op::ArbCheck => {
+            reserved(0, h, MI_ID_BITS)?;
+            Ok(Command::ArbCheck)
+        }
+        Op::ArbOnOff => {
+            reserved(0, h, MI_ID_BITS | MI_ARB_ENABLE)?;
+            Ok(Command::ArbOnOff {
+                enable: h & MI_ARB_ENABLE != 0,
+            })
         }
         Op::BatchEnd => {
             reserved(0, h, MI_ID_BITS)?;

@@ -33,6 +33,16 @@ pub const fn user_interrupt() -> [u32; 1] {
     [mi(OP_MI_USER_INTERRUPT)]
 }
 
+/// MI_ARB_CHECK.
+pub const fn arb_check() -> [u32; 1] {
+    [mi(OP_MI_ARB_CHECK)]
+}
+
+/// MI_ARB_ON_OFF: arbitration on (`enable`) or off.
+pub const fn arb_on_off(enable: bool) -> [u32; 1] {
+    [mi(OP_MI_ARB_ON_OFF) | if enable { MI_ARB_ENABLE } else { 0 }]
+}
+
 /// MI_BATCH_BUFFER_END.
 pub const fn batch_buffer_end() -> [u32; 1] {
     [mi(OP_MI_BATCH_BUFFER_END)]

@@ -55,6 +55,19 @@ pub const MI_NOOP_ALLOWED: u32 = 0x007f_ffff;
 /// MI_USER_INTERRUPT opcode.
 pub const OP_MI_USER_INTERRUPT: u32 = 0x02;
 
+// ---- MI_ARB_CHECK (PRM: MI_ARB_CHECK), 1 dword, no fields: a preemption
+// point (the engine may switch context here). Writes no memory.
+/// MI_ARB_CHECK opcode.
+pub const OP_MI_ARB_CHECK: u32 = 0x05;
+
+// ---- MI_ARB_ON_OFF (PRM: MI_ARB_ON_OFF), 1 dword. Bit 0 enables (1) or
+// disables (0) arbitration, i.e. whether MI_ARB_CHECK and batch boundaries
+// may preempt. i915 frames every batch start with it. Writes no memory.
+/// MI_ARB_ON_OFF opcode.
+pub const OP_MI_ARB_ON_OFF: u32 = 0x08;
+/// Bit 0: arbitration enable.
+pub const MI_ARB_ENABLE: u32 = 1 << 0;
+
 // ---- MI_BATCH_BUFFER_END (PRM: MI_BATCH_BUFFER_END), 1 dword.
 /// MI_BATCH_BUFFER_END opcode.
 pub const OP_MI_BATCH_BUFFER_END: u32 = 0x0a;
@@ -327,6 +340,10 @@ pub enum Op {
     Noop,
     /// MI_USER_INTERRUPT
     UserInterrupt,
+    /// MI_ARB_CHECK
+    ArbCheck,
+    /// MI_ARB_ON_OFF
+    ArbOnOff,
     /// MI_BATCH_BUFFER_END
     BatchEnd,
     /// MI_BATCH_BUFFER_START
@@ -366,6 +383,8 @@ impl Op {
             CLIENT_MI => match (header >> MI_OPCODE_SHIFT) & MI_OPCODE_MASK {
                 OP_MI_NOOP => Some(Op::Noop),
                 OP_MI_USER_INTERRUPT => Some(Op::UserInterrupt),
+                OP_MI_ARB_CHECK => Some(Op::ArbCheck),
+                OP_MI_ARB_ON_OFF => Some(Op::ArbOnOff),
                 OP_MI_BATCH_BUFFER_END => Some(Op::BatchEnd),
                 OP_MI_SEMAPHORE_WAIT => Some(Op::SemaphoreWait),
                 OP_MI_STORE_DATA_IMM => Some(Op::StoreDataImm),
@@ -395,6 +414,8 @@ impl Op {
         match self {
             Op::Noop => "MI_NOOP",
             Op::UserInterrupt => "MI_USER_INTERRUPT",
+            Op::ArbCheck => "MI_ARB_CHECK",
+            Op::ArbOnOff => "MI_ARB_ON_OFF",
             Op::BatchEnd => "MI_BATCH_BUFFER_END",
             Op::BatchStart => "MI_BATCH_BUFFER_START",
             Op::SemaphoreWait => "MI_SEMAPHORE_WAIT",
