@@ -142,7 +142,13 @@ pub struct Workload<'a> {
     pub ring: &'a [u32],
     /// GGTT address of the first ring dword.
     pub ring_gma: u64,
-    /// GGTT address of the engine's hardware status page.
+    /// GGTT address of the engine's hardware status page as the guest
+    /// programmed it (GVT's `hws_pga`). "Store data index" writes are
+    /// audited there: GVT rewrites the GGTT forms of `PIPE_CONTROL` and
+    /// `MI_FLUSH_DW` to that page, and the forms it leaves alone (i915's
+    /// flushes, `LRC_PPHWSP_SCRATCH_ADDR` without the GGTT bit) land in a
+    /// status page of the host's shadow context, not in guest memory, so
+    /// counting them here only adds a page.
     pub hwsp_gma: u64,
     /// The batch buffers GVT shadowed.
     pub bbs: &'a [ShadowBb<'a>],
