@@ -145,10 +145,12 @@ pub struct Workload<'a> {
     /// GGTT address of the engine's hardware status page as the guest
     /// programmed it (GVT's `hws_pga`). "Store data index" writes are
     /// audited there: GVT rewrites the GGTT forms of `PIPE_CONTROL` and
-    /// `MI_FLUSH_DW` to that page, and the forms it leaves alone (i915's
-    /// flushes, `LRC_PPHWSP_SCRATCH_ADDR` without the GGTT bit) land in a
-    /// status page of the host's shadow context, not in guest memory, so
-    /// counting them here only adds a page.
+    /// `MI_FLUSH_DW` to that page. The forms it leaves alone (i915's
+    /// flushes: `LRC_PPHWSP_SCRATCH_ADDR` without the GGTT bit) are, by
+    /// i915's naming, writes to the per-process status page of the running
+    /// context, i.e. page 0 of GVT's shadow context, which
+    /// `update_guest_context` does not copy back (it copies pages from 2
+    /// on); counting them here then only adds a page.
     pub hwsp_gma: u64,
     /// The batch buffers GVT shadowed.
     pub bbs: &'a [ShadowBb<'a>],
