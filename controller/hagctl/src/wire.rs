@@ -83,8 +83,9 @@ pub const VERSION_MIN: u16 = 1;
 pub const VERSION_MAX: u16 = 1;
 /// Bytes of a frame header.
 pub const HEADER_BYTES: usize = 12;
-/// Largest payload accepted (a vGPU context is at most 1 MiB; a PAGES
-/// frame is sized to stay well under this).
+/// Largest payload accepted (a compressed vGPU context must fit: a GVT-g
+/// one is ~10 MiB raw, mostly zeros; a PAGES frame is sized to stay well
+/// under this).
 pub const MAX_PAYLOAD: u32 = 8 << 20;
 /// Page size of the stream.
 pub const PAGE: usize = 4096;
@@ -1181,7 +1182,7 @@ pub(crate) mod tests {
         let mut ctx = 100u32.to_le_bytes().to_vec();
         ctx.extend_from_slice(&lz4_flex::block::compress(&[5u8; 50]));
         assert!(read_msg(&mut &frame(MsgType::Context, &ctx)[..]).is_err());
-        let ctx = (2u32 << 20).to_le_bytes();
+        let ctx = (hag_abi::abi::CONTEXT_MAX_BYTES as u32 + 1).to_le_bytes();
         let err = read_msg(&mut &frame(MsgType::Context, &ctx)[..]).unwrap_err();
         assert!(err.to_string().contains("at most"), "{err}");
         // Trailing bytes, bad magic.
