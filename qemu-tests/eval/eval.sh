@@ -40,6 +40,8 @@ wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
 now_cs() { cut -d' ' -f1 /proc/uptime | tr -d .; }
 stamp() { while IFS= read -r l; do echo "$(now_cs) $l"; done; }
 port() { echo $((7300 + $1)); }
+# host 1 accepts one connection here when it is ready for migration ID.
+ready_port() { echo $((7600 + $1)); }
 
 # host 0: iterations for SECONDS of workload D at its calibrated rate. The
 # load on the machine moves the rate: runs that must outlive a migration or
@@ -118,6 +120,8 @@ echo "$PLAN" | while read -r id kind d mode compress interval seconds; do
 			hag-vmm serve --mdev "$uuid" --control "$sock" --incoming >"/tmp/in$id.out" 2>"/tmp/in$id.err" &
 			vm=$!
 			wait_for 30 test -S "$sock" || fail "incoming VM $id did not start: $(cat "/tmp/in$id.err")"
+			# (stdin from /dev/null: nc would send the rest of the plan)
+			nc -l -p "$(ready_port "$id")" </dev/null >/dev/null || fail "ready signal $id failed"
 			timeout "$(patience "$seconds")" hagctl receive --listen "$me:$(port "$id")" --vm "$sock" --json >"/tmp/recv$id.out" 2>"/tmp/recv$id.err" ||
 				fail "receive $id failed: $(cat "/tmp/recv$id.err")"
 			echo "EVAL-RECV $id $(cat "/tmp/recv$id.out")"
@@ -162,6 +166,11 @@ echo "$PLAN" | while read -r id kind d mode compress interval seconds; do
 		mdev_remove "$uuid"
 		;;
 	mig)
+		# Start the VM only once host 1 listens: it may still be running
+		# the previous item's migrated VM to its end, and this VM must not
+		# finish before the migration pauses it.
+		wait_for 300 sh -c "echo go | nc $peer $(ready_port "$id")" ||
+			fail "host 1 never got ready for migration $id"
 		# Three times the iterations: the VM must still run when the
 		# migration pauses it, even if it runs faster than calibrated and
 		# pre-copy is slow (hashing); at most 5 rounds.
@@ -170,7 +179,7 @@ echo "$PLAN" | while read -r id kind d mode compress interval seconds; do
 		# shellcheck disable=SC2046
 		hagctl migrate --vm "$sock" --to "$peer:$(port "$id")" $(cp_flags "$mode" "$compress") \
 			--max-rounds 5 --connect-timeout 120 --json >"/tmp/mig$id.out" 2>"/tmp/mig$id.err" ||
-			fail "migration $id failed: $(cat "/tmp/mig$id.err")"
+			fail "migration $id failed: $(cat "/tmp/mig$id.err"); the VM said: $(tail -n 3 "/tmp/vm$id.err" "/tmp/vm$id.out")"
 		echo "EVAL-MIG $id $(cat "/tmp/mig$id.out")"
 		end_vm "$id"
 		;;
