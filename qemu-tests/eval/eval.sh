@@ -42,6 +42,14 @@ stamp() { while IFS= read -r l; do echo "$(now_cs) $l"; done; }
 port() { echo $((7300 + $1)); }
 # host 1 accepts one connection here when it is ready for migration ID.
 ready_port() { echo $((7600 + $1)); }
+# host 1: says it is ready for item ID (stdin from /dev/null: nc would send
+# the rest of the plan).
+signal_ready() { nc -l -p "$(ready_port "$1")" </dev/null >/dev/null || fail "ready signal $1 failed"; }
+# host 0: waits for that, before starting a VM that must not finish while
+# host 1 still runs the previous item's migrated VM to its end.
+await_ready() {
+	wait_for 300 sh -c "echo go | nc $peer $(ready_port "$1")" || fail "host 1 never got ready for item $1"
+}
 
 # host 0: iterations for SECONDS of workload D at its calibrated rate. The
 # load on the machine moves the rate: runs that must outlive a migration or
@@ -91,6 +99,7 @@ patience() { echo $(($1 * 10 + 180)); }
 run_backup() { # ID SECONDS
 	buuid=$(new_uuid)
 	mdev_create "$buuid"
+	signal_ready "$1"
 	rc=0
 	timeout "$(patience "$2")" hagctl backup --listen "$me:$(port "$1")" --mdev "$buuid" --control "/tmp/bk$1.sock" \
 		--failover-timeout "$FAILOVER" --status-dir "/tmp/bkstate$1" --json \
@@ -120,8 +129,7 @@ echo "$PLAN" | while read -r id kind d mode compress interval seconds; do
 			hag-vmm serve --mdev "$uuid" --control "$sock" --incoming >"/tmp/in$id.out" 2>"/tmp/in$id.err" &
 			vm=$!
 			wait_for 30 test -S "$sock" || fail "incoming VM $id did not start: $(cat "/tmp/in$id.err")"
-			# (stdin from /dev/null: nc would send the rest of the plan)
-			nc -l -p "$(ready_port "$id")" </dev/null >/dev/null || fail "ready signal $id failed"
+			signal_ready "$id"
 			timeout "$(patience "$seconds")" hagctl receive --listen "$me:$(port "$id")" --vm "$sock" --json >"/tmp/recv$id.out" 2>"/tmp/recv$id.err" ||
 				fail "receive $id failed: $(cat "/tmp/recv$id.err")"
 			echo "EVAL-RECV $id $(cat "/tmp/recv$id.out")"
@@ -169,8 +177,7 @@ echo "$PLAN" | while read -r id kind d mode compress interval seconds; do
 		# Start the VM only once host 1 listens: it may still be running
 		# the previous item's migrated VM to its end, and this VM must not
 		# finish before the migration pauses it.
-		wait_for 300 sh -c "echo go | nc $peer $(ready_port "$id")" ||
-			fail "host 1 never got ready for migration $id"
+		await_ready "$id"
 		# Three times the iterations: the VM must still run when the
 		# migration pauses it, even if it runs faster than calibrated and
 		# pre-copy is slow (hashing); at most 5 rounds.
@@ -184,6 +191,7 @@ echo "$PLAN" | while read -r id kind d mode compress interval seconds; do
 		end_vm "$id"
 		;;
 	cp)
+		[ "$mode" = none ] || await_ready "$id"
 		start_vm "$id" "$d" "$(iterations_for "$d" "$seconds" 5)" 20
 		if [ "$mode" != none ]; then
 			cpo=/tmp/cp$id
@@ -206,6 +214,7 @@ echo "$PLAN" | while read -r id kind d mode compress interval seconds; do
 	hang | loss)
 		# Four times the iterations: the VM must outlive three epochs even
 		# if it runs faster than calibrated; the backup runs the rest.
+		await_ready "$id"
 		start_vm "$id" "$d" "$(iterations_for "$d" $((seconds * 4)) 7)" 20
 		cpo=/tmp/cp$id
 		hagctl checkpoint --vm "$sock" --backup "$peer:$(port "$id")" --interval "$interval" \
