@@ -7,6 +7,10 @@
 #   (the kernel needs rust-src, which rustup's toolchain here lacks), the
 #   kernel source, busybox for test-host initramfs, QEMU for test hosts,
 #   matplotlib for the evaluation's plots.
+#   QEMU 10 and libvirt 11 from bookworm-backports: the test hosts run real
+#   VMs with them (Debian 12's QEMU 7.2 has only VFIO migration v1, which
+#   kernel 6.12 removed). Only these packages are pinned to backports, so
+#   nothing else (systemd, say) is upgraded from there.
 #   bindgen-cli: Debian's 0.60 is older than the kernel's minimum 0.65.1, so
 #   a pinned version is built from crates.io into $HAG_TOOLS.
 set -euo pipefail
@@ -20,14 +24,40 @@ packages=(
 	rustc-web rust-web-src cargo-web
 	linux-source-6.12
 	busybox-static qemu-system-x86 python3
+	# real VMs in the test hosts (from bookworm-backports, pinned below)
+	libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients
 	# the evaluation's plots (qemu-tests/eval)
 	python3-matplotlib
 )
+
+# Backports, and a pin that takes just QEMU, libvirt and QEMU's firmware
+# from there.
+backports_list=/etc/apt/sources.list.d/hag-backports.sources
+backports_pin=/etc/apt/preferences.d/hag-backports
+want_list='Types: deb
+URIs: http://deb.debian.org/debian
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg'
+want_pin='Package: qemu-system-x86 qemu-system-common qemu-system-data qemu-system-gui qemu-system-modules-* qemu-block-extra qemu-utils libvirt* seabios ipxe-qemu ovmf
+Pin: release n=bookworm-backports
+Pin-Priority: 500'
+if [ "$(cat "$backports_list" 2>/dev/null)" != "$want_list" ] || [ "$(cat "$backports_pin" 2>/dev/null)" != "$want_pin" ]; then
+	echo "install-deps: adding bookworm-backports for QEMU 10 and libvirt 11 ($backports_list, $backports_pin)"
+	printf '%s\n' "$want_list" >"$backports_list"
+	printf '%s\n' "$want_pin" >"$backports_pin"
+fi
 
 missing=()
 for p in "${packages[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
 done
+# A QEMU older than 10 (Debian 12's own 7.2) is replaced.
+qemu_version=$(dpkg-query -W -f='${Version}' qemu-system-x86 2>/dev/null || true)
+case $qemu_version in
+'' | 1:10.* | 1:1[1-9].*) ;;
+*) missing+=(qemu-system-x86) ;;
+esac
 if ((${#missing[@]})); then
 	echo "install-deps: installing Debian packages: ${missing[*]}"
 	export DEBIAN_FRONTEND=noninteractive

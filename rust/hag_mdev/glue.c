@@ -36,6 +36,21 @@ bool hag_glue_hang_injection_allowed(void)
 	return READ_ONCE(allow_hang_injection);
 }
 
+static bool withhold_gpu_dirty;
+module_param(withhold_gpu_dirty, bool, 0444);
+MODULE_PARM_DESC(withhold_gpu_dirty,
+		 "Report no GPU-dirty pages through VFIO DMA logging (tests only: shows that a migration without them loses GPU writes; default off)");
+
+bool hag_glue_gpu_dirty_withheld(void)
+{
+	return READ_ONCE(withhold_gpu_dirty);
+}
+
+static bool corrupt_mig_data;
+module_param(corrupt_mig_data, bool, 0444);
+MODULE_PARM_DESC(corrupt_mig_data,
+		 "Flip one byte of every vGPU state this host hands out through VFIO migration (tests only: the target must refuse it; default off)");
+
 void hag_glue_msleep(u32 ms)
 {
 	msleep(ms);
@@ -335,6 +350,8 @@ static struct file *hag_mig_save(struct hag_vgpu *vgpu)
 		return ERR_PTR(used);
 	}
 	migf->size = used;
+	if (READ_ONCE(corrupt_mig_data) && used > 0)
+		((u8 *)migf->data)[used / 2] ^= 0x5a;
 	vgpu->saving = migf;
 	get_file(migf->filp);
 	return migf->filp;

@@ -80,6 +80,7 @@ struct eventfd_ctx *hag_glue_eventfd_get(int fd);
 void hag_glue_eventfd_signal(struct eventfd_ctx *ctx);
 void hag_glue_eventfd_put(struct eventfd_ctx *ctx);
 bool hag_glue_hang_injection_allowed(void);
+bool hag_glue_gpu_dirty_withheld(void);
 void hag_glue_msleep(u32 ms);
 void hag_glue_iova_bitmap_set(void *dirty, u64 iova, u64 length);
 

@@ -70,6 +70,7 @@ extern "C" {
     fn hag_glue_eventfd_signal(ctx: *mut CEventfd);
     fn hag_glue_eventfd_put(ctx: *mut CEventfd);
     fn hag_glue_hang_injection_allowed() -> bool;
+    fn hag_glue_gpu_dirty_withheld() -> bool;
     fn hag_glue_msleep(ms: u32);
     fn hag_glue_iova_bitmap_set(dirty: *mut c_void, iova: u64, length: u64);
     fn hag_glue_register(ctx: *const c_void, cfg: *const GlueConfig) -> c_int;
@@ -412,6 +413,12 @@ impl VgpuHandle {
 pub(crate) fn hang_injection_allowed() -> bool {
     // SAFETY: reads a module parameter; no preconditions.
     unsafe { hag_glue_hang_injection_allowed() }
+}
+
+/// The test-only module parameter `withhold_gpu_dirty`.
+pub(crate) fn gpu_dirty_withheld() -> bool {
+    // SAFETY: reads a module parameter; no preconditions.
+    unsafe { hag_glue_gpu_dirty_withheld() }
 }
 
 /// Sleeps (process context only).
