@@ -3,8 +3,12 @@
 //! wrap-around, completion and error reporting.
 //!
 //! It talks to the device only through [`Registers`] (VFIO implements it,
-//! unit tests use a fake), and keeps all its state in guest RAM, which it
-//! reaches through its own GTT ([`GfxMem`]).
+//! `hag-guest` a mapped PCI BAR, unit tests a fake), and keeps all its
+//! state in guest RAM, which it reaches through its own GTT ([`GfxMem`]).
+//! Guest RAM is addressed by offset; only the GTT entries it writes carry
+//! guest physical addresses ([`GuestRam::frame`]), so the same driver runs
+//! on `hag-vmm`'s contiguous RAM and on a `hag-guest` process's buffer
+//! whose pages are scattered in the VM's physical memory.
 
 use std::time::{Duration, Instant};
 
@@ -197,9 +201,13 @@ pub enum GttLayout {
 /// The driver's copy of the GTT it programmed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GttMap {
-    /// Guest page of each mapped graphics page; graphics pages past the end
-    /// are not mapped.
+    /// Guest page (page of guest RAM) of each mapped graphics page;
+    /// graphics pages past the end are not mapped.
     guest_page: Vec<u64>,
+    /// Guest physical frame of each mapped graphics page, what its PTE
+    /// holds: `guest_page` itself unless guest RAM's pages are scattered
+    /// ([`GttMap::for_ram`]).
+    frame: Vec<u64>,
 }
 
 fn gcd(mut a: u64, mut b: u64) -> u64 {
@@ -223,10 +231,29 @@ impl GttMap {
                 s.max(1)
             }
         };
-        let guest_page = (0..pages)
+        let guest_page: Vec<u64> = (0..pages)
             .map(|g| ((u128::from(g) * u128::from(stride)) % u128::from(pages.max(1))) as u64)
             .collect();
-        GttMap { guest_page }
+        GttMap {
+            frame: guest_page.clone(),
+            guest_page,
+        }
+    }
+
+    /// [`GttMap::new`] over `ram` (at most its pages): PTEs carry the
+    /// guest physical frame of each page ([`GuestRam::frame`]), which is
+    /// the page number itself for contiguous RAM.
+    pub fn for_ram(ram: &GuestRam, pages: u64, layout: GttLayout) -> Self {
+        let mut map = GttMap::new(pages.min(ram.pages()), layout);
+        if ram.frame_table().is_some() {
+            // Every guest page is below `ram.pages()`, so `frame` finds it.
+            map.frame = map
+                .guest_page
+                .iter()
+                .map(|&p| ram.frame(p).unwrap_or(p))
+                .collect();
+        }
+        map
     }
 
     /// Number of mapped graphics pages.
@@ -239,15 +266,17 @@ impl GttMap {
         self.guest_page.get(usize::try_from(page).ok()?).copied()
     }
 
-    /// The guest physical address of graphics address `gfx`.
+    /// The guest RAM address (offset in [`GuestRam`]; the guest physical
+    /// address when RAM is contiguous) of graphics address `gfx`.
     pub fn translate(&self, gfx: u64) -> Option<u64> {
         Some(self.guest_page(gfx / PAGE_SIZE)? * PAGE_SIZE + gfx % PAGE_SIZE)
     }
 
-    /// The GEN8 PTE of graphics page `page` (0 when not mapped).
+    /// The GEN8 PTE of graphics page `page` (0 when not mapped): the guest
+    /// physical address of its page.
     pub fn pte(&self, page: u64) -> u64 {
-        match self.guest_page(page) {
-            Some(g) => ((g * PAGE_SIZE) & r::GTT_ADDR_MASK) | r::GTT_PRESENT,
+        match self.frame.get(usize::try_from(page).unwrap_or(usize::MAX)) {
+            Some(f) => (f.wrapping_mul(PAGE_SIZE) & r::GTT_ADDR_MASK) | r::GTT_PRESENT,
             None => 0,
         }
     }
@@ -555,7 +584,19 @@ impl<'m, R: Registers> Driver<'m, R> {
         let info = probe(&regs)?;
         regs.write(r::RESET, 1)?;
         let mapped = ram.pages().min(u64::from(info.gtt_entries));
-        let gtt = GttMap::new(mapped, cfg.gtt_layout);
+        let gtt = GttMap::for_ram(ram, mapped, cfg.gtt_layout);
+        if let Some((g, f)) = gtt
+            .frame
+            .iter()
+            .enumerate()
+            .find(|(_, &f)| f > r::GTT_ADDR_MASK >> 12)
+        {
+            return Err(RamError::BadFrames(format!(
+                "guest page {} is guest physical frame {f:#x}, beyond the addresses a GTT entry holds",
+                gtt.guest_page[g]
+            ))
+            .into());
+        }
         for page in 0..u64::from(info.gtt_entries) {
             let pte = gtt.pte(page);
             let off = r::GTT_OFFSET + (page as u32) * r::GTT_ENTRY_BYTES;
@@ -920,7 +961,7 @@ impl<'m, R: Registers> Driver<'m, R> {
             regs,
             ram,
             info,
-            gtt: GttMap::new(mapped, layout),
+            gtt: GttMap::for_ram(ram, mapped, layout),
             alloc: BumpAlloc {
                 next_page: state.next_page,
                 end_page: mapped,
@@ -980,6 +1021,37 @@ mod tests {
         );
         assert_eq!(gtt.pte(1), (gtt.guest_page(1).unwrap() * 4096) | 1);
         assert_eq!(gtt.pte(1024), 0);
+    }
+
+    #[test]
+    fn gtt_entries_carry_guest_physical_frames() {
+        let ram = crate::fake::scattered_ram(1);
+        for layout in [GttLayout::Identity, GttLayout::Scattered] {
+            let gtt = GttMap::for_ram(&ram, 1024, layout);
+            assert_eq!(gtt.pages(), 256, "at most the pages of RAM");
+            for g in 0..256 {
+                let page = gtt.guest_page(g).unwrap();
+                assert_eq!(gtt.translate(g * 4096 + 8), Some(page * 4096 + 8));
+                assert_eq!(gtt.pte(g), (ram.frame(page).unwrap() << 12) | 1);
+            }
+            assert_eq!(gtt.pte(256), 0);
+        }
+        // Contiguous RAM: the frame is the page, as GttMap::new says.
+        let plain = GuestRam::with_mib(1).unwrap();
+        let gtt = GttMap::for_ram(&plain, 256, GttLayout::Scattered);
+        assert_eq!(gtt, GttMap::new(256, GttLayout::Scattered));
+        // A frame beyond what a PTE can hold is refused, not truncated.
+        let ram = GuestRam::with_mib(1).unwrap();
+        let far = ram
+            .with_frames((0..256).map(|p| (1 << 27) + p).collect())
+            .unwrap();
+        let err = Driver::init(FakeGpu::new(&far), &far, DriverConfig::default())
+            .err()
+            .unwrap();
+        assert!(
+            err.to_string().starts_with("bad frame table: guest page "),
+            "{err}"
+        );
     }
 
     #[test]

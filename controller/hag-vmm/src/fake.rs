@@ -2,9 +2,13 @@
 //! `docs/sim-vgpu.md`: it audits each submission with the real auditor,
 //! marks the audited pages dirty (translated through its GTT), executes the
 //! validated commands on guest RAM and reports errors as the contract says.
-//! It runs synchronously inside the doorbell write. The real device is the
-//! kernel module, exercised by the VM scenarios; this double lets the
-//! driver, the workloads and the dirty check be tested without it.
+//! It runs synchronously inside the doorbell write. Like the device, it
+//! reaches memory by the guest physical addresses in its GTT; for guest RAM
+//! whose pages are scattered ([`GuestRam::with_frames`], as in `hag-guest`)
+//! it finds the page of RAM behind each frame, and a frame outside RAM is
+//! a fault. The real device is the kernel module, exercised by the VM
+//! scenarios; this double lets the driver, the workloads and the dirty
+//! check be tested without it (`hag-guest`'s tests compile it too).
 
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
@@ -35,6 +39,9 @@ struct State {
 /// The fake device.
 pub struct FakeGpu<'a> {
     ram: &'a GuestRam,
+    /// The page of `ram` at each guest physical frame, when its pages are
+    /// scattered; `None`: frame `f` is page `f`.
+    page_of: Option<HashMap<u64, u64>>,
     state: RefCell<State>,
 }
 
@@ -42,18 +49,31 @@ pub struct FakeGpu<'a> {
 struct Mem<'s, 'a> {
     ram: &'a GuestRam,
     gtt: &'s [u64],
+    page_of: Option<&'s HashMap<u64, u64>>,
 }
 
 impl Mem<'_, '_> {
+    /// The guest physical address of `gfx` (what dirty bits are kept by).
     fn gpa(&self, gfx: u64) -> Option<u64> {
         let pte = *self.gtt.get(usize::try_from(gfx / PAGE_SIZE).ok()?)?;
         (pte & r::GTT_PRESENT != 0).then_some((pte & r::GTT_ADDR_MASK) + gfx % PAGE_SIZE)
     }
 
+    /// Where `gfx` is in `ram`.
+    fn ram_addr(&self, gfx: u64) -> Option<u64> {
+        let gpa = self.gpa(gfx)?;
+        match self.page_of {
+            None => Some(gpa),
+            Some(page_of) => Some(page_of.get(&(gpa / PAGE_SIZE))? * PAGE_SIZE + gpa % PAGE_SIZE),
+        }
+    }
+
     fn read(&self, gfx: u64, out: &mut [u8]) -> Option<()> {
         for (i, b) in out.iter_mut().enumerate() {
             let mut one = [0u8];
-            self.ram.read(self.gpa(gfx + i as u64)?, &mut one).ok()?;
+            self.ram
+                .read(self.ram_addr(gfx + i as u64)?, &mut one)
+                .ok()?;
             *b = one[0];
         }
         Some(())
@@ -61,7 +81,7 @@ impl Mem<'_, '_> {
 
     fn write(&self, gfx: u64, data: &[u8]) -> Option<()> {
         for (i, b) in data.iter().enumerate() {
-            self.ram.write(self.gpa(gfx + i as u64)?, &[*b]).ok()?;
+            self.ram.write(self.ram_addr(gfx + i as u64)?, &[*b]).ok()?;
         }
         Some(())
     }
@@ -106,6 +126,19 @@ impl AuditSink for Collect {
     }
 }
 
+/// `mib` MiB of guest RAM laid out as a process buffer inside a guest
+/// (`hag-guest`'s): page `p` at guest physical frame `0x40000 + 3 *
+/// ((p * 613) % pages)`, a permutation far from the page numbers, so
+/// that a GTT entry holding a page number instead of its frame faults.
+pub fn scattered_ram(mib: u64) -> GuestRam {
+    let ram = GuestRam::with_mib(mib).unwrap();
+    let pages = ram.pages();
+    let frames = (0..pages)
+        .map(|p| 0x40000 + 3 * ((p * 613) % pages))
+        .collect();
+    ram.with_frames(frames).unwrap()
+}
+
 impl<'a> FakeGpu<'a> {
     /// A fake hag-sim over `ram`, in its reset state.
     pub fn new(ram: &'a GuestRam) -> Self {
@@ -118,8 +151,12 @@ impl<'a> FakeGpu<'a> {
         regs.insert(r::GTT_ENTRIES_REG, ENTRIES);
         regs.insert(r::INT_MASK, u32::MAX);
         regs.insert(r::ENGINE_STATUS, r::ENGINE_IDLE);
+        let page_of = ram
+            .frame_table()
+            .map(|frames| frames.iter().copied().zip(0..).collect());
         FakeGpu {
             ram,
+            page_of,
             state: RefCell::new(State {
                 regs,
                 gtt: vec![0; ENTRIES as usize],
@@ -152,7 +189,8 @@ impl<'a> FakeGpu<'a> {
         self.state.borrow().resets
     }
 
-    /// Takes the dirty guest pages marked so far and clears them.
+    /// Takes the dirty guest pages (guest physical frames, as the device
+    /// keeps them) marked so far and clears them.
     pub fn take_dirty(&self) -> BTreeSet<u64> {
         std::mem::take(&mut self.state.borrow_mut().dirty)
     }
@@ -198,7 +236,11 @@ impl<'a> FakeGpu<'a> {
         let hws = u64::from(st.regs.get(&r::HWS_PGA).copied().unwrap_or(0));
         let ram = self.ram;
         let gtt = std::mem::take(&mut st.gtt);
-        let mut mem = Mem { ram, gtt: &gtt };
+        let mut mem = Mem {
+            ram,
+            gtt: &gtt,
+            page_of: self.page_of.as_ref(),
+        };
         // As the device: a wrapped submission is audited as two runs, so a
         // command split at the ring's end is truncated.
         let parts = if tail > head {

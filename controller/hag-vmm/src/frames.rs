@@ -23,7 +23,10 @@
 //! Then the CPU writes `i + 1` to the control page. After the last
 //! iteration [`Frames::verify`] checks all of guest RAM the workload owns
 //! against a model (frames, every history slot, counter, control page,
-//! status page seqno) and that every page it never allocated is still zero.
+//! status page seqno) and that every page it never allocated is still zero;
+//! [`Frames::check`] does the same and counts every mismatch. A run can
+//! also end early, between iterations ([`Frames::finish`]: `hag-guest` runs
+//! for a time rather than a number of iterations).
 //!
 //! The loop is a sequence of [`Frames::step`]s: "submit iteration `i`" and
 //! "wait for it, then advance `i`". A VM paused between the two has GPU
@@ -185,6 +188,62 @@ impl FramesState {
             state.iterations
         );
         Ok(state)
+    }
+}
+
+/// What [`Frames::check`] found different from the model.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Mismatches {
+    /// The first mismatch, in [`Frames::verify`]'s words.
+    pub first: Option<String>,
+    /// Mismatches per kind (a singular noun: `history slot`, `frame
+    /// pixel`, `scratch dword`, `non-zero unallocated page`, ...), in the
+    /// order first seen.
+    pub counts: Vec<(&'static str, u64)>,
+}
+
+impl Mismatches {
+    /// Counts one mismatch of `kind`; `what` describes it if it is the
+    /// first.
+    pub fn add(&mut self, kind: &'static str, what: impl FnOnce() -> String) {
+        if self.first.is_none() {
+            self.first = Some(what());
+        }
+        match self.counts.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, n)) => *n += 1,
+            None => self.counts.push((kind, 1)),
+        }
+    }
+
+    /// Mismatches in all.
+    pub fn total(&self) -> u64 {
+        self.counts.iter().map(|(_, n)| n).sum()
+    }
+
+    /// Whether everything matched.
+    pub fn is_empty(&self) -> bool {
+        self.first.is_none()
+    }
+}
+
+impl std::fmt::Display for Mismatches {
+    /// `FIRST (N mismatches: n KINDs, ...)`, or `no mismatch`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Some(first) = &self.first else {
+            return write!(f, "no mismatch");
+        };
+        let total = self.total();
+        write!(
+            f,
+            "{first} ({total} mismatch{}: ",
+            if total == 1 { "" } else { "es" }
+        )?;
+        for (i, (kind, n)) in self.counts.iter().enumerate() {
+            let sep = if i > 0 { ", " } else { "" };
+            let s = if *n == 1 { "" } else { "s" };
+            write!(f, "{sep}{n} {kind}{s}")?;
+        }
+        write!(f, ")")
     }
 }
 
@@ -369,24 +428,57 @@ impl Frames {
         }
     }
 
+    /// Ends the run after the iterations done so far, between iterations
+    /// (not with one submitted): from then on [`Frames::step`] is finished
+    /// and [`Frames::verify`] checks exactly the iterations that ran.
+    /// Returns their number.
+    pub fn finish<R: Registers>(&mut self, drv: &Driver<'_, R>) -> anyhow::Result<u32> {
+        if let Phase::Submitted(i) = self.phase {
+            bail!("iteration {i} is still running");
+        }
+        self.iterations = self.iteration(&drv.mem())?.min(self.iterations);
+        self.phase = Phase::Done;
+        Ok(self.iterations)
+    }
+
     /// Checks every byte the workload owns after all iterations, and that
     /// every graphics page it never allocated is zero. Returns the
-    /// iterations verified.
+    /// iterations verified, or the first mismatch (see [`Frames::check`]).
     pub fn verify<R: Registers>(&self, drv: &Driver<'_, R>) -> anyhow::Result<u32> {
+        let found = self.check(drv)?;
+        if let Some(first) = found.first {
+            bail!("{first}");
+        }
+        Ok(self.iterations)
+    }
+
+    /// [`Frames::verify`]'s checks, all of them, counting every mismatch
+    /// rather than stopping at the first. Fails only when memory cannot be
+    /// read.
+    pub fn check<R: Registers>(&self, drv: &Driver<'_, R>) -> anyhow::Result<Mismatches> {
         let mem = drv.mem();
         let n = self.iterations;
         let l = &self.layout;
+        let scattered = drv.ram().frame_table().is_some();
         let where_ = |gfx: u64| match drv.gtt().translate(gfx) {
+            Some(gpa) if scattered => format!(
+                "gfx {gfx:#x} (buffer page {}, guest physical {:#x})",
+                gpa / PAGE_SIZE,
+                drv.ram().frame(gpa / PAGE_SIZE).unwrap_or(0) * PAGE_SIZE + gpa % PAGE_SIZE
+            ),
             Some(gpa) => format!("gfx {gfx:#x} (guest page {})", gpa / PAGE_SIZE),
             None => format!("gfx {gfx:#x}"),
         };
-        let expect = |gfx: u64, want: u32, what: &str| -> anyhow::Result<()> {
+        let mut found = Mismatches::default();
+        let mut expect = |gfx: u64, want: u32, what: &'static str| -> anyhow::Result<()> {
             let got = mem.read_u32(gfx)?;
             if got != want {
-                bail!(
-                    "{what} at {} is {got:#010x}, expected {want:#010x}",
-                    where_(gfx)
-                );
+                found.add(what, || {
+                    format!(
+                        "{what} at {} is {got:#010x}, expected {want:#010x}",
+                        where_(gfx)
+                    )
+                });
             }
             Ok(())
         };
@@ -406,10 +498,12 @@ impl Frames {
                 let got = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
                 let want = if i < n { history(i) } else { 0 };
                 if got != want {
-                    bail!(
-                        "history slot {i} at {} is {got:#010x}, expected {want:#010x}",
-                        where_(gfx + 4 * d as u64)
-                    );
+                    found.add("history slot", || {
+                        format!(
+                            "history slot {i} at {} is {got:#010x}, expected {want:#010x}",
+                            where_(gfx + 4 * d as u64)
+                        )
+                    });
                 }
             }
         }
@@ -433,12 +527,14 @@ impl Frames {
             for (px, (b, w)) in frame.chunks_exact(4).zip(want).enumerate() {
                 let got = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
                 if got != *w {
-                    bail!(
-                        "frame {k} pixel ({}, {}) at {} is {got:#010x}, expected {w:#010x}",
-                        px as u32 % FRAME_W,
-                        px as u32 / FRAME_W,
-                        where_(base + 4 * px as u64)
-                    );
+                    found.add("frame pixel", || {
+                        format!(
+                            "frame {k} pixel ({}, {}) at {} is {got:#010x}, expected {w:#010x}",
+                            px as u32 % FRAME_W,
+                            px as u32 / FRAME_W,
+                            where_(base + 4 * px as u64)
+                        )
+                    });
                 }
             }
         }
@@ -460,10 +556,12 @@ impl Frames {
                 for (d, b) in page.chunks_exact(4).enumerate() {
                     let got = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
                     if got != want {
-                        bail!(
-                            "scratch window {w} page {pg} at {} is {got:#010x}, expected {want:#010x}",
-                            where_(gfx + 4 * d as u64)
-                        );
+                        found.add("scratch dword", || {
+                            format!(
+                                "scratch window {w} page {pg} at {} is {got:#010x}, expected {want:#010x}",
+                                where_(gfx + 4 * d as u64)
+                            )
+                        });
                     }
                 }
             }
@@ -473,14 +571,16 @@ impl Frames {
         for g in used..drv.gtt().pages() {
             mem.read(g * PAGE_SIZE, &mut page)?;
             if let Some(at) = page.iter().position(|&b| b != 0) {
-                bail!(
-                    "unallocated page at {} is not zero (byte {at:#x} is {:#04x})",
-                    where_(g * PAGE_SIZE),
-                    page[at]
-                );
+                found.add("non-zero unallocated page", || {
+                    format!(
+                        "unallocated page at {} is not zero (byte {at:#x} is {:#04x})",
+                        where_(g * PAGE_SIZE),
+                        page[at]
+                    )
+                });
             }
         }
-        Ok(n)
+        Ok(found)
     }
 }
 
@@ -533,6 +633,89 @@ mod tests {
         drv.mem().write_u32(slot, 0).unwrap();
         let err = frames.verify(&drv).unwrap_err().to_string();
         assert!(err.starts_with("history slot 5 at gfx"), "{err}");
+    }
+
+    /// The guest's layout: RAM pages scattered over guest physical memory
+    /// (`hag-guest`'s buffer). The GTT carries the frames, the workload
+    /// runs and verifies, and a lost GPU write still fails verification.
+    #[test]
+    fn runs_and_verifies_on_scattered_guest_memory() {
+        let ram = crate::fake::scattered_ram(4);
+        let gpu = FakeGpu::new(&ram);
+        let mut drv = Driver::init(&gpu, &ram, DriverConfig::default()).unwrap();
+        for g in 0..drv.gtt().pages() {
+            let page = drv.gtt().guest_page(g).unwrap();
+            let want = (ram.frame(page).unwrap() << 12) | 1;
+            assert_eq!(gpu.gtt_entry(g), want, "GTT entry {g}");
+            assert_ne!(ram.frame(page), Some(page));
+        }
+        let mut frames = Frames::start(&mut drv, MAX_ITERATIONS).unwrap();
+        for _ in 0..2 * 40 {
+            assert_eq!(frames.step(&mut drv).unwrap(), Step::Continue);
+        }
+        assert_eq!(frames.finish(&drv).unwrap(), 40);
+        assert_eq!(frames.step(&mut drv).unwrap(), Step::Finished);
+        assert_eq!(frames.verify(&drv).unwrap(), 40);
+        assert!(frames.check(&drv).unwrap().is_empty());
+        // The device saw every write at its guest physical frame.
+        let dirty = gpu.take_dirty();
+        let slot = frames.layout.slot(5);
+        let page = drv.gtt().translate(slot).unwrap() / PAGE_SIZE;
+        assert!(dirty.contains(&ram.frame(page).unwrap()));
+        assert!(!dirty.contains(&page));
+
+        // History slot 5, written once by the GPU, lost as a migration that
+        // copied its page before the write would lose it.
+        drv.mem().write_u32(slot, 0).unwrap();
+        let err = frames.verify(&drv).unwrap_err().to_string();
+        let at = format!(
+            "history slot 5 at gfx {slot:#x} (buffer page {page}, guest physical {:#x}) is 0x00000000, expected {:#010x}",
+            ram.frame(page).unwrap() * PAGE_SIZE + slot % PAGE_SIZE,
+            history(5)
+        );
+        assert_eq!(err, at);
+        let found = frames.check(&drv).unwrap();
+        assert_eq!(found.counts, vec![("history slot", 1)]);
+        assert_eq!(
+            found.to_string(),
+            format!("{at} (1 mismatch: 1 history slot)")
+        );
+
+        // A whole frame page left as it was before the last iterations.
+        let gfx = frames.layout.frame(2) + PAGE_SIZE;
+        drv.mem().write(gfx, &[0u8; PAGE_SIZE as usize]).unwrap();
+        let found = frames.check(&drv).unwrap();
+        assert_eq!(found.first.as_deref(), Some(at.as_str()));
+        assert_eq!(
+            found.counts,
+            vec![("history slot", 1), ("frame pixel", PAGE_SIZE / 4)]
+        );
+        assert_eq!(found.total(), 1 + PAGE_SIZE / 4);
+        assert!(found
+            .to_string()
+            .ends_with("(1025 mismatches: 1 history slot, 1024 frame pixels)"));
+    }
+
+    #[test]
+    fn a_run_ends_early_between_iterations_only() {
+        let ram = GuestRam::with_mib(4).unwrap();
+        let gpu = FakeGpu::new(&ram);
+        let mut drv = Driver::init(&gpu, &ram, DriverConfig::default()).unwrap();
+        let mut frames = Frames::start(&mut drv, 100).unwrap();
+        for _ in 0..2 * 7 + 1 {
+            frames.step(&mut drv).unwrap();
+        }
+        assert_eq!(frames.phase(), Phase::Submitted(7));
+        assert!(frames.finish(&drv).is_err());
+        frames.step(&mut drv).unwrap();
+        assert_eq!(frames.finish(&drv).unwrap(), 8);
+        assert_eq!(frames.iterations(), 8);
+        assert_eq!(frames.verify(&drv).unwrap(), 8);
+        // Slot 8 was never written: a stray value there is caught.
+        drv.mem().write_u32(frames.layout.slot(8), 1).unwrap();
+        let err = frames.verify(&drv).unwrap_err().to_string();
+        assert!(err.starts_with("history slot 8 at gfx"), "{err}");
+        assert!(err.contains("(guest page "), "{err}");
     }
 
     #[test]

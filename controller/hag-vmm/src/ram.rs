@@ -2,6 +2,16 @@
 //! (QEMU's layout for the IOVA space a vGPU sees), with bounds-checked
 //! access by guest physical address, snapshots and page diffs.
 //!
+//! The same type is the working memory of `hag-guest`, the driver that runs
+//! as a process inside a real VM: a locked buffer of that process
+//! ([`GuestRam::new_locked`]) whose pages lie scattered in the VM's
+//! physical memory, each at the frame its table says
+//! ([`GuestRam::with_frames`]). Addresses into a `GuestRam` (`gpa` below)
+//! are always offsets in the mapping; in `hag-vmm` they are the guest
+//! physical addresses themselves, in `hag-guest` page `p` is at guest
+//! physical frame [`GuestRam::frame`]`(p)`, which is what a device is told
+//! (the driver's GTT entries).
+//!
 //! The vGPU writes this memory by DMA (through VFIO's pinning) while the
 //! VMM holds it, so no Rust reference to its bytes is ever handed out: every
 //! access copies through a raw pointer.
@@ -41,6 +51,17 @@ pub enum RamError {
     /// A size of zero or not a whole number of pages.
     #[error("guest RAM size {0:#x} is not a positive multiple of 4 KiB")]
     BadSize(u64),
+    /// `mlock` of a [`GuestRam::new_locked`] mapping failed.
+    #[error("cannot lock {mib} MiB in memory: {errno} (needs root, CAP_IPC_LOCK or a large enough RLIMIT_MEMLOCK)")]
+    Lock {
+        /// Size asked for.
+        mib: u64,
+        /// What mlock said.
+        errno: nix::errno::Errno,
+    },
+    /// A frame table for [`GuestRam::with_frames`] that does not fit.
+    #[error("bad frame table: {0}")]
+    BadFrames(String),
 }
 
 /// Guest RAM.
@@ -53,6 +74,9 @@ pub struct GuestRam {
     /// The log of this process's writes through [`GuestRam::write`], if
     /// kept (what KVM's dirty log is for a real VM's CPU).
     cpu_dirty: Option<Arc<CpuDirtyLog>>,
+    /// The guest physical frame of each page ([`GuestRam::with_frames`]);
+    /// `None`: page `p` is frame `p`.
+    frames: Option<Box<[u64]>>,
 }
 
 /// The length of a mapping of `size` bytes of guest RAM: whole pages, at
@@ -91,7 +115,105 @@ impl GuestRam {
             size,
             fd: None,
             cpu_dirty: None,
+            frames: None,
         })
+    }
+
+    /// Maps `size` bytes of zeroed memory that stays resident for as long
+    /// as it is mapped: populated and locked (`MAP_POPULATE | MAP_LOCKED`,
+    /// then `mlock`, which unlike `MAP_LOCKED` fails when the pages cannot
+    /// be locked), and every page written once, so that each is a page of
+    /// its own and not the shared zero page. This is memory a process lends
+    /// a device by physical address (`hag-guest`, which says why its frames
+    /// stay put); give it its frames with [`GuestRam::with_frames`].
+    pub fn new_locked(size: u64) -> Result<Self, RamError> {
+        let len = mapping_len(size)?;
+        let mib = size >> 20;
+        // SAFETY: as in `new`: a fresh private anonymous mapping aliases no
+        // Rust object, is unmapped only in `Drop`, and no reference into it
+        // is ever made.
+        let ptr = unsafe {
+            mmap_anonymous(
+                None,
+                len,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_PRIVATE | MapFlags::MAP_POPULATE | MapFlags::MAP_LOCKED,
+            )
+        }
+        .map_err(|errno| match errno {
+            // MAP_LOCKED past RLIMIT_MEMLOCK.
+            nix::errno::Errno::EAGAIN => RamError::Lock { mib, errno },
+            errno => RamError::Map { mib, errno },
+        })?;
+        // From here on `ram` owns the mapping: an error below unmaps it.
+        let ram = GuestRam {
+            base: ptr.cast(),
+            size,
+            fd: None,
+            cpu_dirty: None,
+            frames: None,
+        };
+        // SAFETY: `ptr`/`len` are exactly the mapping just made; locking
+        // changes no byte of it.
+        unsafe { nix::sys::mman::mlock(ptr, len.get()) }
+            .map_err(|errno| RamError::Lock { mib, errno })?;
+        for page in 0..ram.pages() {
+            // SAFETY: `page * PAGE_SIZE` is inside the live, writable
+            // mapping (`page < pages`); the mapping is fresh, so the byte is
+            // zero and writing zero changes nothing but forces a private
+            // page. Volatile, so the store is not elided.
+            unsafe {
+                ram.base
+                    .as_ptr()
+                    .add((page * PAGE_SIZE) as usize)
+                    .write_volatile(0);
+            }
+        }
+        Ok(ram)
+    }
+
+    /// Says where each page is in guest physical memory: page `p` is
+    /// frame `frames[p]`. The table has one frame per page, no two alike
+    /// (for `hag-guest`, read from `/proc/self/pagemap`; tests use a
+    /// permutation). Accesses still address the mapping by offset; only
+    /// [`GuestRam::frame`] changes, which is what the driver puts in GTT
+    /// entries.
+    pub fn with_frames(mut self, frames: Vec<u64>) -> Result<Self, RamError> {
+        if frames.len() as u64 != self.pages() {
+            return Err(RamError::BadFrames(format!(
+                "{} frames for {} pages",
+                frames.len(),
+                self.pages()
+            )));
+        }
+        let mut sorted: Vec<(u64, usize)> = frames.iter().copied().zip(0..).collect();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(RamError::BadFrames(format!(
+                "pages {} and {} are both frame {:#x}",
+                w[0].1, w[1].1, w[0].0
+            )));
+        }
+        self.frames = Some(frames.into_boxed_slice());
+        Ok(self)
+    }
+
+    /// The guest physical frame number of page `page` (`page` itself
+    /// unless [`GuestRam::with_frames`] said otherwise); `None` past the
+    /// end.
+    pub fn frame(&self, page: u64) -> Option<u64> {
+        if page >= self.pages() {
+            return None;
+        }
+        match &self.frames {
+            None => Some(page),
+            Some(table) => table.get(usize::try_from(page).ok()?).copied(),
+        }
+    }
+
+    /// The frame table given by [`GuestRam::with_frames`], if any.
+    pub fn frame_table(&self) -> Option<&[u64]> {
+        self.frames.as_deref()
     }
 
     /// Maps `mib` MiB of guest RAM.
@@ -324,6 +446,7 @@ impl GuestRam {
             size,
             fd: Some(fd),
             cpu_dirty: None,
+            frames: None,
         })
     }
 
@@ -413,6 +536,45 @@ mod tests {
         assert_eq!(log.read_clear(), vec![0, 0, 0]);
         let fd = ram.fd().unwrap().try_clone_to_owned().unwrap();
         assert!(GuestRam::map_fd(fd, 131 * PAGE_SIZE).is_err());
+    }
+
+    #[test]
+    fn frames_default_to_page_numbers_and_must_be_one_per_page() {
+        let ram = GuestRam::new(4 * PAGE_SIZE).unwrap();
+        assert_eq!(ram.frame(3), Some(3));
+        assert_eq!(ram.frame(4), None);
+        assert!(ram.frame_table().is_none());
+        let err = |r: Result<GuestRam, RamError>| r.err().unwrap().to_string();
+        let ram = || GuestRam::new(4 * PAGE_SIZE).unwrap();
+        assert_eq!(
+            err(ram().with_frames(vec![9, 7, 8])),
+            "bad frame table: 3 frames for 4 pages"
+        );
+        assert_eq!(
+            err(ram().with_frames(vec![9, 7, 8, 7])),
+            "bad frame table: pages 1 and 3 are both frame 0x7"
+        );
+        let ram = ram().with_frames(vec![9, 7, 8, 0x100]).unwrap();
+        assert_eq!(ram.frame(0), Some(9));
+        assert_eq!(ram.frame(3), Some(0x100));
+        assert_eq!(ram.frame(4), None);
+        assert_eq!(ram.frame_table(), Some(&[9, 7, 8, 0x100][..]));
+        // Accesses still go by offset.
+        ram.write_u32(3 * PAGE_SIZE, 5).unwrap();
+        assert_eq!(ram.read_u32(3 * PAGE_SIZE).unwrap(), 5);
+    }
+
+    #[test]
+    fn locked_ram_is_zero_and_writable() {
+        // Four pages fit under the smallest RLIMIT_MEMLOCK (64 KiB).
+        let ram = match GuestRam::new_locked(4 * PAGE_SIZE) {
+            Err(RamError::Lock { .. }) => return, // a limit of 0 here
+            r => r.unwrap(),
+        };
+        assert!((0..4).all(|p| ram.page_is_zero(p).unwrap()));
+        ram.write_u32(0x3ffc, 1).unwrap();
+        assert_eq!(ram.read_u32(0x3ffc).unwrap(), 1);
+        assert!(GuestRam::new_locked(0).is_err());
     }
 
     #[test]
