@@ -49,6 +49,7 @@ use crate::migrate::{
     MigrationReport, Source,
 };
 use crate::pagehash::PageHashes;
+use crate::vmm::Vmm;
 use crate::wire::{read_msg, write_msg, Msg, PageData, PAGE, PAGES_PER_FRAME};
 
 /// Options of `hagctl checkpoint`.
@@ -645,6 +646,7 @@ impl Primary {
         self.save_status("syncing", "");
         self.src
             .vm
+            .client()
             .hold_output(true)
             .map_err(|e| EpochError::Vm(e.to_string()))?;
         eprintln!(
@@ -671,6 +673,7 @@ impl Primary {
         let st = self
             .src
             .vm
+            .client()
             .status()
             .map_err(|e| EpochError::Vm(e.to_string()))?;
         let finished = match (st.state.as_str(), st.passed) {
@@ -739,6 +742,7 @@ impl Primary {
             report.iteration = self
                 .src
                 .vm
+                .client()
                 .pause()
                 .map_err(|e| EpochError::Retry(format!("cannot pause the VM: {e}")))?;
             self.src.paused = true;
@@ -787,6 +791,7 @@ impl Primary {
         let vm_state = self
             .src
             .vm
+            .client()
             .get_state()
             .map_err(|e| EpochError::Retry(format!("cannot get the VM state: {e}")))?;
         let pages: Vec<u64> = self.carry.iter().copied().collect();
@@ -801,6 +806,7 @@ impl Primary {
         // Console output so far belongs to this epoch.
         self.src
             .vm
+            .client()
             .mark_epoch(self.epoch + 1)
             .map_err(|e| EpochError::Vm(e.to_string()))?;
         Ok((pages, raw, context, vm_state))
@@ -882,6 +888,7 @@ impl Primary {
         cap.report.released = self
             .src
             .vm
+            .client()
             .release_output(self.epoch)
             .map_err(|e| EpochError::Vm(e.to_string()))?;
         let r = &cap.report;
@@ -926,7 +933,7 @@ impl Primary {
         // path, nobody can contradict it: let it out.
         let backup_alive = self.link.lock().heard_any.elapsed() <= self.link.timeout;
         if !backup_alive {
-            let _ = self.src.vm.hold_output(false);
+            let _ = self.src.vm.client().hold_output(false);
         }
         self.save_status("unprotected", why);
     }
@@ -986,7 +993,7 @@ impl Primary {
                 let r = self.sync();
                 if first {
                     if let Err(EpochError::Link(why)) = &r {
-                        let _ = self.src.vm.hold_output(false);
+                        let _ = self.src.vm.client().hold_output(false);
                         anyhow::bail!("cannot protect the VM: backup {}: {why}", self.opts.backup);
                     }
                 }
@@ -1024,7 +1031,7 @@ impl Primary {
                         },
                     );
                     Link::cut(&mut self.link.lock());
-                    let _ = self.src.vm.hold_output(false);
+                    let _ = self.src.vm.client().hold_output(false);
                     if why == "finished" {
                         return Ok(self.close(
                             "finished",
@@ -1049,7 +1056,7 @@ impl Primary {
                 }
                 if !self.link.lock().connected && self.status.state == "unprotected" {
                     // Unprotected: a finished VM just ends.
-                    if let Ok(st) = self.src.vm.status() {
+                    if let Ok(st) = self.src.vm.client().status() {
                         if st.state == "finished" || st.state == "stopped" {
                             return Ok(self.close(
                                 "vm-stopped",

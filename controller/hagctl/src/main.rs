@@ -27,6 +27,11 @@
 //! vgpu-created vgpu=1 uuid=83b8f4f2-509f-382f-3c1e-e6bfe0fa1001 message="created"
 //! ```
 //!
+//! `migrate` and `receive` move a VM with its vGPU to another host: a QEMU's
+//! own migration, started, watched and reported over QMP (`--qmp`), or a
+//! `hag-vmm` VM copied by hagctl itself (`--vm`). Both are written against
+//! one VMM interface, [`vmm::Vmm`].
+//!
 //! All `unsafe` is in the shared `hag_dev` crate, around the `/dev/hag` ioctls.
 
 mod backup;
@@ -36,13 +41,178 @@ mod events;
 mod migrate;
 mod output;
 mod pagehash;
+// The VMM interface is whole; today's commands use only part of it (the
+// QEMU checkpointing work is to use save_device_state; hag-vmm's pause is
+// called through its client, for the workload's iteration).
+#[cfg_attr(not(test), allow(dead_code))]
+mod vmm;
+mod vmm_migrate;
 mod wire;
 
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use clap::{ArgGroup, CommandFactory, FromArgMatches, Parser, Subcommand};
 use hag_abi::abi;
+
+const MIGRATE_HELP: &str = "\
+Two ways to name the VM, one of them required:
+  --qmp SOCKET  a QEMU (10 or later; usually under libvirt). QEMU migrates
+                the VM itself; hagctl starts, watches and reports it.
+  --vm SOCKET   a hag-vmm test VM; hagctl copies it with its own protocol.
+Each mode's options say '--qmp:' or '--vm:' and are refused in the other.
+
+WITH --qmp (QEMU)
+
+What hagctl does: connects to QEMU's QMP socket (QEMU serves one client per
+socket: under libvirt, give QEMU a second -qmp socket for hagctl); checks
+that the VM is running or paused and not migrating; reads query-migrate's
+blocked-reasons and, if there are any, refuses naming each; sets the
+capabilities (return-path=on unless --capability return-path=off, then each
+--capability in order), downtime-limit (--max-downtime, default 300 ms,
+QEMU's own default), max-bandwidth (--bandwidth; default: QEMU's setting as
+it is, 128 MiB/s in QEMU 10 unless changed) and each --parameter; then
+'migrate' with uri tcp:HOST:PORT. QEMU's refusal of any of these is named.
+A target that refuses the connection (not listening yet) is retried for
+--connect-timeout.
+
+What QEMU does: all the rest. It copies guest RAM in rounds while the VM
+runs (KVM's dirty log; for a hag vGPU also the pages of its VFIO
+DMA-logging report), pauses the VM once the rest fits in the downtime
+limit, sends the last pages and the device state (the vGPU's context
+through VFIO migration v2), and the target loads it and starts the VM.
+With return-path the target tells the source whether it loaded everything,
+after starting its VM; QEMU completes only then, and otherwise fails the
+migration and resumes the source VM.
+
+The VM must never run twice: after success the source QEMU is paused in
+postmigrate, and hagctl ends it (QMP quit). --keep-source leaves it paused
+instead (never 'cont' it while the target runs). With return-path off the
+source cannot know that the target loaded the state, so hagctl leaves it
+paused whatever the options, and says so.
+
+SIGINT or SIGTERM (Ctrl-C) during the migration, or --timeout, sends
+migrate_cancel: QEMU stops and the source VM runs on; hagctl reports its
+run state and exits 1. A second signal exits at once (status 130). A
+migration that completed before the cancel took is a success.
+
+Other QEMU capabilities and parameters, by QEMU's names (see QEMU's
+migrate-set-capabilities and migrate-set-parameters; those marked * must be
+set on the target too, with hagctl receive --capability/--parameter):
+  --capability multifd=on* with --parameter multifd-channels=N*
+  --capability x-ignore-shared=on*  RAM in a shared backend is not sent
+  --capability switchover-ack=on*   the target acknowledges VFIO precopy data
+  --capability auto-converge=on     throttle vCPUs that dirty too fast
+  --capability events=on            QEMU emits MIGRATION events
+  --parameter avail-switchover-bandwidth=BYTES, multifd-compression=zstd*,
+  tls-creds=ID (VALUE is JSON if it parses as JSON, else a string)
+
+Progress on stderr, about once a second:
+  migration active at 3.2 s: 12.0 MiB sent, 40.0 MiB of 64.0 MiB left, dirtying 1200 pages/s, round 3, expected downtime 120 ms, 136.4 Mbit/s
+With --json each is one JSON object per line instead: {\"status\",
+\"elapsed_ms\", \"transferred\", \"remaining\", \"total\", \"dirty_pages_rate\",
+\"rounds\", \"expected_downtime_ms\", \"mbps\"}, null where QEMU says nothing yet.
+hagctl's other stderr lines start with 'hagctl:'.
+
+Report on stdout, QEMU's own figures (downtime, total-time, setup-time,
+ram.transferred, ram.dirty-sync-count as rounds, ram.mbps):
+  migrated to 192.0.2.11:7100 by QEMU 10.0.2 at vm.qmp: downtime 15 ms, total time 48 ms (setup 5 ms), 716.1 KiB transferred in 2 rounds, 136.4 Mbit/s
+    RAM 64.5 MiB, 12.0 KiB sent during downtime, VFIO device state 1.0 MiB, downtime limit 300 ms
+    source: QEMU ended (quit); the VM runs on the target only
+JSON (--json): one object with to, vmm, status, downtime_ms,
+total_time_ms, setup_time_ms, transferred_bytes, rounds, throughput_mbps,
+ram_total_bytes, downtime_bytes, vfio_transferred_bytes, downtime_limit_ms,
+max_bandwidth (bytes/s), capabilities [\"NAME=on|off\"], attempts, source
+(quit, kept-paused, paused-no-return-path); null where QEMU said nothing.
+Failure: one line with QEMU's error-desc (or each blocker) and what the
+source VM does now, exit status 1.
+
+WITH --vm (hag-vmm)
+
+Iterative pre-copy of guest RAM: round 0 sends every non-zero page, each
+later round the pages the VM's CPU dirtied (from the VMM) or its GPU dirtied
+(from hag's dirty log), until a round would send at most --threshold-pages
+or --max-rounds is reached. Then stop-and-copy: pause the VM, quiesce the
+vGPU, send the last dirty pages, the vGPU context and the VM state; the
+target restores them and resumes, and the source VM is stopped. Before the
+target's acknowledgement, any failure resumes the source VM and discards
+the target's.
+
+Progress on stderr, one line per round:
+  round 3: 412 pages, 1.6 MiB → 0.3 MiB compressed
+Text report on stdout:
+  migrated to 192.0.2.11:7100: downtime 84.2 ms (quiesce 1.3 ms), 3 rounds, …
+    round 0 (precopy): 240 pages (0 zero; cpu 0, gpu 0), 0.9 MiB → 0.1 MiB on the wire, 210.4 ms
+JSON report (--json): one object with downtime_ms, quiesce_ms, rounds,
+per_round [{round, kind, pages, zero_pages, cpu_dirty, gpu_dirty, raw_bytes,
+wire_bytes, ms}], total_pages, total_bytes, downtime_bytes, context_bytes,
+vm_state_bytes, paused_at_iteration, gpu_dirty, total_ms.
+
+--gpu-dirty says where the GPU's dirty pages come from (the report's
+gpu_dirty_mode):
+  audit  hag's audited GPU dirty log (the default);
+  full   no tracking: during stop-and-copy, every guest page the vGPU's GTT
+         maps (read from the saved vGPU context) is copied; the report then
+         has gpu_full_copy true and gtt_pages (--gpu-full-copy is the same);
+  hash   page hashing: each pre-copy round hashes every page of guest RAM,
+         stop-and-copy every GTT-mapped page, and sends those whose hash
+         changed since sent; the report has hashed_pages and hash_ms (also
+         per round), the cost of it;
+  none   ignore the GPU: pages only the GPU wrote are missed, which the
+         workload's own check must catch (for tests; --no-gpu-dirty).
+--no-compress sends every page raw (zero pages too) instead of LZ4.
+
+--inject-fault damages the stream on purpose (for tests only):
+corrupt-page flips a byte of the last PAGES frame of round 0 after its CRC
+was computed; truncate-context sends half of the CONTEXT frame during
+stop-and-copy and closes the connection. The target must refuse and discard
+its VM, and the source VM must run on.";
+
+const RECEIVE_HELP: &str = "\
+Two ways to name the incoming VM, one of them required:
+  --qmp SOCKET  a QEMU started with -incoming defer: QEMU receives the
+                migration itself; hagctl has it listen, and waits.
+  --vm SOCKET   a 'hag-vmm serve --incoming' VM: hagctl receives the stream.
+
+WITH --qmp (QEMU)
+
+hagctl checks that QEMU waits for a migration (run state inmigrate, no
+migrate-incoming yet), sets each --capability and --parameter (the ones a
+source setting needs on both sides: multifd, multifd-channels,
+x-ignore-shared, switchover-ack, …), then issues migrate-incoming with uri
+tcp:ADDR:PORT and exit-on-error false, so that a failed migration leaves
+QEMU up to say why. On stderr: 'hagctl: QEMU … waits for a migration on
+ADDR:PORT' (with the port QEMU got, for port 0). It then waits until
+query-migrate says completed and query-status says running.
+
+QEMU does the rest: it accepts the source's connection, loads RAM and the
+device state (the vGPU's context through VFIO migration v2: a vGPU that
+refuses a damaged state fails the load), starts the VM and tells the source
+over the return path. A VM that arrives paused (QEMU started with -S, as
+libvirt does, or the VM was paused on the source) is resumed with --cont,
+and else waited for (someone else may 'cont' it).
+
+A failed migration: hagctl prints QEMU's error-desc (QEMU's own log, its
+stderr, names the device that refused), ends that QEMU (quit; --keep-failed
+leaves it) and exits 1; the source VM runs on. --timeout (default: none)
+ends the wait with exit status 1 and leaves QEMU as it is.
+
+Text report: 'received on ADDR:PORT by QEMU 10.0.2 at vm.qmp: migration
+completed 1.2 s after listening (48 ms after the source began), VM running
+here'. JSON (--json): {listen, vmm, status, run_state, resumed (by --cont),
+waited_ms (listening to completed), transfer_ms (the source's first data to
+completed, to within 100 ms), running_ms}.
+
+WITH --vm (hag-vmm)
+
+Listens on ADDR:PORT for one `hagctl migrate`, writes the pages into the
+incoming VM's guest RAM (hag-vmm serve --incoming), restores the vGPU
+context into its vGPU, sets the VM state and resumes it. If the stream is
+damaged, truncated or aborted, the incoming VM is told to quit.
+
+Text report: 'received from ADDR: N rounds, P pages (Z zero), … VM resumed
+here'. JSON (--json): {from, rounds, pages, zero_pages, context_bytes,
+vm_state_bytes, bytes, resumed}.";
 
 #[derive(Parser)]
 #[command(
@@ -112,83 +282,83 @@ Every line of stdout is flushed as soon as it is printed.")]
         #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
         timeout: Option<Duration>,
     },
-    /// Live-migrate a hag-vmm VM with its vGPU to a host running `hagctl receive`
-    #[command(after_long_help = "\
-Iterative pre-copy of guest RAM: round 0 sends every non-zero page, each
-later round the pages the VM's CPU dirtied (from the VMM) or its GPU dirtied
-(from hag's dirty log), until a round would send at most --threshold-pages
-or --max-rounds is reached. Then stop-and-copy: pause the VM, quiesce the
-vGPU, send the last dirty pages, the vGPU context and the VM state; the
-target restores them and resumes, and the source VM is stopped. Before the
-target's acknowledgement, any failure resumes the source VM and discards
-the target's.
-
-Progress on stderr, one line per round:
-  round 3: 412 pages, 1.6 MiB → 0.3 MiB compressed
-Text report on stdout:
-  migrated to 192.0.2.11:7100: downtime 84.2 ms (quiesce 1.3 ms), 3 rounds, …
-    round 0 (precopy): 240 pages (0 zero; cpu 0, gpu 0), 0.9 MiB → 0.1 MiB on the wire, 210.4 ms
-JSON report (--json): one object with downtime_ms, quiesce_ms, rounds,
-per_round [{round, kind, pages, zero_pages, cpu_dirty, gpu_dirty, raw_bytes,
-wire_bytes, ms}], total_pages, total_bytes, downtime_bytes, context_bytes,
-vm_state_bytes, paused_at_iteration, gpu_dirty, total_ms.
-
---gpu-dirty says where the GPU's dirty pages come from (the report's
-gpu_dirty_mode):
-  audit  hag's audited GPU dirty log (the default);
-  full   no tracking: during stop-and-copy, every guest page the vGPU's GTT
-         maps (read from the saved vGPU context) is copied; the report then
-         has gpu_full_copy true and gtt_pages (--gpu-full-copy is the same);
-  hash   page hashing: each pre-copy round hashes every page of guest RAM,
-         stop-and-copy every GTT-mapped page, and sends those whose hash
-         changed since sent; the report has hashed_pages and hash_ms (also
-         per round), the cost of it;
-  none   ignore the GPU: pages only the GPU wrote are missed, which the
-         workload's own check must catch (for tests; --no-gpu-dirty).
---no-compress sends every page raw (zero pages too) instead of LZ4.
-
---inject-fault damages the stream on purpose (for tests only):
-corrupt-page flips a byte of the last PAGES frame of round 0 after its CRC
-was computed; truncate-context sends half of the CONTEXT frame during
-stop-and-copy and closes the connection. The target must refuse and discard
-its VM, and the source VM must run on.")]
+    /// Live-migrate a VM with its vGPU: a QEMU (--qmp) or a hag-vmm (--vm)
+    #[command(group(ArgGroup::new("source").required(true).args(["vm", "qmp"])))]
+    #[command(after_long_help = MIGRATE_HELP)]
     Migrate {
-        /// Control socket of the source VM (hag-vmm serve --control)
+        /// Control socket of the source hag-vmm VM (hag-vmm serve --control)
         #[arg(long, value_name = "SOCKET")]
-        vm: std::path::PathBuf,
-        /// The target, where `hagctl receive` listens
+        vm: Option<std::path::PathBuf>,
+        /// QMP socket of the source QEMU (QEMU migrates the VM itself)
+        #[arg(long, value_name = "SOCKET")]
+        qmp: Option<std::path::PathBuf>,
+        /// The target: where `hagctl receive` listens (or has QEMU listen)
         #[arg(long, value_name = "HOST:PORT")]
         to: String,
-        /// Most rounds, the stop-and-copy one included (at least 2)
-        #[arg(long, value_name = "N", default_value_t = 8,
+        /// --vm: most rounds, the stop-and-copy one included (at least 2)
+        #[arg(long, value_name = "N", default_value_t = 8, conflicts_with = "qmp",
               value_parser = clap::value_parser!(u32).range(2..=1000))]
         max_rounds: u32,
-        /// Stop and copy once at most this many pages are dirty
-        #[arg(long, value_name = "N", default_value_t = 256)]
+        /// --vm: stop and copy once at most this many pages are dirty
+        #[arg(long, value_name = "N", default_value_t = 256, conflicts_with = "qmp")]
         threshold_pages: u64,
-        /// How long the vGPU may take to go idle at stop time
-        #[arg(long, value_name = "MS", default_value_t = 2000,
+        /// --vm: how long the vGPU may take to go idle at stop time
+        #[arg(long, value_name = "MS", default_value_t = 2000, conflicts_with = "qmp",
               value_parser = clap::value_parser!(u32).range(1..=i64::from(abi::QUIESCE_MAX_MS)))]
         quiesce_timeout_ms: u32,
-        /// Where the GPU's dirty pages come from: audit, full, hash, none
-        #[arg(long, value_name = "MODE", value_enum, default_value_t = migrate::GpuDirty::Audit)]
+        /// --vm: where the GPU's dirty pages come from: audit, full, hash, none
+        #[arg(long, value_name = "MODE", value_enum, default_value_t = migrate::GpuDirty::Audit,
+              conflicts_with = "qmp")]
         gpu_dirty: migrate::GpuDirty,
         /// Same as --gpu-dirty none
-        #[arg(long, conflicts_with_all = ["gpu_dirty", "gpu_full_copy"], hide_short_help = true)]
+        #[arg(long, conflicts_with_all = ["gpu_dirty", "gpu_full_copy", "qmp"], hide_short_help = true)]
         no_gpu_dirty: bool,
         /// Same as --gpu-dirty full
-        #[arg(long, conflicts_with = "gpu_dirty", hide_short_help = true)]
+        #[arg(long, conflicts_with_all = ["gpu_dirty", "qmp"], hide_short_help = true)]
         gpu_full_copy: bool,
-        /// Send pages raw instead of LZ4-compressed (baseline)
-        #[arg(long)]
+        /// --vm: send pages raw instead of LZ4-compressed (baseline)
+        #[arg(long, conflicts_with = "qmp")]
         no_compress: bool,
         /// For tests only: damage the stream (corrupt-page, truncate-context)
-        #[arg(long, value_name = "FAULT", value_enum, hide_short_help = true)]
+        #[arg(
+            long,
+            value_name = "FAULT",
+            value_enum,
+            hide_short_help = true,
+            conflicts_with = "qmp"
+        )]
         inject_fault: Option<migrate::Fault>,
-        /// Keep trying to connect to the target for SECONDS
+        /// Keep trying to reach the target for SECONDS (--qmp: retry while
+        /// the target refuses the connection)
         #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = parse_seconds)]
         connect_timeout: Duration,
-        /// Print one JSON object instead of text
+        /// --qmp: the longest pause allowed for the last round, ms
+        /// (QEMU's downtime-limit)
+        #[arg(long, value_name = "MS", default_value_t = 300, conflicts_with = "vm",
+              value_parser = clap::value_parser!(u64).range(1..=2_000_000))]
+        max_downtime: u64,
+        /// --qmp: bandwidth limit (QEMU's max-bandwidth) per second: 100
+        /// (MiB), 512KiB, 1.5GiB; default: QEMU's setting
+        #[arg(long, value_name = "RATE", conflicts_with = "vm",
+              value_parser = vmm_migrate::parse_bandwidth)]
+        bandwidth: Option<u64>,
+        /// --qmp: set a migration capability, NAME=on|off (repeatable)
+        #[arg(long, value_name = "NAME=on|off", conflicts_with = "vm",
+              value_parser = vmm_migrate::parse_capability)]
+        capability: Vec<(String, bool)>,
+        /// --qmp: set a migration parameter, NAME=VALUE (repeatable)
+        #[arg(long, value_name = "NAME=VALUE", conflicts_with = "vm",
+              value_parser = vmm_migrate::parse_parameter)]
+        parameter: Vec<(String, serde_json::Value)>,
+        /// --qmp: leave the source QEMU paused (postmigrate) after success
+        /// instead of ending it
+        #[arg(long, conflicts_with = "vm")]
+        keep_source: bool,
+        /// --qmp: cancel a migration still running after SECONDS
+        #[arg(long, value_name = "SECONDS", conflicts_with = "vm", value_parser = parse_seconds)]
+        timeout: Option<Duration>,
+        /// Print the report as one JSON object (--qmp: progress too, as
+        /// JSON lines on stderr)
         #[arg(long)]
         json: bool,
     },
@@ -332,23 +502,40 @@ the VM's status. If the primary ends protection (its VM finished), it exits
         #[arg(long, value_name = "UUID", conflicts_with = "vgpu")]
         mdev: Option<String>,
     },
-    /// Receive one migration into an incoming hag-vmm VM
-    #[command(after_long_help = "\
-Listens on ADDR:PORT for one `hagctl migrate`, writes the pages into the
-incoming VM's guest RAM (hag-vmm serve --incoming), restores the vGPU
-context into its vGPU, sets the VM state and resumes it. If the stream is
-damaged, truncated or aborted, the incoming VM is told to quit.
-
-Text report: 'received from ADDR: N rounds, P pages (Z zero), … VM resumed
-here'. JSON (--json): {from, rounds, pages, zero_pages, context_bytes,
-vm_state_bytes, bytes, resumed}.")]
+    /// Receive one migration: into a QEMU (--qmp) or a hag-vmm (--vm)
+    #[command(group(ArgGroup::new("target").required(true).args(["vm", "qmp"])))]
+    #[command(after_long_help = RECEIVE_HELP)]
     Receive {
-        /// Address and port to listen on
+        /// Address and port to listen on (--qmp: QEMU listens; port 0: any)
         #[arg(long, value_name = "ADDR:PORT")]
         listen: String,
-        /// Control socket of the incoming VM
+        /// Control socket of the incoming hag-vmm VM (hag-vmm serve --incoming)
         #[arg(long, value_name = "SOCKET")]
-        vm: std::path::PathBuf,
+        vm: Option<std::path::PathBuf>,
+        /// QMP socket of the incoming QEMU (started with -incoming defer)
+        #[arg(long, value_name = "SOCKET")]
+        qmp: Option<std::path::PathBuf>,
+        /// --qmp: give up after SECONDS without a completed migration and a
+        /// running VM (default: wait as long as it takes)
+        #[arg(long, value_name = "SECONDS", conflicts_with = "vm", value_parser = parse_seconds)]
+        timeout: Option<Duration>,
+        /// --qmp: resume a VM that arrives paused (QEMU started with -S)
+        #[arg(long, conflicts_with = "vm")]
+        cont: bool,
+        /// --qmp: set a migration capability on the target, NAME=on|off
+        /// (repeatable)
+        #[arg(long, value_name = "NAME=on|off", conflicts_with = "vm",
+              value_parser = vmm_migrate::parse_capability)]
+        capability: Vec<(String, bool)>,
+        /// --qmp: set a migration parameter on the target, NAME=VALUE
+        /// (repeatable)
+        #[arg(long, value_name = "NAME=VALUE", conflicts_with = "vm",
+              value_parser = vmm_migrate::parse_parameter)]
+        parameter: Vec<(String, serde_json::Value)>,
+        /// --qmp: leave a QEMU whose incoming migration failed running
+        /// instead of ending it
+        #[arg(long, conflicts_with = "vm")]
+        keep_failed: bool,
         /// Print one JSON object instead of text
         #[arg(long)]
         json: bool,
@@ -423,6 +610,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         })?,
         Command::Migrate {
             vm,
+            qmp,
             to,
             max_rounds,
             threshold_pages,
@@ -433,28 +621,58 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             no_compress,
             inject_fault,
             connect_timeout,
+            max_downtime,
+            bandwidth,
+            capability,
+            parameter,
+            keep_source,
+            timeout,
             json,
-        } => {
-            let gpu_dirty = if no_gpu_dirty {
-                migrate::GpuDirty::None
-            } else if gpu_full_copy {
-                migrate::GpuDirty::Full
-            } else {
-                gpu_dirty
-            };
-            let report = migrate::migrate(&migrate::MigrateOptions {
-                vm,
-                to,
-                max_rounds,
-                threshold_pages,
-                quiesce_timeout_ms,
-                gpu_dirty,
-                compress: !no_compress,
-                connect_timeout,
-                inject_fault,
-            })?;
-            print_report(json, &report, report.text())?;
-        }
+        } => match (vm, qmp) {
+            (_, Some(qmp)) => {
+                let opts = vmm_migrate::VmmMigrateOptions {
+                    to: vmm::MigrationAddress::parse_tcp(&to).map_err(anyhow::Error::msg)?,
+                    settings: vmm::MigrationSettings {
+                        downtime_limit_ms: Some(max_downtime),
+                        max_bandwidth: bandwidth,
+                        capabilities: capability,
+                        parameters: parameter,
+                    },
+                    keep_source,
+                    connect_timeout,
+                    timeout,
+                    json,
+                    progress_every: Duration::from_secs(1),
+                };
+                // Before any other thread: they all inherit the mask.
+                let stop = vmm_migrate::watch_stop_signals()?;
+                let mut qemu = vmm::qemu::Qemu::connect(&qmp, vmm::qmp::DEFAULT_TIMEOUT)?;
+                let report = vmm_migrate::migrate(&mut qemu, &opts, &stop)?;
+                print_report(json, &report, report.text())?;
+            }
+            (Some(vm), None) => {
+                let gpu_dirty = if no_gpu_dirty {
+                    migrate::GpuDirty::None
+                } else if gpu_full_copy {
+                    migrate::GpuDirty::Full
+                } else {
+                    gpu_dirty
+                };
+                let report = migrate::migrate(&migrate::MigrateOptions {
+                    vm,
+                    to,
+                    max_rounds,
+                    threshold_pages,
+                    quiesce_timeout_ms,
+                    gpu_dirty,
+                    compress: !no_compress,
+                    connect_timeout,
+                    inject_fault,
+                })?;
+                print_report(json, &report, report.text())?;
+            }
+            (None, None) => anyhow::bail!("--vm or --qmp is needed"),
+        },
         Command::Checkpoint {
             vm,
             backup,
@@ -532,10 +750,40 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             dev.inject_hang(id)?;
             eprintln!("hagctl: vGPU {id} declared hung");
         }
-        Command::Receive { listen, vm, json } => {
-            let report = migrate::receive(&migrate::ReceiveOptions { listen, vm })?;
-            print_report(json, &report, report.text())?;
-        }
+        Command::Receive {
+            listen,
+            vm,
+            qmp,
+            timeout,
+            cont,
+            capability,
+            parameter,
+            keep_failed,
+            json,
+        } => match (vm, qmp) {
+            (_, Some(qmp)) => {
+                let opts = vmm_migrate::VmmReceiveOptions {
+                    listen: vmm::MigrationAddress::parse_tcp(&listen)
+                        .map_err(anyhow::Error::msg)?,
+                    settings: vmm::MigrationSettings {
+                        capabilities: capability,
+                        parameters: parameter,
+                        ..vmm::MigrationSettings::default()
+                    },
+                    timeout,
+                    cont,
+                    keep_failed,
+                };
+                let mut qemu = vmm::qemu::Qemu::connect(&qmp, vmm::qmp::DEFAULT_TIMEOUT)?;
+                let report = vmm_migrate::receive(&mut qemu, &opts)?;
+                print_report(json, &report, report.text())?;
+            }
+            (Some(vm), None) => {
+                let report = migrate::receive(&migrate::ReceiveOptions { listen, vm })?;
+                print_report(json, &report, report.text())?;
+            }
+            (None, None) => anyhow::bail!("--vm or --qmp is needed"),
+        },
     }
     Ok(())
 }
@@ -596,6 +844,106 @@ mod tests {
         assert_eq!(gpu_dirty, migrate::GpuDirty::Full);
         // A backup fed by a log that ignores the GPU would miss writes.
         assert!(parse(&[&cp[..], &["--gpu-dirty", "none"]].concat()).is_err());
+    }
+
+    #[test]
+    fn qmp_and_vm_are_two_exclusive_ways_to_name_the_vm() {
+        let parse = |args: &[&str]| Cli::try_parse_from(args.iter().copied());
+        let Command::Migrate {
+            qmp,
+            vm,
+            max_downtime,
+            bandwidth,
+            capability,
+            parameter,
+            keep_source,
+            timeout,
+            ..
+        } = parse(&[
+            "hagctl",
+            "migrate",
+            "--qmp",
+            "vm.qmp",
+            "--to",
+            "h:1",
+            "--bandwidth",
+            "512KiB",
+            "--capability",
+            "x-ignore-shared=on",
+            "--capability",
+            "events=off",
+            "--parameter",
+            "multifd-channels=4",
+        ])
+        .unwrap()
+        .command
+        else {
+            panic!("not migrate");
+        };
+        assert_eq!(qmp.as_deref(), Some(std::path::Path::new("vm.qmp")));
+        assert!(vm.is_none());
+        // QEMU's own default downtime limit.
+        assert_eq!(max_downtime, 300);
+        assert_eq!(bandwidth, Some(512 << 10));
+        assert_eq!(
+            capability,
+            [
+                ("x-ignore-shared".to_owned(), true),
+                ("events".to_owned(), false)
+            ]
+        );
+        assert_eq!(parameter, [("multifd-channels".to_owned(), 4.into())]);
+        assert!(!keep_source && timeout.is_none());
+        // One of the two, not both, not neither.
+        assert!(parse(&["hagctl", "migrate", "--to", "h:1"]).is_err());
+        assert!(parse(&["hagctl", "migrate", "--vm", "s", "--qmp", "q", "--to", "h:1"]).is_err());
+        // Each mode's options are refused in the other.
+        let qmp = ["hagctl", "migrate", "--qmp", "q", "--to", "h:1"];
+        let vm = ["hagctl", "migrate", "--vm", "s", "--to", "h:1"];
+        for flag in [
+            &["--max-rounds", "3"][..],
+            &["--no-compress"],
+            &["--gpu-dirty", "hash"],
+        ] {
+            assert!(parse(&[&qmp[..], flag].concat()).is_err(), "{flag:?}");
+            assert!(parse(&[&vm[..], flag].concat()).is_ok(), "{flag:?}");
+        }
+        for flag in [
+            &["--max-downtime", "100"][..],
+            &["--keep-source"],
+            &["--bandwidth", "10"],
+            &["--capability", "events=on"],
+            &["--timeout", "5"],
+        ] {
+            assert!(parse(&[&vm[..], flag].concat()).is_err(), "{flag:?}");
+            assert!(parse(&[&qmp[..], flag].concat()).is_ok(), "{flag:?}");
+        }
+        assert!(parse(&[&qmp[..], &["--capability", "events"]].concat()).is_err());
+        assert!(parse(&[&qmp[..], &["--max-downtime", "0"]].concat()).is_err());
+        // receive, the same way.
+        let Command::Receive {
+            qmp, timeout, cont, ..
+        } = parse(&[
+            "hagctl",
+            "receive",
+            "--qmp",
+            "q",
+            "--listen",
+            "0.0.0.0:7100",
+            "--timeout",
+            "30",
+            "--cont",
+        ])
+        .unwrap()
+        .command
+        else {
+            panic!("not receive");
+        };
+        assert!(qmp.is_some() && cont);
+        assert_eq!(timeout, Some(Duration::from_secs(30)));
+        assert!(parse(&["hagctl", "receive", "--listen", "a:1"]).is_err());
+        assert!(parse(&["hagctl", "receive", "--listen", "a:1", "--vm", "s", "--cont"]).is_err());
+        assert!(parse(&["hagctl", "receive", "--listen", "a:1", "--vm", "s"]).is_ok());
     }
 
     #[test]

@@ -30,6 +30,8 @@ use hag_vmm::control::VmClient;
 use hag_vmm::ram::{GuestRam, PAGE_SIZE};
 
 use crate::pagehash::{PageHashes, Scan};
+use crate::vmm::hagvmm::HagVmm;
+use crate::vmm::{RunKind, Vmm, VmmError};
 use crate::wire::{
     self, read_msg, write_msg, Msg, PageData, ReceiveError, Received, Receiver, Target,
     COMMIT_PHASE, PAGE, PAGES_PER_FRAME, VERSION_MAX, VERSION_MIN,
@@ -115,6 +117,9 @@ pub enum MigrateError {
     /// Reaching the VM.
     #[error(transparent)]
     Vm(#[from] hag_vmm::control::ControlError),
+    /// The VM's VMM.
+    #[error(transparent)]
+    Vmm(#[from] VmmError),
     /// `/dev/hag`.
     #[error(transparent)]
     Open(#[from] hag_dev::OpenError),
@@ -341,7 +346,7 @@ pub(crate) fn connect(to: &str, timeout: Duration) -> Result<TcpStream, MigrateE
 /// The source side's live connections (also the primary's, for
 /// `hagctl checkpoint`).
 pub(crate) struct Source {
-    pub(crate) vm: VmClient,
+    pub(crate) vm: HagVmm,
     pub(crate) ram: GuestRam,
     pub(crate) dev: Device,
     pub(crate) vgpu_id: u32,
@@ -371,14 +376,14 @@ pub(crate) struct Dirty {
 /// host's `/dev/hag` and the VM's vGPU id.
 pub(crate) fn open_running(
     path: &std::path::Path,
-) -> Result<(VmClient, GuestRam, Device, u32), MigrateError> {
-    let mut vm = VmClient::connect(path)?;
-    let status = vm.status()?;
-    if status.state != "running" {
-        return Err(MigrateError::NotRunning(status.state));
+) -> Result<(HagVmm, GuestRam, Device, u32), MigrateError> {
+    let mut vm = HagVmm::connect(path)?;
+    let state = vm.run_state()?;
+    if !state.is_running() {
+        return Err(MigrateError::NotRunning(state.name));
     }
-    let ram = vm.ram()?;
-    let (_mdev, vgpu_id) = vm.vgpu()?;
+    let ram = vm.guest_memory()?;
+    let (_mdev, vgpu_id) = vm.client().vgpu()?;
     let dev = Device::open()?;
     dev.version()?;
     Ok((vm, ram, dev, vgpu_id))
@@ -388,7 +393,7 @@ impl Source {
     /// Connects to `opts.to` (retrying for `opts.connect_timeout`) to copy
     /// the VM out.
     pub(crate) fn connect(
-        vm: VmClient,
+        vm: HagVmm,
         ram: GuestRam,
         dev: Device,
         vgpu_id: u32,
@@ -456,7 +461,7 @@ impl Source {
     /// Reads and clears both dirty logs; adds the previous round's GPU
     /// pages (see the module docs).
     pub(crate) fn collect(&mut self) -> Result<Dirty, MigrateError> {
-        let cpu_words = self.vm.cpu_dirty()?;
+        let cpu_words = self.vm.cpu_dirty_log()?;
         let cpu: BTreeSet<u64> = bitmap_pages(&cpu_words).collect();
         let mut gpu = BTreeSet::new();
         let limit = self.ram.pages();
@@ -681,7 +686,8 @@ impl Source {
         start: Instant,
     ) -> Result<(), MigrateError> {
         let paused_at = Instant::now();
-        report.paused_at_iteration = self.vm.pause()?;
+        // Through the client: the trait's pause has no workload iteration.
+        report.paused_at_iteration = self.vm.client().pause()?;
         self.paused = true;
         let tq = Instant::now();
         match self.dev.quiesce(self.vgpu_id, self.opts.quiesce_timeout_ms) {
@@ -724,7 +730,7 @@ impl Source {
             ..RoundReport::default()
         };
         self.send_round(round, pages, &mut r)?;
-        let state = self.vm.get_state()?;
+        let state = self.vm.client().get_state()?;
         report.context_bytes = context.len() as u64;
         report.vm_state_bytes = state.len() as u64;
         if self.opts.inject_fault == Some(Fault::TruncateContext) {
@@ -911,17 +917,17 @@ impl Target for IncomingVm {
 
 /// `hagctl receive`.
 pub fn receive(opts: &ReceiveOptions) -> anyhow::Result<ReceiveReport> {
-    let mut vm = VmClient::connect(&opts.vm)?;
-    let status = vm.status()?;
-    if status.state != "incoming" {
+    let mut vm = HagVmm::connect(&opts.vm)?;
+    let state = vm.run_state()?;
+    if state.kind != RunKind::Incoming {
         anyhow::bail!(
             "the VM at {} is {}, not incoming (start it with hag-vmm serve --incoming)",
             opts.vm.display(),
-            status.state
+            state
         );
     }
-    let ram = vm.ram()?;
-    let mut target = IncomingVm::open(vm, ram)?;
+    let ram = vm.guest_memory()?;
+    let mut target = IncomingVm::open(vm.into_client(), ram)?;
     let listener = TcpListener::bind(&opts.listen)
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
     eprintln!("hagctl: waiting for a migration on {}", opts.listen);

@@ -1,0 +1,680 @@
+//! The [`Vmm`] driver for QEMU (10 or later), over QMP ([`super::qmp`]).
+//!
+//! QEMU migrates a VM itself: guest RAM with KVM's dirty log (and, for a
+//! hag vGPU, the pages its VFIO DMA-logging report names), then the device
+//! state, the vGPU's through VFIO migration v2. This driver sets the
+//! migration up (`migrate-set-capabilities`, `migrate-set-parameters`),
+//! starts it (`migrate`, `migrate-incoming`), watches it (`query-migrate`)
+//! and cancels it (`migrate_cancel`); pause, resume and the run state are
+//! `stop`, `cont` and `query-status`. QEMU keeps guest RAM and the CPU dirty
+//! log to itself over QMP: those two features are missing here (hagctl's
+//! checkpointing gets them from a shared memory backend instead).
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Map, Value};
+
+use super::qmp::{QemuVersion, Qmp};
+use super::{
+    Feature, MigrationAddress, MigrationInfo, MigrationSettings, RamProgress, RunKind, RunState,
+    SavedState, Vmm, VmmError,
+};
+
+/// The oldest QEMU whose `migrate-incoming` takes `exit-on-error`.
+const EXIT_ON_ERROR_SINCE: QemuVersion = QemuVersion {
+    major: 9,
+    minor: 1,
+    micro: 0,
+};
+
+/// Longest [`Vmm::save_device_state`] before it is cancelled.
+const SAVE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// A QEMU, through its QMP socket.
+pub struct Qemu {
+    qmp: Qmp,
+    saves: u64,
+}
+
+/// What QEMU's run states (`query-status`'s `status`) mean.
+pub fn run_state(status: &str) -> RunState {
+    let kind = match status {
+        "running" => RunKind::Running,
+        "inmigrate" => RunKind::Incoming,
+        "postmigrate" => RunKind::Migrated,
+        "finish-migrate" | "colo" => RunKind::Migrating,
+        "paused" | "prelaunch" | "suspended" | "debug" | "save-vm" | "restore-vm" | "watchdog"
+        | "io-error" => RunKind::Paused,
+        _ => RunKind::Stopped,
+    };
+    RunState::new(kind, status)
+}
+
+fn uint(v: &Value, key: &str) -> Option<u64> {
+    let f = v.get(key)?;
+    f.as_u64()
+        .or_else(|| f.as_f64().filter(|x| *x >= 0.0).map(|x| x as u64))
+}
+
+/// `query-migrate`'s reply, every field but `status` optional (QEMU shows
+/// each only in some states; a field of an unexpected type counts as
+/// missing). `{}` (no migration yet) is status `none`.
+pub fn parse_query_migrate(v: &Value) -> Result<MigrationInfo, String> {
+    if !v.is_object() {
+        return Err(format!("query-migrate returned {v}, not an object"));
+    }
+    let text = |key: &str| v.get(key).and_then(Value::as_str).map(str::to_owned);
+    let mut blocked_reasons: Vec<String> = v
+        .get("blocked-reasons")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default();
+    // Older QEMUs said only "blocked": true.
+    if blocked_reasons.is_empty() && v.get("blocked").and_then(Value::as_bool) == Some(true) {
+        blocked_reasons.push("migration is blocked (QEMU gave no reason)".into());
+    }
+    let ram = v.get("ram").filter(|r| r.is_object()).map(|r| RamProgress {
+        transferred: uint(r, "transferred"),
+        remaining: uint(r, "remaining"),
+        total: uint(r, "total"),
+        dirty_pages_rate: uint(r, "dirty-pages-rate"),
+        dirty_sync_count: uint(r, "dirty-sync-count"),
+        mbps: r.get("mbps").and_then(Value::as_f64),
+        downtime_bytes: uint(r, "downtime-bytes"),
+        precopy_bytes: uint(r, "precopy-bytes"),
+        normal_pages: uint(r, "normal"),
+        zero_pages: uint(r, "duplicate"),
+        page_size: uint(r, "page-size"),
+    });
+    let listening = v
+        .get("socket-address")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(|s| {
+                    let host = s.get("host")?.as_str()?;
+                    let port = s.get("port")?;
+                    let port = port
+                        .as_str()
+                        .map(str::to_owned)
+                        .or_else(|| port.as_u64().map(|p| p.to_string()))?;
+                    Some(if host.contains(':') {
+                        format!("[{host}]:{port}")
+                    } else {
+                        format!("{host}:{port}")
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(MigrationInfo {
+        status: text("status").unwrap_or_else(|| "none".into()),
+        error: text("error-desc"),
+        blocked_reasons,
+        total_time_ms: uint(v, "total-time"),
+        setup_time_ms: uint(v, "setup-time"),
+        downtime_ms: uint(v, "downtime"),
+        expected_downtime_ms: uint(v, "expected-downtime"),
+        ram,
+        vfio_transferred: v.get("vfio").and_then(|f| uint(f, "transferred")),
+        listening,
+    })
+}
+
+/// `migrate-set-capabilities`' arguments.
+pub fn capabilities_args(caps: &[(String, bool)]) -> Value {
+    json!({
+        "capabilities": caps
+            .iter()
+            .map(|(name, on)| json!({"capability": name, "state": on}))
+            .collect::<Vec<_>>()
+    })
+}
+
+/// `migrate-set-parameters`' arguments (`None` if there is nothing to set).
+pub fn parameters_args(settings: &MigrationSettings) -> Option<Value> {
+    let mut args = Map::new();
+    if let Some(ms) = settings.downtime_limit_ms {
+        args.insert("downtime-limit".into(), ms.into());
+    }
+    if let Some(bw) = settings.max_bandwidth {
+        args.insert("max-bandwidth".into(), bw.into());
+    }
+    for (name, value) in &settings.parameters {
+        args.insert(name.clone(), value.clone());
+    }
+    (!args.is_empty()).then_some(Value::Object(args))
+}
+
+impl Qemu {
+    /// Connects to the QMP socket at `path` (greeting and
+    /// `qmp_capabilities` within `timeout`, which is also every later
+    /// command's deadline).
+    pub fn connect(path: &Path, timeout: Duration) -> Result<Qemu, VmmError> {
+        Ok(Qemu::from_qmp(Qmp::connect(path, timeout)?))
+    }
+
+    /// The driver over a QMP connection in command mode.
+    pub fn from_qmp(qmp: Qmp) -> Qemu {
+        Qemu { qmp, saves: 0 }
+    }
+
+    /// QEMU's version.
+    pub fn version(&self) -> QemuVersion {
+        self.qmp.greeting().version
+    }
+
+    /// The QMP connection (its buffered events, other commands).
+    pub fn qmp(&mut self) -> &mut Qmp {
+        &mut self.qmp
+    }
+
+    /// Sets migration capabilities and parameters (capabilities first: a
+    /// parameter may need one). Refused while a migration runs.
+    pub fn apply(&mut self, settings: &MigrationSettings) -> Result<(), VmmError> {
+        if !settings.capabilities.is_empty() {
+            self.qmp.execute(
+                "migrate-set-capabilities",
+                Some(capabilities_args(&settings.capabilities)),
+            )?;
+        }
+        if let Some(args) = parameters_args(settings) {
+            self.qmp.execute("migrate-set-parameters", Some(args))?;
+        }
+        Ok(())
+    }
+
+    /// Runs a migration into `uri` (the VM paused) to its end.
+    fn await_save(&mut self, uri: &str) -> Result<SavedState, VmmError> {
+        self.qmp.execute("migrate", Some(json!({ "uri": uri })))?;
+        let start = Instant::now();
+        loop {
+            let info = self.migration_info()?;
+            match info.status.as_str() {
+                "completed" => {
+                    return Ok(SavedState {
+                        bytes: info.ram.and_then(|r| r.transferred),
+                    })
+                }
+                "failed" | "cancelled" => {
+                    return Err(self.protocol(format!(
+                        "saving the device state {}: {}",
+                        info.status,
+                        info.error.unwrap_or_else(|| "QEMU gave no reason".into())
+                    )))
+                }
+                _ if start.elapsed() > SAVE_TIMEOUT => {
+                    let _ = self.cancel_migration();
+                    return Err(self.protocol(format!(
+                        "saving the device state took over {} s; cancelled",
+                        SAVE_TIMEOUT.as_secs()
+                    )));
+                }
+                _ => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    }
+
+    fn protocol(&self, what: String) -> VmmError {
+        VmmError::Protocol {
+            vmm: self.describe(),
+            what,
+        }
+    }
+}
+
+impl Vmm for Qemu {
+    fn describe(&self) -> String {
+        format!("QEMU {} at {}", self.version(), self.qmp.path().display())
+    }
+
+    fn features(&self) -> &'static [Feature] {
+        &[
+            Feature::RunState,
+            Feature::Pause,
+            Feature::Resume,
+            Feature::Quit,
+            Feature::SaveDeviceState,
+            Feature::Migrate,
+            Feature::Incoming,
+        ]
+    }
+
+    fn unsupported(&self, feature: Feature) -> VmmError {
+        VmmError::Unsupported {
+            vmm: self.describe(),
+            feature,
+            hint: match feature {
+                Feature::GuestMemory | Feature::CpuDirtyLog => {
+                    "QEMU keeps them to itself over QMP; give the VM a shared memory backend \
+                     (memory-backend-file/memfd, share=on) to reach its RAM"
+                }
+                _ => "",
+            },
+        }
+    }
+
+    fn run_state(&mut self) -> Result<RunState, VmmError> {
+        let v = self.qmp.execute("query-status", None)?;
+        let status = v
+            .get("status")
+            .and_then(Value::as_str)
+            .ok_or_else(|| self.protocol(format!("query-status returned {v}")))?;
+        Ok(run_state(status))
+    }
+
+    /// `stop`: QEMU returns once the vCPUs are stopped.
+    fn pause(&mut self) -> Result<(), VmmError> {
+        self.qmp.execute("stop", None)?;
+        Ok(())
+    }
+
+    /// `cont`: also from `postmigrate` (after [`Vmm::save_device_state`], or
+    /// a migration that must be undone).
+    fn resume(&mut self) -> Result<(), VmmError> {
+        self.qmp.execute("cont", None)?;
+        Ok(())
+    }
+
+    /// `quit`: QEMU answers, then exits (closing the socket).
+    fn quit(&mut self) -> Result<(), VmmError> {
+        match self.qmp.execute("quit", None) {
+            Ok(_) => Ok(()),
+            // It may be gone before its answer arrives.
+            Err(e) if e.is_closed() => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// A migration into `into` (`getfd`, `migrate fd:NAME`), which QEMU
+    /// writes from its migration thread; returns when QEMU reports it
+    /// completed. Afterwards QEMU's run state is `postmigrate` (paused;
+    /// [`Vmm::resume`] continues it). Set `x-ignore-shared` first to leave
+    /// out RAM in a shared backend.
+    fn save_device_state(&mut self, into: OwnedFd) -> Result<SavedState, VmmError> {
+        let state = self.run_state()?;
+        if state.kind != RunKind::Paused {
+            return Err(VmmError::State {
+                vmm: self.describe(),
+                doing: "save the device state",
+                state: state.name,
+            });
+        }
+        self.saves += 1;
+        // A regular file goes through an fd set as file: (QEMU 10 calls fd:
+        // to a file deprecated); a pipe or socket as fd:.
+        let is_file = std::fs::File::from(into.try_clone().map_err(|source| VmmError::Io {
+            what: "duplicating the state fd".into(),
+            source,
+        })?)
+        .metadata()
+        .is_ok_and(|m| m.file_type().is_file());
+        let (uri, cleanup) = if is_file {
+            let added = self.qmp.execute_with_fd("add-fd", None, into.as_fd())?;
+            let set = added
+                .get("fdset-id")
+                .and_then(Value::as_u64)
+                .ok_or_else(|| self.protocol(format!("add-fd returned {added}")))?;
+            (
+                format!("file:/dev/fdset/{set}"),
+                ("remove-fd", json!({ "fdset-id": set })),
+            )
+        } else {
+            let name = format!("hagctl-save-{}", self.saves);
+            self.qmp
+                .execute_with_fd("getfd", Some(json!({ "fdname": name })), into.as_fd())?;
+            (format!("fd:{name}"), ("closefd", json!({ "fdname": name })))
+        };
+        // QEMU has its own copy: the stream ends when QEMU closes it.
+        drop(into);
+        let result = self.await_save(&uri);
+        // An fd set outlives the migration; a getfd name is gone after it.
+        if is_file || result.is_err() {
+            let _ = self.qmp.execute(cleanup.0, Some(cleanup.1));
+        }
+        result
+    }
+
+    fn migration_blockers(&mut self) -> Result<Vec<String>, VmmError> {
+        Ok(self.migration_info()?.blocked_reasons)
+    }
+
+    fn start_migration(
+        &mut self,
+        to: &MigrationAddress,
+        settings: &MigrationSettings,
+    ) -> Result<(), VmmError> {
+        self.apply(settings)?;
+        self.qmp
+            .execute("migrate", Some(json!({ "uri": to.qemu_uri() })))?;
+        Ok(())
+    }
+
+    /// `migrate-incoming` with `exit-on-error: false` (QEMU 9.1 and
+    /// later): a failed incoming migration leaves QEMU running, in
+    /// `inmigrate`, with its `error-desc` in `query-migrate`, instead of
+    /// exiting.
+    fn start_incoming(
+        &mut self,
+        on: &MigrationAddress,
+        settings: &MigrationSettings,
+    ) -> Result<(), VmmError> {
+        self.apply(settings)?;
+        let mut args = json!({ "uri": on.qemu_uri() });
+        if self.version() >= EXIT_ON_ERROR_SINCE {
+            args["exit-on-error"] = false.into();
+        }
+        self.qmp.execute("migrate-incoming", Some(args))?;
+        Ok(())
+    }
+
+    fn migration_info(&mut self) -> Result<MigrationInfo, VmmError> {
+        let v = self.qmp.execute("query-migrate", None)?;
+        parse_query_migrate(&v).map_err(|what| self.protocol(what))
+    }
+
+    fn cancel_migration(&mut self) -> Result<(), VmmError> {
+        self.qmp.execute("migrate_cancel", None)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::qmp::tests::{fake_qemu, ret};
+    use super::*;
+
+    #[test]
+    fn run_states_map() {
+        assert!(run_state("running").is_running());
+        assert_eq!(run_state("inmigrate").kind, RunKind::Incoming);
+        assert_eq!(run_state("postmigrate").kind, RunKind::Migrated);
+        assert_eq!(run_state("finish-migrate").kind, RunKind::Migrating);
+        for s in ["paused", "prelaunch", "suspended", "io-error"] {
+            assert_eq!(run_state(s).kind, RunKind::Paused, "{s}");
+        }
+        for s in [
+            "shutdown",
+            "internal-error",
+            "guest-panicked",
+            "something-new",
+        ] {
+            assert_eq!(run_state(s).kind, RunKind::Stopped, "{s}");
+        }
+        assert_eq!(run_state("prelaunch").to_string(), "prelaunch");
+    }
+
+    #[test]
+    fn a_completed_migration_parses() {
+        // QEMU 10.0.2, a 64 MiB TCG guest.
+        let v: Value = serde_json::from_str(r#"{"status": "completed", "setup-time": 5, "downtime": 15, "total-time": 48, "ram": {"total": 67641344, "postcopy-requests": 0, "dirty-sync-count": 2, "multifd-bytes": 0, "pages-per-second": 0, "downtime-bytes": 12319, "page-size": 4096, "remaining": 0, "postcopy-bytes": 0, "mbps": 136.42120930232559, "transferred": 733264, "dirty-sync-missed-zero-copy": 0, "precopy-bytes": 644213, "duplicate": 16393, "dirty-pages-rate": 0, "normal-bytes": 507904, "normal": 124}, "vfio": {"transferred": 4096}}"#).unwrap();
+        let info = parse_query_migrate(&v).unwrap();
+        assert_eq!(info.status, "completed");
+        assert!(info.is_finished());
+        assert_eq!(
+            (info.setup_time_ms, info.downtime_ms, info.total_time_ms),
+            (Some(5), Some(15), Some(48))
+        );
+        assert_eq!(info.expected_downtime_ms, None);
+        let ram = info.ram.unwrap();
+        assert_eq!(ram.transferred, Some(733264));
+        assert_eq!(ram.total, Some(67641344));
+        assert_eq!(ram.dirty_sync_count, Some(2));
+        assert_eq!(ram.downtime_bytes, Some(12319));
+        assert_eq!(ram.zero_pages, Some(16393));
+        assert!((ram.mbps.unwrap() - 136.42).abs() < 0.01);
+        assert_eq!(info.vfio_transferred, Some(4096));
+        assert!(info.blocked_reasons.is_empty() && info.error.is_none());
+    }
+
+    #[test]
+    fn partial_and_odd_replies_parse() {
+        let info = parse_query_migrate(&json!({})).unwrap();
+        assert_eq!(info.status, "none");
+        assert!(!info.is_running() && info.ram.is_none());
+        let info = parse_query_migrate(&json!({"status": "setup"})).unwrap();
+        assert!(info.is_running());
+        assert_eq!(info.total_time_ms, None);
+        // A field of a surprising type is just missing.
+        let info = parse_query_migrate(&json!({"status": "active", "expected-downtime": "soon",
+            "total-time": 1200, "ram": {"transferred": 10, "remaining": -1}}))
+        .unwrap();
+        assert_eq!(info.expected_downtime_ms, None);
+        assert_eq!(info.total_time_ms, Some(1200));
+        let ram = info.ram.unwrap();
+        assert_eq!(
+            (ram.transferred, ram.remaining, ram.total),
+            (Some(10), None, None)
+        );
+        assert!(parse_query_migrate(&json!([])).is_err());
+    }
+
+    #[test]
+    fn failures_blockers_and_listeners_parse() {
+        let info = parse_query_migrate(&json!({"status": "failed",
+            "error-desc": "Failed to connect to '127.0.0.1:7312': Connection refused"}))
+        .unwrap();
+        assert!(info.is_finished());
+        assert_eq!(
+            info.error.as_deref(),
+            Some("Failed to connect to '127.0.0.1:7312': Connection refused")
+        );
+        let info = parse_query_migrate(&json!({"blocked-reasons": [
+            "Migration is disabled when using feature 'peer mode' in device 'ivshmem'",
+            "another"]}))
+        .unwrap();
+        assert_eq!(info.status, "none");
+        assert_eq!(info.blocked_reasons.len(), 2);
+        let info = parse_query_migrate(&json!({"blocked": true})).unwrap();
+        assert_eq!(
+            info.blocked_reasons,
+            ["migration is blocked (QEMU gave no reason)"]
+        );
+        let info = parse_query_migrate(&json!({"status": "setup", "socket-address": [
+            {"port": "40961", "ipv4": true, "host": "127.0.0.1", "type": "inet"},
+            {"port": "7100", "host": "::1", "type": "inet"}]}))
+        .unwrap();
+        assert_eq!(info.listening, ["127.0.0.1:40961", "[::1]:7100"]);
+    }
+
+    #[test]
+    fn settings_become_qmp_arguments() {
+        let s = MigrationSettings {
+            downtime_limit_ms: Some(300),
+            max_bandwidth: Some(100 << 20),
+            capabilities: vec![("return-path".into(), true), ("events".into(), false)],
+            parameters: vec![("multifd-channels".into(), 4.into())],
+        };
+        assert_eq!(
+            capabilities_args(&s.capabilities),
+            json!({"capabilities": [{"capability": "return-path", "state": true},
+                                    {"capability": "events", "state": false}]})
+        );
+        assert_eq!(
+            parameters_args(&s).unwrap(),
+            json!({"downtime-limit": 300, "max-bandwidth": 104857600, "multifd-channels": 4})
+        );
+        assert_eq!(parameters_args(&MigrationSettings::default()), None);
+    }
+
+    #[test]
+    fn starts_a_migration_in_qemus_order() {
+        let (qmp, server) = fake_qemu(|req| {
+            let cmd = req["execute"].as_str().unwrap_or_default();
+            Some(match cmd {
+                "query-migrate" => vec![ret(req, json!({"blocked-reasons": ["no, because"]}))],
+                "migrate" if req["arguments"]["uri"] == "tcp:h:2" => {
+                    vec![json!({"id": req["id"], "error": {"class": "GenericError",
+                        "desc": "no, because"}})
+                    .to_string()]
+                }
+                "quit" => vec![ret(req, json!({}))],
+                _ => vec![ret(req, json!({}))],
+            })
+        });
+        let mut vm = Qemu::from_qmp(qmp);
+        assert_eq!(vm.version().to_string(), "10.0.2");
+        assert!(vm.describe().starts_with("QEMU 10.0.2 at "));
+        assert_eq!(vm.migration_blockers().unwrap(), ["no, because"]);
+        let s = MigrationSettings {
+            downtime_limit_ms: Some(300),
+            capabilities: vec![("return-path".into(), true)],
+            ..MigrationSettings::default()
+        };
+        vm.start_migration(&MigrationAddress::parse_tcp("h:1").unwrap(), &s)
+            .unwrap();
+        let e = vm
+            .start_migration(
+                &MigrationAddress::parse_tcp("h:2").unwrap(),
+                &MigrationSettings::default(),
+            )
+            .unwrap_err();
+        assert_eq!(e.qemu_desc(), Some("no, because"));
+        vm.start_incoming(
+            &MigrationAddress::parse_tcp("127.0.0.1:0").unwrap(),
+            &MigrationSettings::default(),
+        )
+        .unwrap();
+        vm.cancel_migration().unwrap();
+        assert!(vm.guest_memory().is_err());
+        let e = vm.cpu_dirty_log().unwrap_err().to_string();
+        assert!(e.contains("cannot hand over the CPU dirty log"), "{e}");
+        vm.quit().unwrap();
+        drop(vm);
+        let seen: Vec<Value> = server.join().unwrap();
+        let cmds: Vec<&str> = seen
+            .iter()
+            .map(|r| r["execute"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            cmds,
+            [
+                "qmp_capabilities",
+                "query-migrate",
+                "migrate-set-capabilities",
+                "migrate-set-parameters",
+                "migrate",
+                "migrate",
+                "migrate-incoming",
+                "migrate_cancel",
+                "quit"
+            ]
+        );
+        assert_eq!(seen[3]["arguments"], json!({"downtime-limit": 300}));
+        assert_eq!(seen[4]["arguments"], json!({"uri": "tcp:h:1"}));
+        assert_eq!(
+            seen[6]["arguments"],
+            json!({"uri": "tcp:127.0.0.1:0", "exit-on-error": false})
+        );
+    }
+
+    /// `qemu-system-x86_64`, if it is QEMU 10 or later.
+    pub(crate) fn qemu_10() -> Option<String> {
+        let out = std::process::Command::new("qemu-system-x86_64")
+            .arg("--version")
+            .output()
+            .ok()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let version = text.split("version ").nth(1)?;
+        let major: u32 = version.split('.').next()?.trim().parse().ok()?;
+        (major >= 10).then(|| version.split_whitespace().next().unwrap_or("").to_owned())
+    }
+
+    /// A real QEMU (TCG, no guest but its firmware): pause, events, save
+    /// the device state into a file, resume, quit. Run with `cargo test --
+    /// --ignored`; skips itself without QEMU 10.
+    #[test]
+    #[ignore = "starts QEMU"]
+    fn a_real_qemu_saves_its_state_and_runs_on() {
+        let Some(version) = qemu_10() else {
+            eprintln!("skipped: no qemu-system-x86_64 10 or later");
+            return;
+        };
+        let dir = std::env::temp_dir().join(format!("hagctl-qemu-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sock = dir.join("vm.qmp");
+        let mut child = std::process::Command::new("qemu-system-x86_64")
+            .args([
+                "-accel",
+                "tcg",
+                "-machine",
+                "q35",
+                "-m",
+                "64",
+                "-nodefaults",
+            ])
+            .args(["-display", "none", "-qmp"])
+            .arg(format!("unix:{},server=on,wait=off", sock.display()))
+            .stdin(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let t = Instant::now();
+        let mut vm = loop {
+            match Qemu::connect(&sock, Duration::from_secs(10)) {
+                Ok(vm) => break vm,
+                Err(_) if t.elapsed() < Duration::from_secs(20) => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+                Err(e) => {
+                    let _ = child.kill();
+                    panic!("{e}");
+                }
+            }
+        };
+        assert_eq!(vm.version().to_string(), version);
+        assert!(vm.run_state().unwrap().is_running());
+        // Saving needs a paused VM.
+        let file = std::fs::File::create(dir.join("state")).unwrap();
+        let e = vm.save_device_state(file.into()).unwrap_err();
+        assert!(matches!(e, VmmError::State { .. }), "{e}");
+        vm.pause().unwrap();
+        assert_eq!(vm.run_state().unwrap().kind, RunKind::Paused);
+        let stop = vm
+            .qmp()
+            .wait_event(|e| e.name == "STOP", Duration::from_secs(5))
+            .unwrap();
+        assert!(stop.is_some(), "no STOP event");
+        let file = std::fs::File::create(dir.join("state")).unwrap();
+        let saved = vm.save_device_state(file.into()).unwrap();
+        let bytes = std::fs::read(dir.join("state")).unwrap();
+        eprintln!(
+            "saved {} bytes (QEMU says {:?}) in {:?}",
+            bytes.len(),
+            saved.bytes,
+            t.elapsed()
+        );
+        assert!(bytes.starts_with(b"QEVM"), "not a QEMU migration stream");
+        assert!(saved.bytes.unwrap_or(0) > 0);
+        assert_eq!(vm.run_state().unwrap().name, "postmigrate");
+        vm.resume().unwrap();
+        assert!(vm.run_state().unwrap().is_running());
+        // Again, into a pipe that a thread drains.
+        vm.pause().unwrap();
+        let (r, w) = nix::unistd::pipe().unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            std::io::Read::read_to_end(&mut std::fs::File::from(r), &mut got).unwrap();
+            got
+        });
+        let saved = vm.save_device_state(w).unwrap();
+        let piped = reader.join().unwrap();
+        assert!(piped.starts_with(b"QEVM"));
+        assert_eq!(Some(piped.len() as u64), saved.bytes);
+        vm.resume().unwrap();
+        assert!(vm.run_state().unwrap().is_running());
+        vm.quit().unwrap();
+        let t = Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            assert!(t.elapsed() < Duration::from_secs(10), "QEMU did not quit");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,1197 @@
+//! `hagctl migrate --qmp` and `hagctl receive --qmp`: a VMM's own live
+//! migration (QEMU's), started, watched and reported by hagctl, written
+//! against [`Vmm`].
+//!
+//! The source side reads the VM's migration blockers first and refuses
+//! naming each, sets the migration up (capabilities, `downtime-limit`,
+//! `max-bandwidth`, further parameters), starts it, prints progress about
+//! once a second, cancels it on SIGINT/SIGTERM or `--timeout` (the VM runs
+//! on), and reports QEMU's own figures. The VM must never run twice: the
+//! source QEMU is ended once the migration completed, and QEMU completes
+//! only when the target said, over the migration's return path, that it
+//! loaded everything (which it says after starting its VM). So hagctl turns
+//! on `return-path` unless told otherwise, and without it never ends the
+//! source (it stays paused in `postmigrate`).
+//!
+//! The target side has a VMM that waits for a migration (QEMU `-incoming
+//! defer`) listen, and waits for it to complete and the VM to run; a
+//! failure is QEMU's own message.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail};
+use serde::Serialize;
+
+use crate::vmm::{Feature, MigrationAddress, MigrationInfo, MigrationSettings, RunKind, Vmm};
+
+/// How often the watch loops ask the VMM.
+const POLL: Duration = Duration::from_millis(100);
+
+/// Bytes in a human unit: `512 B`, `3.2 KiB`, `12.3 MiB`, `1.50 GiB`.
+pub fn fmt_bytes(bytes: u64) -> String {
+    const KIB: f64 = 1024.0;
+    let b = bytes as f64;
+    if bytes < 1024 {
+        format!("{bytes} B")
+    } else if b < KIB * KIB {
+        format!("{:.1} KiB", b / KIB)
+    } else if b < KIB * KIB * KIB {
+        format!("{:.1} MiB", b / (KIB * KIB))
+    } else {
+        format!("{:.2} GiB", b / (KIB * KIB * KIB))
+    }
+}
+
+/// `--bandwidth RATE`: bytes per second. A number (fractions allowed) with
+/// an optional unit, `B`, `KiB` (`K`), `MiB` (`M`) or `GiB` (`G`), and an
+/// optional `/s`; a bare number is MiB/s.
+pub fn parse_bandwidth(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let t = t.strip_suffix("/s").unwrap_or(t).trim_end();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "" | "m" | "mib" => 1024.0 * 1024.0,
+        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        other => {
+            return Err(format!(
+                "'{text}': unknown unit '{other}' (B, KiB, MiB, GiB per second)"
+            ))
+        }
+    };
+    let n: f64 = number
+        .parse()
+        .map_err(|_| format!("'{text}' is not a rate (e.g. 100, 512KiB, 1.5GiB)"))?;
+    let bytes = n * scale;
+    if !(1.0..1e18).contains(&bytes) {
+        return Err(format!("'{text}' is not a positive rate"));
+    }
+    Ok(bytes as u64)
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
+/// `--capability NAME=on|off` (also true/false, yes/no, 1/0).
+pub fn parse_capability(text: &str) -> Result<(String, bool), String> {
+    let (name, state) = text
+        .split_once('=')
+        .ok_or_else(|| format!("'{text}' is not NAME=on|off"))?;
+    if !valid_name(name) {
+        return Err(format!("'{name}' is not a capability name"));
+    }
+    let on = match state.to_ascii_lowercase().as_str() {
+        "on" | "true" | "yes" | "1" => true,
+        "off" | "false" | "no" | "0" => false,
+        _ => return Err(format!("'{text}': the state is on or off")),
+    };
+    Ok((name.to_owned(), on))
+}
+
+/// `--parameter NAME=VALUE`: VALUE as JSON if it is JSON (a number,
+/// `true`, `"quoted text"`), else as a string.
+pub fn parse_parameter(text: &str) -> Result<(String, serde_json::Value), String> {
+    let (name, value) = text
+        .split_once('=')
+        .ok_or_else(|| format!("'{text}' is not NAME=VALUE"))?;
+    if !valid_name(name) {
+        return Err(format!("'{name}' is not a parameter name"));
+    }
+    let value = serde_json::from_str(value).unwrap_or_else(|_| value.into());
+    Ok((name.to_owned(), value))
+}
+
+/// Why QEMU will not migrate the VM, each blocker named.
+pub fn blocked_message(vmm: &str, reasons: &[String]) -> String {
+    let list: Vec<String> = reasons.iter().map(|r| format!("\"{r}\"")).collect();
+    format!(
+        "{vmm} cannot migrate this VM: {} {}: {}",
+        reasons.len(),
+        if reasons.len() == 1 {
+            "blocker"
+        } else {
+            "blockers"
+        },
+        list.join("; ")
+    )
+}
+
+/// A progress line: what the VMM says of the migration under way.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Progress {
+    /// The VMM's migration status.
+    pub status: String,
+    /// Since hagctl started it, ms.
+    pub elapsed_ms: u64,
+    /// Bytes sent.
+    pub transferred: Option<u64>,
+    /// RAM bytes left.
+    pub remaining: Option<u64>,
+    /// Guest RAM bytes.
+    pub total: Option<u64>,
+    /// Pages dirtied per second.
+    pub dirty_pages_rate: Option<u64>,
+    /// Rounds so far (`dirty-sync-count`).
+    pub rounds: Option<u64>,
+    /// The pause the VMM expects, ms.
+    pub expected_downtime_ms: Option<u64>,
+    /// Throughput, Mbit/s.
+    pub mbps: Option<f64>,
+}
+
+impl Progress {
+    /// From the VMM's view, `elapsed` after the start.
+    pub fn new(info: &MigrationInfo, elapsed: Duration) -> Progress {
+        let ram = info.ram.clone().unwrap_or_default();
+        Progress {
+            status: info.status.clone(),
+            elapsed_ms: elapsed.as_millis() as u64,
+            transferred: ram.transferred,
+            remaining: ram.remaining,
+            total: ram.total,
+            dirty_pages_rate: ram.dirty_pages_rate,
+            rounds: ram.dirty_sync_count,
+            expected_downtime_ms: info.expected_downtime_ms,
+            mbps: ram.mbps,
+        }
+    }
+
+    /// One line; what the VMM did not say is left out.
+    pub fn text(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(t) = self.transferred {
+            parts.push(format!("{} sent", fmt_bytes(t)));
+        }
+        match (self.remaining, self.total) {
+            (Some(r), Some(t)) => parts.push(format!("{} of {} left", fmt_bytes(r), fmt_bytes(t))),
+            (Some(r), None) => parts.push(format!("{} left", fmt_bytes(r))),
+            (None, Some(t)) => parts.push(format!("RAM {}", fmt_bytes(t))),
+            (None, None) => {}
+        }
+        if let Some(d) = self.dirty_pages_rate {
+            parts.push(format!("dirtying {d} pages/s"));
+        }
+        if let Some(r) = self.rounds {
+            parts.push(format!("round {r}"));
+        }
+        if let Some(d) = self.expected_downtime_ms {
+            parts.push(format!("expected downtime {d} ms"));
+        }
+        if let Some(m) = self.mbps {
+            parts.push(format!("{m:.1} Mbit/s"));
+        }
+        let head = format!(
+            "migration {} at {:.1} s",
+            self.status,
+            self.elapsed_ms as f64 / 1e3
+        );
+        if parts.is_empty() {
+            head
+        } else {
+            format!("{head}: {}", parts.join(", "))
+        }
+    }
+
+    /// One JSON object, one line.
+    pub fn json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+}
+
+/// What became of the source VM after a completed migration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SourceOutcome {
+    /// hagctl ended the source VMM (`quit`).
+    Quit,
+    /// `--keep-source`: left paused (QEMU: `postmigrate`).
+    KeptPaused,
+    /// Left paused because the return path was off: QEMU could not know
+    /// that the target loaded the state.
+    PausedNoReturnPath,
+}
+
+/// What `hagctl migrate --qmp` reports: the VMM's own figures.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct VmmMigrationReport {
+    /// The target.
+    pub to: String,
+    /// Which VMM migrated.
+    pub vmm: String,
+    /// The VMM's final status (`completed`).
+    pub status: String,
+    /// How long the VM was paused, ms (QEMU's `downtime`).
+    pub downtime_ms: Option<u64>,
+    /// The whole migration, ms (QEMU's `total-time`).
+    pub total_time_ms: Option<u64>,
+    /// Of which setup, ms (QEMU's `setup-time`).
+    pub setup_time_ms: Option<u64>,
+    /// Bytes sent (QEMU's `ram.transferred`: the whole stream).
+    pub transferred_bytes: Option<u64>,
+    /// Rounds (QEMU's `ram.dirty-sync-count`).
+    pub rounds: Option<u64>,
+    /// Throughput, Mbit/s (QEMU's `ram.mbps`: transferred over the time
+    /// after setup).
+    pub throughput_mbps: Option<f64>,
+    /// Guest RAM bytes.
+    pub ram_total_bytes: Option<u64>,
+    /// Bytes sent while the VM was paused.
+    pub downtime_bytes: Option<u64>,
+    /// VFIO devices' state bytes (QEMU's `vfio.transferred`; absent
+    /// without a VFIO device).
+    pub vfio_transferred_bytes: Option<u64>,
+    /// `downtime-limit` set, ms.
+    pub downtime_limit_ms: Option<u64>,
+    /// `max-bandwidth` set, bytes per second.
+    pub max_bandwidth: Option<u64>,
+    /// Capabilities set, `NAME=on|off`.
+    pub capabilities: Vec<String>,
+    /// `migrate` attempts (more than one when the target was not yet
+    /// listening).
+    pub attempts: u32,
+    /// What became of the source VM.
+    pub source: Option<SourceOutcome>,
+}
+
+fn opt_ms(v: Option<u64>) -> String {
+    v.map_or_else(|| "?".into(), |ms| format!("{ms} ms"))
+}
+
+impl VmmMigrationReport {
+    /// From the VMM's final view.
+    pub fn new(to: &str, vmm: &str, info: &MigrationInfo, settings: &MigrationSettings) -> Self {
+        let ram = info.ram.clone().unwrap_or_default();
+        VmmMigrationReport {
+            to: to.to_owned(),
+            vmm: vmm.to_owned(),
+            status: info.status.clone(),
+            downtime_ms: info.downtime_ms,
+            total_time_ms: info.total_time_ms,
+            setup_time_ms: info.setup_time_ms,
+            transferred_bytes: ram.transferred,
+            rounds: ram.dirty_sync_count,
+            throughput_mbps: ram.mbps,
+            ram_total_bytes: ram.total,
+            downtime_bytes: ram.downtime_bytes,
+            vfio_transferred_bytes: info.vfio_transferred,
+            downtime_limit_ms: settings.downtime_limit_ms,
+            max_bandwidth: settings.max_bandwidth,
+            capabilities: settings
+                .capabilities
+                .iter()
+                .map(|(n, on)| format!("{n}={}", if *on { "on" } else { "off" }))
+                .collect(),
+            attempts: 1,
+            source: None,
+        }
+    }
+
+    /// The text form: two or three lines.
+    pub fn text(&self) -> String {
+        let mut s = format!(
+            "migrated to {} by {}: downtime {}, total time {} (setup {}), {} transferred in {} rounds, {}\n",
+            self.to,
+            self.vmm,
+            opt_ms(self.downtime_ms),
+            opt_ms(self.total_time_ms),
+            opt_ms(self.setup_time_ms),
+            self.transferred_bytes.map_or_else(|| "?".into(), fmt_bytes),
+            self.rounds.map_or_else(|| "?".into(), |r| r.to_string()),
+            self.throughput_mbps
+                .map_or_else(|| "? Mbit/s".into(), |m| format!("{m:.1} Mbit/s")),
+        );
+        let mut details = Vec::new();
+        if let Some(t) = self.ram_total_bytes {
+            details.push(format!("RAM {}", fmt_bytes(t)));
+        }
+        if let Some(d) = self.downtime_bytes {
+            details.push(format!("{} sent during downtime", fmt_bytes(d)));
+        }
+        if let Some(v) = self.vfio_transferred_bytes {
+            details.push(format!("VFIO device state {}", fmt_bytes(v)));
+        }
+        if let Some(l) = self.downtime_limit_ms {
+            details.push(format!("downtime limit {l} ms"));
+        }
+        if let Some(b) = self.max_bandwidth {
+            details.push(format!("bandwidth limit {}/s", fmt_bytes(b)));
+        }
+        if self.attempts > 1 {
+            details.push(format!("{} attempts", self.attempts));
+        }
+        if !details.is_empty() {
+            s += &format!("  {}\n", details.join(", "));
+        }
+        match self.source {
+            Some(SourceOutcome::Quit) => {
+                s += "  source: QEMU ended (quit); the VM runs on the target only\n"
+            }
+            Some(SourceOutcome::KeptPaused) => {
+                s += "  source: kept paused in postmigrate (--keep-source); never resume it while the target runs\n"
+            }
+            Some(SourceOutcome::PausedNoReturnPath) => {
+                s += "  source: kept paused in postmigrate (return-path off: QEMU cannot know the target loaded the state); end it once the target runs\n"
+            }
+            None => {}
+        }
+        s
+    }
+}
+
+/// Options of `hagctl migrate --qmp`.
+#[derive(Clone, Debug)]
+pub struct VmmMigrateOptions {
+    /// Where to.
+    pub to: MigrationAddress,
+    /// Capabilities and parameters (hagctl adds `return-path=on` unless
+    /// it is given).
+    pub settings: MigrationSettings,
+    /// Leave the source paused after success instead of ending it.
+    pub keep_source: bool,
+    /// Retry a refused connection (the target not listening yet) this long.
+    pub connect_timeout: Duration,
+    /// Cancel a migration still running after this long.
+    pub timeout: Option<Duration>,
+    /// Progress as JSON lines.
+    pub json: bool,
+    /// Time between progress lines.
+    pub progress_every: Duration,
+}
+
+/// Blocks SIGINT and SIGTERM in this thread (call it before any other
+/// thread starts, so all inherit the mask) and returns a flag a watcher
+/// thread raises when one arrives. A second signal ends hagctl at once
+/// (status 130), leaving the VMM to finish the cancel itself.
+pub fn watch_stop_signals() -> anyhow::Result<Arc<AtomicBool>> {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGINT);
+    set.add(Signal::SIGTERM);
+    set.thread_block()
+        .map_err(|e| anyhow!("cannot block SIGINT/SIGTERM: {e}"))?;
+    let flag = Arc::new(AtomicBool::new(false));
+    let raised = flag.clone();
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || loop {
+            if let Ok(sig) = set.wait() {
+                if raised.swap(true, Ordering::SeqCst) {
+                    eprintln!("hagctl: {sig} again: leaving; the cancel was already asked for");
+                    std::process::exit(130);
+                }
+                eprintln!("hagctl: {sig}: cancelling the migration");
+            }
+        })
+        .map_err(|e| anyhow!("cannot start the signal thread: {e}"))?;
+    Ok(flag)
+}
+
+/// How a watched migration ended.
+enum End {
+    Completed(MigrationInfo),
+    Failed(MigrationInfo),
+    Cancelled,
+}
+
+/// A refused connection: the target is not listening (yet).
+fn refused(info: &MigrationInfo) -> bool {
+    info.error
+        .as_deref()
+        .is_some_and(|e| e.contains("Connection refused"))
+}
+
+/// `hagctl migrate --qmp`: migrates `vm` with its VMM's own migration.
+pub fn migrate(
+    vm: &mut dyn Vmm,
+    opts: &VmmMigrateOptions,
+    stop: &AtomicBool,
+) -> anyhow::Result<VmmMigrationReport> {
+    let name = vm.describe();
+    if !vm.supports(Feature::Migrate) {
+        return Err(vm.unsupported(Feature::Migrate).into());
+    }
+    let state = vm.run_state()?;
+    match state.kind {
+        RunKind::Running | RunKind::Paused => {}
+        RunKind::Migrated => bail!(
+            "the VM at {name} is {state}: it migrated away already and may run on its target; \
+             hagctl will not migrate it again (resume it with QMP 'cont' only if you know the \
+             target does not run it)"
+        ),
+        RunKind::Incoming => bail!(
+            "the VM at {name} is {state}: it waits for an incoming migration (use hagctl receive)"
+        ),
+        _ => bail!("the VM at {name} is {state}, not running or paused"),
+    }
+    let info = vm.migration_info()?;
+    if info.is_running() {
+        bail!(
+            "{name} is migrating already (status {}); cancel that first",
+            info.status
+        );
+    }
+    let blockers = vm.migration_blockers()?;
+    if !blockers.is_empty() {
+        bail!("{}", blocked_message(&name, &blockers));
+    }
+    let mut settings = opts.settings.clone();
+    if settings.capability("return-path").is_none() {
+        settings
+            .capabilities
+            .insert(0, ("return-path".into(), true));
+    }
+    let return_path = settings.capability("return-path") == Some(true);
+    let start = Instant::now();
+    let mut attempts = 0u32;
+    let end = loop {
+        if attempts == 0 && stop.load(Ordering::SeqCst) {
+            bail!("interrupted before the migration started; {name} was not touched");
+        }
+        attempts += 1;
+        if let Err(e) = vm.start_migration(&opts.to, &settings) {
+            match e.qemu_desc() {
+                Some(desc) => bail!("{name} refused to start the migration: {desc}"),
+                None => return Err(e.into()),
+            }
+        }
+        if attempts == 1 {
+            eprintln!("hagctl: {name} migrates to {} (state {state})", opts.to);
+        }
+        let end = watch(vm, opts, stop, start)?;
+        match &end {
+            End::Failed(info)
+                if refused(info)
+                    && start.elapsed() < opts.connect_timeout
+                    && !stop.load(Ordering::SeqCst) =>
+            {
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            _ => break end,
+        }
+    };
+    match end {
+        End::Completed(info) => {
+            let mut report = VmmMigrationReport::new(&opts.to.to_string(), &name, &info, &settings);
+            report.attempts = attempts;
+            report.source = Some(if !return_path {
+                eprintln!(
+                    "hagctl: warning: return-path is off: QEMU cannot know whether the target \
+                     loaded the state, so the source VM stays paused; end it once the target runs"
+                );
+                SourceOutcome::PausedNoReturnPath
+            } else if opts.keep_source {
+                SourceOutcome::KeptPaused
+            } else {
+                // QEMU completed only once the target's return path said
+                // it loaded the whole state (it says so after starting its
+                // VM): this copy must not run again.
+                vm.quit().map_err(|e| {
+                    anyhow!(
+                        "the migration completed, but ending the source QEMU failed: {e}; \
+                         it is paused (postmigrate): never resume it, end it"
+                    )
+                })?;
+                SourceOutcome::Quit
+            });
+            Ok(report)
+        }
+        End::Failed(info) => {
+            let why = info
+                .error
+                .clone()
+                .unwrap_or_else(|| "QEMU gave no reason".into());
+            let hint = if why.contains("Sibling indicated error") {
+                " (the target refused what it received: see hagctl receive or the target \
+                 QEMU's log)"
+            } else if refused(&info) {
+                " (nothing listens there: start hagctl receive on the target first)"
+            } else {
+                ""
+            };
+            bail!(
+                "the migration to {} failed: QEMU: {why}{hint}; {}",
+                opts.to,
+                source_after(vm, &state.name)
+            )
+        }
+        End::Cancelled => {
+            let by = if stop.load(Ordering::SeqCst) {
+                "cancelled on a signal".to_owned()
+            } else if opts.timeout.is_some_and(|t| start.elapsed() >= t) {
+                format!(
+                    "cancelled after --timeout {} s",
+                    opts.timeout.unwrap_or_default().as_secs_f64()
+                )
+            } else {
+                "cancelled by another QMP client".to_owned()
+            };
+            bail!(
+                "the migration to {} was {by} (migrate_cancel); {}",
+                opts.to,
+                source_after(vm, &state.name)
+            )
+        }
+    }
+}
+
+/// Says what the source VM does after a failed or cancelled migration.
+fn source_after(vm: &mut dyn Vmm, before: &str) -> String {
+    match vm.run_state() {
+        Ok(s) if s.is_running() => format!("the source VM runs on (run state {s})"),
+        Ok(s) if s.name == before => format!("the source VM is {s}, as before"),
+        Ok(s) => format!("the source VM is {s} (it was {before})"),
+        Err(e) => format!("and the source VM's run state is unknown: {e}"),
+    }
+}
+
+/// Watches the migration to its end, printing progress and cancelling
+/// on a signal or the timeout.
+fn watch(
+    vm: &mut dyn Vmm,
+    opts: &VmmMigrateOptions,
+    stop: &AtomicBool,
+    start: Instant,
+) -> anyhow::Result<End> {
+    let mut last_progress = Instant::now();
+    let mut cancelled = false;
+    loop {
+        let timed_out = opts.timeout.is_some_and(|t| start.elapsed() >= t);
+        if !cancelled && (stop.load(Ordering::SeqCst) || timed_out) {
+            if timed_out {
+                eprintln!("hagctl: --timeout passed: cancelling the migration (migrate_cancel)");
+            }
+            cancelled = true;
+            if let Err(e) = vm.cancel_migration() {
+                eprintln!("hagctl: migrate_cancel: {e}");
+            }
+        }
+        let info = vm
+            .migration_info()
+            .map_err(|e| anyhow!("watching the migration: {e}"))?;
+        match info.status.as_str() {
+            "completed" => return Ok(End::Completed(info)),
+            "failed" => return Ok(End::Failed(info)),
+            "cancelled" => return Ok(End::Cancelled),
+            _ => {}
+        }
+        if last_progress.elapsed() >= opts.progress_every {
+            last_progress = Instant::now();
+            let p = Progress::new(&info, start.elapsed());
+            eprintln!("{}", if opts.json { p.json() } else { p.text() });
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+/// Options of `hagctl receive --qmp`.
+#[derive(Clone, Debug)]
+pub struct VmmReceiveOptions {
+    /// Where the VMM listens.
+    pub listen: MigrationAddress,
+    /// Capabilities and parameters of the target side.
+    pub settings: MigrationSettings,
+    /// Give up waiting after this long.
+    pub timeout: Option<Duration>,
+    /// Resume a VM that arrives paused (QEMU started with `-S`).
+    pub cont: bool,
+    /// Leave a failed incoming VMM running instead of ending it.
+    pub keep_failed: bool,
+}
+
+/// What `hagctl receive --qmp` reports.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct VmmReceiveReport {
+    /// Where the VMM listened (with the port it got for port 0).
+    pub listen: String,
+    /// Which VMM received.
+    pub vmm: String,
+    /// The VMM's final migration status (`completed`).
+    pub status: String,
+    /// The VM's run state at the end.
+    pub run_state: String,
+    /// hagctl resumed it (`--cont`).
+    pub resumed: bool,
+    /// From listening to completed, ms.
+    pub waited_ms: u64,
+    /// From the source's first data (status `active`) to completed, ms
+    /// (to within hagctl's polling, 100 ms).
+    pub transfer_ms: Option<u64>,
+    /// From listening to the VM running, ms.
+    pub running_ms: u64,
+}
+
+impl VmmReceiveReport {
+    /// The text form, one line.
+    pub fn text(&self) -> String {
+        format!(
+            "received on {} by {}: migration {} {:.1} s after listening{}, VM {} here{}\n",
+            self.listen,
+            self.vmm,
+            self.status,
+            self.waited_ms as f64 / 1e3,
+            self.transfer_ms
+                .map_or_else(String::new, |t| format!(" ({t} ms after the source began)")),
+            self.run_state,
+            if self.resumed {
+                " (resumed by hagctl)"
+            } else {
+                ""
+            }
+        )
+    }
+}
+
+/// `hagctl receive --qmp`: has `vm`, waiting for an incoming migration,
+/// receive one.
+pub fn receive(vm: &mut dyn Vmm, opts: &VmmReceiveOptions) -> anyhow::Result<VmmReceiveReport> {
+    let name = vm.describe();
+    if !vm.supports(Feature::Incoming) {
+        return Err(vm.unsupported(Feature::Incoming).into());
+    }
+    let state = vm.run_state()?;
+    if state.kind != RunKind::Incoming {
+        bail!(
+            "the VM at {name} is {state}, not waiting for an incoming migration \
+             (start QEMU with -incoming defer)"
+        );
+    }
+    let info = vm.migration_info()?;
+    if info.status != "none" || !info.listening.is_empty() {
+        bail!(
+            "{name} has an incoming migration already (status {}{}): was it started with \
+             -incoming URI instead of -incoming defer?",
+            info.status,
+            if info.listening.is_empty() {
+                String::new()
+            } else {
+                format!(", listening on {}", info.listening.join(", "))
+            }
+        );
+    }
+    if let Err(e) = vm.start_incoming(&opts.listen, &opts.settings) {
+        match e.qemu_desc() {
+            Some(desc) => bail!("{name} cannot listen on {}: {desc}", opts.listen),
+            None => return Err(e.into()),
+        }
+    }
+    let start = Instant::now();
+    let info = vm.migration_info()?;
+    let listen = info
+        .listening
+        .first()
+        .cloned()
+        .unwrap_or_else(|| opts.listen.to_string());
+    eprintln!("hagctl: {name} waits for a migration on {listen}");
+    let left = |start: Instant| opts.timeout.map(|t| t.saturating_sub(start.elapsed()));
+    let mut active_at = None;
+    let gone = |e: crate::vmm::VmmError| {
+        if e.is_gone() {
+            anyhow!("QEMU exited during the incoming migration on {listen} (its own log says why)")
+        } else {
+            anyhow!("watching the incoming migration: {e}")
+        }
+    };
+    let info = loop {
+        let info = vm.migration_info().map_err(gone)?;
+        match info.status.as_str() {
+            "completed" => break info,
+            "failed" | "cancelled" => {
+                let why = info.error.unwrap_or_else(|| "QEMU gave no reason".into());
+                let discarded = if opts.keep_failed {
+                    "the incoming QEMU is left as it is (--keep-failed)".to_owned()
+                } else {
+                    match vm.quit() {
+                        Ok(()) => "the incoming QEMU was ended (quit)".to_owned(),
+                        Err(e) => format!("and ending the incoming QEMU failed too: {e}"),
+                    }
+                };
+                bail!(
+                    "the incoming migration on {listen} {}: QEMU: {why} (QEMU's own log names \
+                     the device); {discarded}",
+                    info.status
+                );
+            }
+            "setup" => {}
+            _ => {
+                active_at.get_or_insert_with(Instant::now);
+            }
+        }
+        if left(start).is_some_and(|l| l.is_zero()) {
+            bail!(
+                "no completed migration on {listen} within {:.1} s (status {}); QEMU is left as \
+                 it is",
+                opts.timeout.unwrap_or_default().as_secs_f64(),
+                info.status
+            );
+        }
+        std::thread::sleep(POLL);
+    };
+    let completed_at = Instant::now();
+    let mut resumed = false;
+    let run = loop {
+        let s = vm.run_state().map_err(gone)?;
+        if s.is_running() {
+            break s;
+        }
+        if s.kind == RunKind::Paused && opts.cont && !resumed {
+            vm.resume()?;
+            resumed = true;
+            continue;
+        }
+        if left(start).is_some_and(|l| l.is_zero()) {
+            bail!(
+                "the migration on {listen} completed, but the VM here is {s} (QEMU started \
+                 with -S? --cont resumes it); it is left as it is",
+            );
+        }
+        std::thread::sleep(POLL);
+    };
+    Ok(VmmReceiveReport {
+        listen,
+        vmm: name,
+        status: info.status,
+        run_state: run.name,
+        resumed,
+        waited_ms: (completed_at - start).as_millis() as u64,
+        transfer_ms: active_at.map(|a| (completed_at - a).as_millis() as u64),
+        running_ms: start.elapsed().as_millis() as u64,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vmm::{RamProgress, RunState, VmmError};
+    use std::collections::VecDeque;
+
+    #[test]
+    fn bytes_format() {
+        assert_eq!(fmt_bytes(0), "0 B");
+        assert_eq!(fmt_bytes(1023), "1023 B");
+        assert_eq!(fmt_bytes(733264), "716.1 KiB");
+        assert_eq!(fmt_bytes(67641344), "64.5 MiB");
+        assert_eq!(fmt_bytes(3 << 30), "3.00 GiB");
+    }
+
+    #[test]
+    fn bandwidths_parse() {
+        assert_eq!(parse_bandwidth("100"), Ok(100 << 20));
+        assert_eq!(parse_bandwidth("100MiB/s"), Ok(100 << 20));
+        assert_eq!(parse_bandwidth("512KiB"), Ok(512 << 10));
+        assert_eq!(parse_bandwidth("512 K"), Ok(512 << 10));
+        assert_eq!(parse_bandwidth("1.5GiB"), Ok(3 << 29));
+        assert_eq!(parse_bandwidth("4096B"), Ok(4096));
+        for bad in ["0", "fast", "-1", "10Mbit", "1e3", "", "0.1B"] {
+            assert!(parse_bandwidth(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn capabilities_and_parameters_parse() {
+        assert_eq!(
+            parse_capability("x-ignore-shared=on"),
+            Ok(("x-ignore-shared".into(), true))
+        );
+        assert_eq!(parse_capability("events=off"), Ok(("events".into(), false)));
+        assert_eq!(
+            parse_capability("multifd=TRUE"),
+            Ok(("multifd".into(), true))
+        );
+        for bad in ["events", "events=maybe", "=on", "a b=on"] {
+            assert!(parse_capability(bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            parse_parameter("multifd-channels=4"),
+            Ok(("multifd-channels".into(), 4.into()))
+        );
+        assert_eq!(
+            parse_parameter("tls-creds=tls0"),
+            Ok(("tls-creds".into(), "tls0".into()))
+        );
+        assert_eq!(
+            parse_parameter(r#"tls-hostname="42""#),
+            Ok(("tls-hostname".into(), "42".into()))
+        );
+        assert_eq!(
+            parse_parameter("cpu-throttle-tailslow=true"),
+            Ok(("cpu-throttle-tailslow".into(), true.into()))
+        );
+        assert!(parse_parameter("noequals").is_err());
+    }
+
+    #[test]
+    fn blockers_are_named() {
+        assert_eq!(
+            blocked_message(
+                "QEMU 10.0.2 at vm.qmp",
+                &[
+                    "Migration is disabled when using feature 'peer mode' in device 'ivshmem'"
+                        .into()
+                ]
+            ),
+            "QEMU 10.0.2 at vm.qmp cannot migrate this VM: 1 blocker: \"Migration is disabled \
+             when using feature 'peer mode' in device 'ivshmem'\""
+        );
+        assert_eq!(
+            blocked_message("Q", &["a".into(), "b".into()]),
+            "Q cannot migrate this VM: 2 blockers: \"a\"; \"b\""
+        );
+    }
+
+    fn active() -> MigrationInfo {
+        MigrationInfo {
+            status: "active".into(),
+            total_time_ms: Some(3200),
+            expected_downtime_ms: Some(120),
+            ram: Some(RamProgress {
+                transferred: Some(12 << 20),
+                remaining: Some(40 << 20),
+                total: Some(64 << 20),
+                dirty_pages_rate: Some(1200),
+                dirty_sync_count: Some(3),
+                mbps: Some(136.42),
+                ..RamProgress::default()
+            }),
+            ..MigrationInfo::default()
+        }
+    }
+
+    #[test]
+    fn progress_lines() {
+        let p = Progress::new(&active(), Duration::from_millis(3250));
+        assert_eq!(
+            p.text(),
+            "migration active at 3.2 s: 12.0 MiB sent, 40.0 MiB of 64.0 MiB left, dirtying 1200 \
+             pages/s, round 3, expected downtime 120 ms, 136.4 Mbit/s"
+        );
+        assert_eq!(
+            p.json(),
+            r#"{"status":"active","elapsed_ms":3250,"transferred":12582912,"remaining":41943040,"total":67108864,"dirty_pages_rate":1200,"rounds":3,"expected_downtime_ms":120,"mbps":136.42}"#
+        );
+        // Setup: QEMU says nothing yet.
+        let setup = MigrationInfo {
+            status: "setup".into(),
+            ..MigrationInfo::default()
+        };
+        let p = Progress::new(&setup, Duration::from_millis(400));
+        assert_eq!(p.text(), "migration setup at 0.4 s");
+        assert_eq!(
+            p.json(),
+            r#"{"status":"setup","elapsed_ms":400,"transferred":null,"remaining":null,"total":null,"dirty_pages_rate":null,"rounds":null,"expected_downtime_ms":null,"mbps":null}"#
+        );
+    }
+
+    fn completed() -> MigrationInfo {
+        MigrationInfo {
+            status: "completed".into(),
+            total_time_ms: Some(48),
+            setup_time_ms: Some(5),
+            downtime_ms: Some(15),
+            ram: Some(RamProgress {
+                transferred: Some(733264),
+                remaining: Some(0),
+                total: Some(67641344),
+                dirty_sync_count: Some(2),
+                mbps: Some(136.421_209_302_325_6),
+                downtime_bytes: Some(12319),
+                ..RamProgress::default()
+            }),
+            ..MigrationInfo::default()
+        }
+    }
+
+    fn settings() -> MigrationSettings {
+        MigrationSettings {
+            downtime_limit_ms: Some(300),
+            capabilities: vec![("return-path".into(), true)],
+            ..MigrationSettings::default()
+        }
+    }
+
+    #[test]
+    fn reports_in_text_and_json() {
+        let mut r = VmmMigrationReport::new(
+            "127.0.0.1:7400",
+            "QEMU 10.0.2 at src.qmp",
+            &completed(),
+            &settings(),
+        );
+        r.source = Some(SourceOutcome::Quit);
+        assert_eq!(
+            r.text(),
+            "migrated to 127.0.0.1:7400 by QEMU 10.0.2 at src.qmp: downtime 15 ms, total time 48 ms (setup 5 ms), 716.1 KiB transferred in 2 rounds, 136.4 Mbit/s\n\
+             \x20 RAM 64.5 MiB, 12.0 KiB sent during downtime, downtime limit 300 ms\n\
+             \x20 source: QEMU ended (quit); the VM runs on the target only\n"
+        );
+        assert_eq!(
+            serde_json::to_string(&r).unwrap(),
+            r#"{"to":"127.0.0.1:7400","vmm":"QEMU 10.0.2 at src.qmp","status":"completed","downtime_ms":15,"total_time_ms":48,"setup_time_ms":5,"transferred_bytes":733264,"rounds":2,"throughput_mbps":136.4212093023256,"ram_total_bytes":67641344,"downtime_bytes":12319,"vfio_transferred_bytes":null,"downtime_limit_ms":300,"max_bandwidth":null,"capabilities":["return-path=on"],"attempts":1,"source":"quit"}"#
+        );
+        // What QEMU leaves out shows as unknown, not as zero.
+        let bare = MigrationInfo {
+            status: "completed".into(),
+            ..MigrationInfo::default()
+        };
+        let mut r = VmmMigrationReport::new("h:1", "Q", &bare, &MigrationSettings::default());
+        r.source = Some(SourceOutcome::KeptPaused);
+        r.vfio_transferred_bytes = Some(8192);
+        r.attempts = 3;
+        assert_eq!(
+            r.text(),
+            "migrated to h:1 by Q: downtime ?, total time ? (setup ?), ? transferred in ? rounds, ? Mbit/s\n\
+             \x20 VFIO device state 8.0 KiB, 3 attempts\n\
+             \x20 source: kept paused in postmigrate (--keep-source); never resume it while the target runs\n"
+        );
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["downtime_ms"], serde_json::Value::Null);
+        assert_eq!(json["source"], "kept-paused");
+    }
+
+    #[test]
+    fn receive_report_text() {
+        let r = VmmReceiveReport {
+            listen: "127.0.0.1:40961".into(),
+            vmm: "QEMU 10.0.2 at dst.qmp".into(),
+            status: "completed".into(),
+            run_state: "running".into(),
+            resumed: false,
+            waited_ms: 1234,
+            transfer_ms: Some(48),
+            running_ms: 1240,
+        };
+        assert_eq!(
+            r.text(),
+            "received on 127.0.0.1:40961 by QEMU 10.0.2 at dst.qmp: migration completed 1.2 s after listening (48 ms after the source began), VM running here\n"
+        );
+        assert_eq!(
+            serde_json::to_string(&r).unwrap(),
+            r#"{"listen":"127.0.0.1:40961","vmm":"QEMU 10.0.2 at dst.qmp","status":"completed","run_state":"running","resumed":false,"waited_ms":1234,"transfer_ms":48,"running_ms":1240}"#
+        );
+    }
+
+    /// A scripted VMM: each `migration_info` pops the next state (the last
+    /// one repeats); it records what it was asked.
+    struct Scripted {
+        infos: VecDeque<MigrationInfo>,
+        state: RunState,
+        after: RunState,
+        blockers: Vec<String>,
+        calls: Vec<String>,
+        /// Raised when the migration starts (a signal arriving then).
+        signal_on_start: Option<Arc<AtomicBool>>,
+    }
+
+    impl Scripted {
+        fn new(infos: Vec<MigrationInfo>) -> Scripted {
+            Scripted {
+                infos: infos.into(),
+                state: RunState::new(RunKind::Running, "running"),
+                after: RunState::new(RunKind::Migrated, "postmigrate"),
+                blockers: Vec::new(),
+                calls: Vec::new(),
+                signal_on_start: None,
+            }
+        }
+    }
+
+    impl Vmm for Scripted {
+        fn describe(&self) -> String {
+            "scripted".into()
+        }
+        fn features(&self) -> &'static [Feature] {
+            &[Feature::RunState, Feature::Migrate, Feature::Quit]
+        }
+        fn run_state(&mut self) -> Result<RunState, VmmError> {
+            Ok(self.state.clone())
+        }
+        fn quit(&mut self) -> Result<(), VmmError> {
+            self.calls.push("quit".into());
+            Ok(())
+        }
+        fn migration_blockers(&mut self) -> Result<Vec<String>, VmmError> {
+            Ok(self.blockers.clone())
+        }
+        fn start_migration(
+            &mut self,
+            to: &MigrationAddress,
+            s: &MigrationSettings,
+        ) -> Result<(), VmmError> {
+            self.calls.push(format!(
+                "migrate {} {:?}",
+                to.qemu_uri(),
+                s.capability("return-path")
+            ));
+            if let Some(flag) = &self.signal_on_start {
+                flag.store(true, Ordering::SeqCst);
+            }
+            // Running now: the first info is popped by the watch loop.
+            Ok(())
+        }
+        fn migration_info(&mut self) -> Result<MigrationInfo, VmmError> {
+            if self.calls.iter().any(|c| c.starts_with("migrate")) {
+                let info = if self.infos.len() > 1 {
+                    self.infos.pop_front().unwrap_or_default()
+                } else {
+                    self.infos.front().cloned().unwrap_or_default()
+                };
+                if info.status == "completed" {
+                    self.state = self.after.clone();
+                }
+                Ok(info)
+            } else {
+                Ok(MigrationInfo {
+                    status: "none".into(),
+                    ..MigrationInfo::default()
+                })
+            }
+        }
+        fn cancel_migration(&mut self) -> Result<(), VmmError> {
+            self.calls.push("cancel".into());
+            Ok(())
+        }
+    }
+
+    fn opts() -> VmmMigrateOptions {
+        VmmMigrateOptions {
+            to: MigrationAddress::parse_tcp("127.0.0.1:7400").unwrap(),
+            settings: MigrationSettings::default(),
+            keep_source: false,
+            connect_timeout: Duration::from_secs(5),
+            timeout: None,
+            json: false,
+            progress_every: Duration::from_secs(1),
+        }
+    }
+
+    fn status(s: &str) -> MigrationInfo {
+        MigrationInfo {
+            status: s.into(),
+            ..MigrationInfo::default()
+        }
+    }
+
+    #[test]
+    fn a_completed_migration_ends_the_source() {
+        let mut vm = Scripted::new(vec![status("active"), completed()]);
+        let stop = AtomicBool::new(false);
+        let r = migrate(&mut vm, &opts(), &stop).unwrap();
+        assert_eq!(r.source, Some(SourceOutcome::Quit));
+        assert_eq!(r.downtime_ms, Some(15));
+        assert_eq!(r.capabilities, ["return-path=on"]);
+        assert_eq!(vm.calls, ["migrate tcp:127.0.0.1:7400 Some(true)", "quit"]);
+        // --keep-source, or return-path off: the source stays.
+        let mut vm = Scripted::new(vec![completed()]);
+        let o = VmmMigrateOptions {
+            keep_source: true,
+            ..opts()
+        };
+        let r = migrate(&mut vm, &o, &stop).unwrap();
+        assert_eq!(r.source, Some(SourceOutcome::KeptPaused));
+        let mut vm = Scripted::new(vec![completed()]);
+        let mut o = opts();
+        o.settings.capabilities.push(("return-path".into(), false));
+        let r = migrate(&mut vm, &o, &stop).unwrap();
+        assert_eq!(r.source, Some(SourceOutcome::PausedNoReturnPath));
+        assert_eq!(vm.calls, ["migrate tcp:127.0.0.1:7400 Some(false)"]);
+    }
+
+    #[test]
+    fn blockers_and_bad_states_refuse_before_starting() {
+        let stop = AtomicBool::new(false);
+        let mut vm = Scripted::new(vec![completed()]);
+        vm.blockers = vec!["device X says no".into()];
+        let e = migrate(&mut vm, &opts(), &stop).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "scripted cannot migrate this VM: 1 blocker: \"device X says no\""
+        );
+        assert!(vm.calls.is_empty());
+        let mut vm = Scripted::new(vec![completed()]);
+        vm.state = RunState::new(RunKind::Migrated, "postmigrate");
+        let e = migrate(&mut vm, &opts(), &stop).unwrap_err().to_string();
+        assert!(e.contains("migrated away already"), "{e}");
+        assert!(vm.calls.is_empty());
+    }
+
+    #[test]
+    fn failures_name_qemus_error_and_the_source_state() {
+        let stop = AtomicBool::new(false);
+        let mut failed = status("failed");
+        failed.error = Some("Sibling indicated error 1".into());
+        let mut vm = Scripted::new(vec![status("active"), failed]);
+        vm.after = RunState::new(RunKind::Running, "running");
+        let e = migrate(&mut vm, &opts(), &stop).unwrap_err().to_string();
+        assert!(
+            e.starts_with("the migration to 127.0.0.1:7400 failed: QEMU: Sibling indicated error 1 (the target refused"),
+            "{e}"
+        );
+        assert!(
+            e.ends_with("the source VM runs on (run state running)"),
+            "{e}"
+        );
+        assert!(!vm.calls.contains(&"quit".to_owned()));
+    }
+
+    #[test]
+    fn a_refused_connection_is_retried() {
+        let stop = AtomicBool::new(false);
+        let mut refused = status("failed");
+        refused.error = Some("Failed to connect to '127.0.0.1:7400': Connection refused".into());
+        let mut vm = Scripted::new(vec![refused, completed()]);
+        let r = migrate(&mut vm, &opts(), &stop).unwrap();
+        assert_eq!(r.attempts, 2);
+        assert_eq!(vm.calls.len(), 3, "{:?}", vm.calls);
+        // Past --connect-timeout it is the failure it is.
+        let mut refused = status("failed");
+        refused.error = Some("Failed to connect to '127.0.0.1:7400': Connection refused".into());
+        let mut vm = Scripted::new(vec![refused]);
+        let o = VmmMigrateOptions {
+            connect_timeout: Duration::from_millis(600),
+            ..opts()
+        };
+        let e = migrate(&mut vm, &o, &stop).unwrap_err().to_string();
+        assert!(e.contains("nothing listens there"), "{e}");
+    }
+
+    #[test]
+    fn a_signal_cancels() {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut vm = Scripted::new(vec![
+            status("active"),
+            status("cancelling"),
+            status("cancelled"),
+        ]);
+        vm.after = RunState::new(RunKind::Running, "running");
+        vm.signal_on_start = Some(stop.clone());
+        let e = migrate(&mut vm, &opts(), &stop).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "the migration to 127.0.0.1:7400 was cancelled on a signal (migrate_cancel); the source VM runs on (run state running)"
+        );
+        assert_eq!(vm.calls[1], "cancel");
+        // A cancel that loses the race to completion is a completion.
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut vm = Scripted::new(vec![status("device"), completed()]);
+        vm.signal_on_start = Some(stop.clone());
+        let r = migrate(&mut vm, &opts(), &stop).unwrap();
+        assert_eq!(r.source, Some(SourceOutcome::Quit));
+        // A signal before the start: nothing is started.
+        let mut vm = Scripted::new(vec![completed()]);
+        let e = migrate(&mut vm, &opts(), &stop).unwrap_err().to_string();
+        assert!(
+            e.starts_with("interrupted before the migration started"),
+            "{e}"
+        );
+        assert!(vm.calls.is_empty());
+    }
+}
