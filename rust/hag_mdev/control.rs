@@ -16,9 +16,20 @@ use crate::events::Event;
 use crate::vgpu::Entry;
 use crate::State;
 
-/// Dispatches one ioctl. Unknown commands get `ENOTTY`, as the kernel's
-/// convention for "not my ioctl" asks.
-pub(crate) fn ioctl(state: &State, cmd: u32, arg: usize) -> Result {
+impl crate::glue::FileOps for State {
+    fn ioctl(&self, opener: u64, cmd: u32, arg: usize) -> Result {
+        ioctl(self, opener, cmd, arg)
+    }
+
+    fn release(&self, opener: u64) {
+        self.opener_closed(opener)
+    }
+}
+
+/// Dispatches one ioctl of the `/dev/hag` opener numbered `opener`.
+/// Unknown commands get `ENOTTY`, as the kernel's convention for "not my
+/// ioctl" asks.
+pub(crate) fn ioctl(state: &State, opener: u64, cmd: u32, arg: usize) -> Result {
     match cmd {
         abi::IOC_VERSION => version(state, arg),
         abi::IOC_LIST_VGPUS => list_vgpus(state, arg),
@@ -28,10 +39,10 @@ pub(crate) fn ioctl(state: &State, cmd: u32, arg: usize) -> Result {
         abi::IOC_VGPU_STATS => vgpu_stats(state, arg),
         abi::IOC_SET_WATCHDOG => set_watchdog(state, arg),
         abi::IOC_INJECT_HANG => inject_hang(state, arg),
-        abi::IOC_QUIESCE => quiesce(state, arg),
+        abi::IOC_QUIESCE => quiesce(state, opener, arg),
         abi::IOC_RESUME => resume(state, arg),
         abi::IOC_SAVE_CONTEXT => save_context(state, arg),
-        abi::IOC_RESTORE_CONTEXT => restore_context(state, arg),
+        abi::IOC_RESTORE_CONTEXT => restore_context(state, opener, arg),
         _ => Err(ENOTTY),
     }
 }
@@ -175,14 +186,14 @@ fn write_user<T: AsBytes>(addr: usize, value: &T) -> Result {
     UserSlice::new(addr, core::mem::size_of::<T>()).writer().write(value)
 }
 
-fn quiesce(state: &State, arg: usize) -> Result {
+fn quiesce(state: &State, opener: u64, arg: usize) -> Result {
     let req: abi::HagQuiesce = read_user(arg)?;
     if req.timeout_ms > abi::QUIESCE_MAX_MS {
         return Err(EINVAL);
     }
     let vgpu = state.entry(req.vgpu_id)?;
     match &vgpu {
-        Entry::Sim(sim) => sim.quiesce(req.timeout_ms)?,
+        Entry::Sim(sim) => sim.quiesce(req.timeout_ms, Some(opener))?,
         // GVT's own wait: it does not hold new workloads, and its
         // timeout is GVT's.
         Entry::Gvt(gvt) => gvt.quiesce()?,
@@ -212,6 +223,9 @@ fn resume(state: &State, arg: usize) -> Result {
 
 fn save_context(state: &State, arg: usize) -> Result {
     let mut req: abi::HagContextBuf = read_user(arg)?;
+    if req.reserved != 0 {
+        return Err(EINVAL);
+    }
     let vgpu = state.entry(req.vgpu_id)?;
     let need = vgpu.snapshot_bytes()?;
     if req.buf_bytes < need as u64 {
@@ -227,7 +241,7 @@ fn save_context(state: &State, arg: usize) -> Result {
     write_user(arg, &req)
 }
 
-fn restore_context(state: &State, arg: usize) -> Result {
+fn restore_context(state: &State, opener: u64, arg: usize) -> Result {
     let req: abi::HagContextBuf = read_user(arg)?;
     if req.reserved != 0 {
         return Err(EINVAL);
@@ -240,7 +254,7 @@ fn restore_context(state: &State, arg: usize) -> Result {
     let mut bytes = KVVec::from_elem(0u8, len, GFP_KERNEL)?;
     let buf = usize::try_from(req.buf).map_err(|_| EFAULT)?;
     UserSlice::new(buf, len).reader().read_slice(&mut bytes)?;
-    vgpu.restore(&bytes)?;
+    vgpu.restore(&bytes, opener)?;
     vgpu.event("restored");
     Ok(())
 }

@@ -56,6 +56,12 @@ void hag_glue_msleep(u32 ms)
 	msleep(ms);
 }
 
+void hag_glue_cond_resched(void)
+{
+	might_sleep();
+	cond_resched();
+}
+
 /* The Rust state, set for the whole time the interfaces are registered. */
 static const void *hag_ctx;
 static u16 hag_pad_attr;
@@ -65,14 +71,41 @@ static size_t hag_mig_max_bytes;
 
 /* ---- /dev/hag --------------------------------------------------------- */
 
+/*
+ * Each open of /dev/hag is numbered (never 0, never reused while loaded),
+ * and the number kept in private_data: Rust records which opener holds a
+ * vGPU quiesced, and lets it go when that opener's file is released (the
+ * process closed it or died).
+ */
+static atomic64_t hag_openers;
+
+static u64 hag_opener(struct file *file)
+{
+	return (u64)(uintptr_t)file->private_data;
+}
+
+static int hag_misc_open(struct inode *inode, struct file *file)
+{
+	file->private_data = (void *)(uintptr_t)atomic64_inc_return(&hag_openers);
+	return 0;
+}
+
+static int hag_misc_release(struct inode *inode, struct file *file)
+{
+	hag_rs_release(hag_ctx, hag_opener(file));
+	return 0;
+}
+
 static long hag_misc_ioctl(struct file *file, unsigned int cmd,
 			   unsigned long arg)
 {
-	return hag_rs_ioctl(hag_ctx, cmd, arg);
+	return hag_rs_ioctl(hag_ctx, hag_opener(file), cmd, arg);
 }
 
 static const struct file_operations hag_misc_fops = {
 	.owner = THIS_MODULE,
+	.open = hag_misc_open,
+	.release = hag_misc_release,
 	.unlocked_ioctl = hag_misc_ioctl,
 	.compat_ioctl = compat_ptr_ioctl,
 	.llseek = noop_llseek,
@@ -702,6 +735,8 @@ int hag_glue_register(const void *ctx, const struct hag_glue_config *cfg)
 
 	strscpy(hag_genl_family.name, cfg->genl_name, GENL_NAMSIZ);
 	strscpy(hag_mcgrps[0].name, cfg->genl_mcgrp_events, GENL_NAMSIZ);
+	/* Events name vGPUs and what their guests do: as private as /dev/hag. */
+	hag_mcgrps[0].flags = GENL_MCAST_CAP_NET_ADMIN;
 	hag_genl_family.version = cfg->genl_version;
 	hag_genl_family.maxattr = cfg->genl_maxattr;
 	ret = genl_register_family(&hag_genl_family);

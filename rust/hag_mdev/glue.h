@@ -36,7 +36,9 @@ enum hag_mig_action {
 };
 
 /* Implemented in glue.rs. */
-long hag_rs_ioctl(const void *ctx, unsigned int cmd, unsigned long arg);
+long hag_rs_ioctl(const void *ctx, u64 opener, unsigned int cmd,
+		  unsigned long arg);
+void hag_rs_release(const void *ctx, u64 opener);
 int hag_rs_vgpu_probe(const void *ctx, const u8 *uuid, struct hag_vgpu *vgpu,
 		      u32 *id);
 void hag_rs_vgpu_remove(const void *ctx, u32 id);
@@ -82,6 +84,7 @@ void hag_glue_eventfd_put(struct eventfd_ctx *ctx);
 bool hag_glue_hang_injection_allowed(void);
 bool hag_glue_gpu_dirty_withheld(void);
 void hag_glue_msleep(u32 ms);
+void hag_glue_cond_resched(void);
 void hag_glue_iova_bitmap_set(void *dirty, u64 iova, u64 length);
 
 /*

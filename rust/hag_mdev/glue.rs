@@ -5,9 +5,17 @@
 //! generic netlink, mdev or VFIO. `glue.c` holds their static tables and the
 //! helpers that are C macros or inline functions; this file declares them,
 //! receives their callbacks (`hag_rs_*`) and turns both directions into safe
-//! Rust: [`Registration`] owns the registered interfaces and the module
-//! [`State`], and [`EventMessage`] builds and sends one netlink message.
+//! Rust: [`Registration`] owns the registered interfaces and the driver
+//! state, and [`EventMessage`] builds and sends one netlink message.
 //! Every `unsafe` block of the module is in this file.
+//!
+//! The dependency points one way, as in upstream Rust-for-Linux's
+//! `rust/kernel/miscdevice.rs`: the glue knows the traits of what it calls
+//! back ([`FileOps`] for `/dev/hag`, [`MdevParent`] and [`VfioDevice`] for
+//! the vGPUs of the `hag-sim` type, [`GvtObserver`] for GVT-g's hooks), and
+//! the module's logic implements them; nothing here names the logic. The
+//! ABI structures it copies to and from userspace are the shared crates'
+//! (`abi`) and VFIO's uapi, mirrored here ([`uapi`]).
 
 use core::ffi::{c_char, c_int, c_long, c_uint, c_ulong, c_void};
 use core::ptr;
@@ -21,10 +29,81 @@ use kernel::{new_mutex, pin_init};
 
 use crate::abi;
 use crate::audit::AddressSpace;
-use crate::gvt::GvtPart;
 use crate::handoff;
-use crate::sim::vfio;
-use crate::State;
+
+/// `/dev/hag`'s file operations, for the opener numbered `opener` (each
+/// open of the file is numbered, never reusing a number while loaded).
+pub(crate) trait FileOps {
+    /// An ioctl.
+    fn ioctl(&self, opener: u64, cmd: u32, arg: usize) -> Result;
+    /// The opener's file was released (closed, or its process died).
+    fn release(&self, opener: u64);
+}
+
+/// The mdev parent: vGPUs of the `hag-sim` type come and go.
+pub(crate) trait MdevParent {
+    /// A vGPU was created through sysfs; returns its id.
+    fn vgpu_probe(&self, uuid: [u8; 16], handle: VgpuHandle) -> Result<u32>;
+    /// It is being removed (or its probe failed after `vgpu_probe`).
+    fn vgpu_remove(&self, id: u32);
+}
+
+/// The VFIO device of vGPU `id`, as a VMM uses it.
+pub(crate) trait VfioDevice {
+    /// The VMM opened (`true`) or closed the device.
+    fn vgpu_open(&self, id: u32, open: bool);
+    /// A region read or write; returns the bytes transferred.
+    fn region_rw(&self, id: u32, user: UserSlice, count: usize, pos: u64, write: bool) -> Result<usize>;
+    /// A device ioctl.
+    fn device_ioctl(&self, id: u32, cmd: u32, arg: usize) -> Result<i64>;
+    /// The vGPU's work item ran.
+    fn tick(&self, id: u32);
+    /// DMA logging starts over `[iova, iova + length)`.
+    fn dma_log_start(&self, id: u32, iova: u64, length: u64) -> Result;
+    /// DMA logging stops.
+    fn dma_log_stop(&self, id: u32) -> Result;
+    /// Hands out (to `report`) and clears the dirty pages of a range.
+    fn dma_log_report(&self, id: u32, iova: u64, length: u64, report: &mut dyn FnMut(u64)) -> Result;
+    /// A VFIO migration arc `cur` to `next` (`enum vfio_device_mig_state`).
+    fn mig_step(&self, id: u32, cur: u32, next: u32) -> Result<MigAction>;
+    /// The snapshot of a stopped vGPU into `out`; returns the bytes used.
+    fn mig_save(&self, id: u32, out: &mut [u8]) -> Result<usize>;
+    /// Loads a snapshot a VMM wrote.
+    fn mig_restore(&self, id: u32, bytes: &[u8]) -> Result;
+    /// The migration state went back to RUNNING (close or reset).
+    fn mig_reset(&self, id: u32);
+}
+
+/// GVT-g's hooks (the i915 patch), for the vGPUs GVT runs.
+pub(crate) trait GvtObserver {
+    /// GVT created (or had) a vGPU; returns hag's id for it.
+    fn gvt_vgpu_added(&self, gvt_id: u32, ggtt_size: u64, vgpu: GvtVgpuPtr) -> Result<u32>;
+    /// GVT is destroying the vGPU at `vgpu`.
+    fn gvt_vgpu_removed(&self, vgpu: usize);
+    /// GVT scanned and shadowed a workload of the vGPU at `vgpu` (or the
+    /// glue could not read what GVT passed: why).
+    fn gvt_workload(
+        &self,
+        vgpu: usize,
+        engine: u32,
+        workload: core::result::Result<GvtWorkload<'_>, &'static str>,
+        translate: &mut GvtTranslate,
+    );
+}
+
+/// Everything the registered interfaces call back.
+pub(crate) trait Driver: FileOps + MdevParent + VfioDevice + GvtObserver + Send + Sync {}
+
+impl<T: FileOps + MdevParent + VfioDevice + GvtObserver + Send + Sync> Driver for T {}
+
+/// The driver the callbacks reach, as the thin pointer glue.c carries.
+struct DriverRef(*const dyn Driver);
+
+// SAFETY: it points to a `Driver`, which is `Send + Sync`, owned by the
+// `Registration` that owns this value too.
+unsafe impl Send for DriverRef {}
+// SAFETY: as above.
+unsafe impl Sync for DriverRef {}
 
 /// Mirrors `struct hag_glue_config` in glue.c.
 #[repr(C)]
@@ -72,6 +151,7 @@ extern "C" {
     fn hag_glue_hang_injection_allowed() -> bool;
     fn hag_glue_gpu_dirty_withheld() -> bool;
     fn hag_glue_msleep(ms: u32);
+    fn hag_glue_cond_resched();
     fn hag_glue_iova_bitmap_set(dirty: *mut c_void, iova: u64, length: u64);
     fn hag_glue_register(ctx: *const c_void, cfg: *const GlueConfig) -> c_int;
     fn hag_glue_unregister();
@@ -91,18 +171,22 @@ fn c_str(bytes: &'static [u8]) -> *const c_char {
     bytes.as_ptr().cast()
 }
 
-/// The registered C interfaces, and the state their callbacks reach.
+/// The registered C interfaces, and the driver state their callbacks reach.
 ///
 /// Dropping it unregisters everything before the state is freed, so no
 /// callback can see freed state.
-pub(crate) struct Registration {
-    state: Pin<KBox<State>>,
+pub(crate) struct Registration<T: Driver + 'static> {
+    state: Pin<KBox<T>>,
+    /// What glue.c's context pointer points to.
+    ctx: KBox<DriverRef>,
     gvt: GvtSupport,
 }
 
-impl Registration {
-    /// Registers `/dev/hag`, the `hag` netlink family and the mdev parent.
-    pub(crate) fn new(state: Pin<KBox<State>>) -> Result<Self> {
+impl<T: Driver + 'static> Registration<T> {
+    /// Registers `/dev/hag`, the `hag` netlink family and the mdev parent,
+    /// and (if built with it) the GVT-g observer, all calling `state` back.
+    /// `mig_data_bytes` is the size of a VFIO migration snapshot.
+    pub(crate) fn new(state: Pin<KBox<T>>, mig_data_bytes: usize) -> Result<Self> {
         let cfg = GlueConfig {
             misc_name: c_str(abi::DEVICE_NAME_C),
             parent_name: c_str(abi::PARENT_NAME_C),
@@ -110,26 +194,29 @@ impl Registration {
             sim_type_description: c_str(SIM_TYPE_DESCRIPTION_C),
             genl_name: c_str(abi::GENL_NAME_C),
             genl_mcgrp_events: c_str(abi::GENL_MCGRP_EVENTS_C),
-            mig_data_bytes: crate::sim::SNAPSHOT_BYTES,
+            mig_data_bytes,
             mig_max_bytes: abi::SIM_CONTEXT_MAX_BYTES as usize,
             sim_max_instances: abi::SIM_MAX_INSTANCES,
             genl_maxattr: abi::ATTR_MAX,
             genl_pad_attr: abi::ATTR_PAD,
             genl_version: abi::GENL_VERSION,
         };
-        let ctx: *const State = &*state;
+        let driver: *const dyn Driver = &*state as &(dyn Driver + 'static);
+        let ctx = KBox::new(DriverRef(driver), GFP_KERNEL)?;
+        let ctx_ptr: *const DriverRef = &*ctx;
         // SAFETY: `cfg` lives across the call and its strings are 'static and
-        // NUL-terminated (glue.c keeps only those pointers). `ctx` points
-        // into a pinned allocation that `self` owns until `drop` has called
-        // `hag_glue_unregister`, after which no callback runs.
-        let ret = unsafe { hag_glue_register(ctx.cast(), &cfg) };
+        // NUL-terminated (glue.c keeps only those pointers). `ctx_ptr`
+        // points to a box, and the box to the pinned state, both owned by
+        // `self` until `drop` has called `hag_glue_unregister`, after which
+        // no callback runs.
+        let ret = unsafe { hag_glue_register(ctx_ptr.cast(), &cfg) };
         if ret != 0 {
             return Err(Error::from_errno(ret));
         }
         // GVT may call back at once (for the vGPUs it already has), after
         // /dev/hag exists; unloading unregisters from GVT first.
-        let gvt = gvt_register(ctx);
-        Ok(Self { state, gvt })
+        let gvt = gvt_register(ctx_ptr);
+        Ok(Self { state, ctx, gvt })
     }
 
     /// What the module found of GVT-g at load.
@@ -138,7 +225,7 @@ impl Registration {
     }
 }
 
-impl Drop for Registration {
+impl<T: Driver + 'static> Drop for Registration<T> {
     fn drop(&mut self) {
         if let GvtSupport::Registered { .. } = self.gvt {
             // SAFETY: registered in `new`; this runs once. It waits for
@@ -149,33 +236,42 @@ impl Drop for Registration {
         // SAFETY: `new` registered successfully (a `Registration` exists
         // only then), and this runs once.
         unsafe { hag_glue_unregister() };
-        // `self.state` is freed after this, with no interface left to reach it.
-        let _ = &self.state;
+        // `self.state` and `self.ctx` are freed after this, with no
+        // interface left to reach them.
+        let _ = (&self.state, &self.ctx);
     }
 }
 
-/// Recovers the state from the context pointer glue.c passes back.
+/// Recovers the driver from the context pointer glue.c passes back.
 ///
 /// # Safety
 ///
 /// `ctx` must be the pointer given to `hag_glue_register`, and the call must
 /// happen while registered (glue.c only calls back then).
-unsafe fn state<'a>(ctx: *const c_void) -> &'a State {
-    // SAFETY: per this function's contract, `ctx` points to the pinned
-    // `State` owned by the live `Registration`.
-    unsafe { &*ctx.cast::<State>() }
+unsafe fn state<'a>(ctx: *const c_void) -> &'a dyn Driver {
+    // SAFETY: per this function's contract, `ctx` points to the `DriverRef`
+    // box of the live `Registration`, which points to its pinned state.
+    unsafe { &*(*ctx.cast::<DriverRef>()).0 }
 }
 
-/// `/dev/hag` ioctl.
+/// `/dev/hag` ioctl, by the opener numbered `opener`.
 #[no_mangle]
-extern "C" fn hag_rs_ioctl(ctx: *const c_void, cmd: c_uint, arg: c_ulong) -> c_long {
+extern "C" fn hag_rs_ioctl(ctx: *const c_void, opener: u64, cmd: c_uint, arg: c_ulong) -> c_long {
     // SAFETY: called by glue.c's file operations, which exist only while
     // registered, with the registered context.
     let state = unsafe { state(ctx) };
-    match crate::control::ioctl(state, cmd, arg as usize) {
+    match state.ioctl(opener, cmd, arg as usize) {
         Ok(()) => 0,
         Err(e) => e.to_errno() as c_long,
     }
+}
+
+/// `/dev/hag` opener `opener` released its file (closed, or its process
+/// died): what it held goes.
+#[no_mangle]
+extern "C" fn hag_rs_release(ctx: *const c_void, opener: u64) {
+    // SAFETY: called by glue.c's file operations while registered.
+    unsafe { state(ctx) }.release(opener);
 }
 
 /// mdev probe: a vGPU was created through sysfs.
@@ -191,8 +287,8 @@ extern "C" fn hag_rs_vgpu_probe(
     // SAFETY: glue.c passes the mdev's `guid_t` bytes, 16 bytes long and
     // valid for the call.
     let guid: [u8; 16] = unsafe { ptr::read(uuid.cast::<[u8; 16]>()) };
-    let handle = VgpuHandle { vgpu };
-    match state.vgpu_created(abi::uuid_from_guid(guid), handle) {
+    let handle = VgpuHandle::new(vgpu);
+    match state.vgpu_probe(abi::uuid_from_guid(guid), handle) {
         Ok(new_id) => {
             // SAFETY: `id` points to the `u32` field of glue.c's vGPU struct.
             unsafe { id.write(new_id) };
@@ -206,7 +302,7 @@ extern "C" fn hag_rs_vgpu_probe(
 #[no_mangle]
 extern "C" fn hag_rs_vgpu_remove(ctx: *const c_void, id: u32) {
     // SAFETY: called by glue.c's mdev remove while registered.
-    unsafe { state(ctx) }.vgpu_removed(id);
+    unsafe { state(ctx) }.vgpu_remove(id);
 }
 
 /// A VMM read or wrote a VFIO region of the vGPU (`pos` encodes the region).
@@ -222,7 +318,7 @@ extern "C" fn hag_rs_vfio_rw(
     // SAFETY: called by glue.c's VFIO device ops while registered.
     let state = unsafe { state(ctx) };
     let user = UserSlice::new(buf as usize, count);
-    match state.vfio_rw(id, user, count, pos, write) {
+    match state.region_rw(id, user, count, pos, write) {
         Ok(done) => c_long::try_from(done).unwrap_or(c_long::MAX),
         Err(e) => e.to_errno() as c_long,
     }
@@ -233,7 +329,7 @@ extern "C" fn hag_rs_vfio_rw(
 extern "C" fn hag_rs_vfio_ioctl(ctx: *const c_void, id: u32, cmd: c_uint, arg: c_ulong) -> c_long {
     // SAFETY: called by glue.c's VFIO device ops while registered.
     let state = unsafe { state(ctx) };
-    match state.vfio_ioctl(id, cmd, arg as usize) {
+    match state.device_ioctl(id, cmd, arg as usize) {
         Ok(ret) => ret,
         Err(e) => e.to_errno() as c_long,
     }
@@ -244,7 +340,7 @@ extern "C" fn hag_rs_vfio_ioctl(ctx: *const c_void, id: u32, cmd: c_uint, arg: c
 extern "C" fn hag_rs_vgpu_tick(ctx: *const c_void, id: u32) {
     // SAFETY: glue.c cancels the work before the vGPU (and the state)
     // goes away, so this runs while registered.
-    unsafe { state(ctx) }.vgpu_tick(id);
+    unsafe { state(ctx) }.tick(id);
 }
 
 /// VFIO DMA logging started on the vGPU (glue.c passes the span of the
@@ -365,47 +461,71 @@ extern "C" fn hag_rs_mig_reset(ctx: *const c_void, id: u32) {
 
 /// The C side of one vGPU: DMA to its VM's memory and its work item.
 ///
-/// Valid from probe until `hag_rs_vgpu_remove`, which glue.c calls after it
-/// has stopped VFIO access and cancelled the work; the table drops the handle
-/// then.
+/// The C object lives from probe until glue.c's remove has called
+/// `hag_rs_vgpu_remove` (after stopping VFIO access and cancelling the
+/// work), but `Arc<Vgpu>` clones may outlive that (a quiesce holds one for
+/// up to a minute). So the pointer is cleared at remove ([`Self::forget`]),
+/// with the vGPU's mutex held, and every use checks it with that mutex held:
+/// a use either runs before the remove finishes with the object, or finds
+/// nothing to use.
 pub(crate) struct VgpuHandle {
-    vgpu: *mut CVgpu,
+    vgpu: AtomicPtr<CVgpu>,
 }
 
-// SAFETY: the C object is usable from any thread; concurrent use is
-// serialised by the vGPU's mutex (DMA) or by the workqueue (kick).
-unsafe impl Send for VgpuHandle {}
-// SAFETY: as above.
-unsafe impl Sync for VgpuHandle {}
-
 impl VgpuHandle {
+    fn new(vgpu: *mut CVgpu) -> Self {
+        Self { vgpu: AtomicPtr::new(vgpu) }
+    }
+
+    /// The C object, unless removed. The caller holds the vGPU's mutex
+    /// across its use of the pointer, which [`Self::forget`] also holds.
+    fn live(&self) -> Result<*mut CVgpu> {
+        let vgpu = self.vgpu.load(Ordering::Acquire);
+        if vgpu.is_null() {
+            Err(ENODEV)
+        } else {
+            Ok(vgpu)
+        }
+    }
+
+    /// The vGPU is being removed: no use reaches the C object from now on.
+    /// Called with the vGPU's mutex held.
+    pub(crate) fn forget(&self) {
+        self.vgpu.store(ptr::null_mut(), Ordering::Release);
+    }
+
     /// Reads guest memory at guest physical `gpa` through the VM's VFIO
-    /// DMA mappings. Fails (`EINVAL`, `EFAULT`) if the range is not mapped.
-    /// Only while the VFIO device is open: the caller checks.
+    /// DMA mappings. Fails (`EINVAL`, `EFAULT`) if the range is not mapped,
+    /// `ENODEV` once removed. Only while the VFIO device is open, with the
+    /// vGPU's mutex held: the caller checks and holds.
     pub(crate) fn dma_read(&self, gpa: u64, out: &mut [u8]) -> Result {
-        // SAFETY: `self.vgpu` is live (see the type's docs); `out` is valid
+        let vgpu = self.live()?;
+        // SAFETY: `vgpu` is live (see the type's docs: not yet forgotten,
+        // and the caller's mutex keeps it so for the call); `out` is valid
         // for writes of its length for the duration of the call.
-        let ret = unsafe {
-            hag_glue_dma_rw(self.vgpu, gpa, out.as_mut_ptr().cast(), out.len() as u64, false)
-        };
+        let ret =
+            unsafe { hag_glue_dma_rw(vgpu, gpa, out.as_mut_ptr().cast(), out.len() as u64, false) };
         check(ret)
     }
 
     /// Writes guest memory; as [`Self::dma_read`].
     pub(crate) fn dma_write(&self, gpa: u64, data: &[u8]) -> Result {
+        let vgpu = self.live()?;
         // SAFETY: as in `dma_read`; with `write` set, vfio_dma_rw only reads
         // `data`.
         let ret = unsafe {
-            hag_glue_dma_rw(self.vgpu, gpa, data.as_ptr().cast_mut().cast(), data.len() as u64, true)
+            hag_glue_dma_rw(vgpu, gpa, data.as_ptr().cast_mut().cast(), data.len() as u64, true)
         };
         check(ret)
     }
 
     /// Schedules the vGPU's tick in `delay_ms` (now, if 0); an already
-    /// scheduled tick is moved.
+    /// scheduled tick is moved. Nothing once removed.
     pub(crate) fn kick(&self, delay_ms: u32) {
-        // SAFETY: `self.vgpu` is live and its work was initialised at probe.
-        unsafe { hag_glue_kick(self.vgpu, delay_ms) };
+        let Ok(vgpu) = self.live() else { return };
+        // SAFETY: `vgpu` is live (as in `dma_read`) and its work was
+        // initialised at probe.
+        unsafe { hag_glue_kick(vgpu, delay_ms) };
     }
 }
 
@@ -425,6 +545,14 @@ pub(crate) fn gpu_dirty_withheld() -> bool {
 pub(crate) fn msleep(ms: u32) {
     // SAFETY: the callers are ioctls, which run in process context.
     unsafe { hag_glue_msleep(ms) }
+}
+
+/// Lets other tasks run if this one has run long (process context only;
+/// a sleeping lock such as the vGPU's mutex may be held).
+pub(crate) fn cond_resched() {
+    // SAFETY: every caller runs in process context (an ioctl, a VFIO
+    // access or the vGPU's work item) and holds no spinlock.
+    unsafe { hag_glue_cond_resched() }
 }
 
 /// A reference to an eventfd a VMM gave for an interrupt.
@@ -468,7 +596,7 @@ impl Drop for EventFd {
 #[no_mangle]
 extern "C" fn hag_rs_vgpu_open(ctx: *const c_void, id: u32, open: bool) {
     // SAFETY: called by glue.c's VFIO device ops while registered.
-    unsafe { state(ctx) }.vgpu_opened(id, open);
+    unsafe { state(ctx) }.vgpu_open(id, open);
 }
 
 // The ABI structures cross to and from userspace as raw bytes.
@@ -503,20 +631,68 @@ unsafe impl FromBytes for abi::HagQuiesce {}
 unsafe impl FromBytes for abi::HagContextBuf {}
 // SAFETY: see above.
 unsafe impl AsBytes for abi::HagContextBuf {}
-// SAFETY: see above; these mirror VFIO's uapi structures.
-unsafe impl FromBytes for vfio::DeviceInfo {}
+/// VFIO's uapi structures (`include/uapi/linux/vfio.h`) that the VFIO
+/// device ioctls read and write.
+pub(crate) mod uapi {
+    /// `struct vfio_device_info` up to `num_irqs` (the part every kernel has).
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    pub(crate) struct DeviceInfo {
+        pub(crate) argsz: u32,
+        pub(crate) flags: u32,
+        pub(crate) num_regions: u32,
+        pub(crate) num_irqs: u32,
+    }
+
+    /// `struct vfio_region_info`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    pub(crate) struct RegionInfo {
+        pub(crate) argsz: u32,
+        pub(crate) flags: u32,
+        pub(crate) index: u32,
+        pub(crate) cap_offset: u32,
+        pub(crate) size: u64,
+        pub(crate) offset: u64,
+    }
+
+    /// `struct vfio_irq_info`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    pub(crate) struct IrqInfo {
+        pub(crate) argsz: u32,
+        pub(crate) flags: u32,
+        pub(crate) index: u32,
+        pub(crate) count: u32,
+    }
+
+    /// `struct vfio_irq_set` without its trailing `data[]`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    pub(crate) struct IrqSet {
+        pub(crate) argsz: u32,
+        pub(crate) flags: u32,
+        pub(crate) index: u32,
+        pub(crate) start: u32,
+        pub(crate) count: u32,
+    }
+}
+
+// SAFETY: see above; these mirror VFIO's uapi structures, all u32 and u64
+// fields with no padding.
+unsafe impl FromBytes for uapi::DeviceInfo {}
 // SAFETY: see above.
-unsafe impl AsBytes for vfio::DeviceInfo {}
+unsafe impl AsBytes for uapi::DeviceInfo {}
 // SAFETY: see above.
-unsafe impl FromBytes for vfio::RegionInfo {}
+unsafe impl FromBytes for uapi::RegionInfo {}
 // SAFETY: see above.
-unsafe impl AsBytes for vfio::RegionInfo {}
+unsafe impl AsBytes for uapi::RegionInfo {}
 // SAFETY: see above.
-unsafe impl FromBytes for vfio::IrqInfo {}
+unsafe impl FromBytes for uapi::IrqInfo {}
 // SAFETY: see above.
-unsafe impl AsBytes for vfio::IrqInfo {}
+unsafe impl AsBytes for uapi::IrqInfo {}
 // SAFETY: see above.
-unsafe impl FromBytes for vfio::IrqSet {}
+unsafe impl FromBytes for uapi::IrqSet {}
 
 /// One generic netlink message of the `hag` family, multicast to the
 /// events group by [`EventMessage::send`]; dropped unsent, it is freed.
@@ -619,7 +795,7 @@ extern "C" {
 /// before `hag_gvt_register` and cleared after `hag_gvt_unregister` (which
 /// waits for calls in flight), while the `Registration` owning the state
 /// lives.
-static GVT_STATE: AtomicPtr<State> = AtomicPtr::new(ptr::null_mut());
+static GVT_STATE: AtomicPtr<DriverRef> = AtomicPtr::new(ptr::null_mut());
 
 /// What the module found of GVT-g at load, for the one load line.
 #[derive(Clone, Copy)]
@@ -633,7 +809,7 @@ pub(crate) enum GvtSupport {
 }
 
 /// Registers hag's ops with GVT, if the module was built with them.
-fn gvt_register(state: *const State) -> GvtSupport {
+fn gvt_register(state: *const DriverRef) -> GvtSupport {
     // SAFETY: no preconditions.
     if !unsafe { hag_gvt_compiled_in() } {
         return GvtSupport::NotCompiledIn;
@@ -657,12 +833,38 @@ pub(crate) fn gvt_active() -> bool {
 }
 
 /// The state, inside a GVT callback.
-fn gvt_state<'a>() -> Option<&'a State> {
+fn gvt_state<'a>() -> Option<&'a dyn Driver> {
     let state = GVT_STATE.load(Ordering::Acquire);
     // SAFETY: non-NULL only while registered with GVT, and GVT makes no
     // call after `hag_gvt_unregister` returned, which happens before the
-    // state is freed (see `Registration::drop`).
-    unsafe { state.as_ref() }
+    // state (and the `DriverRef` pointing to it) is freed (see
+    // `Registration::drop`).
+    unsafe { state.as_ref().map(|d| &*d.0) }
+}
+
+/// Parts of a GVT-g vGPU's snapshot. Mirrors `enum hag_gvt_part` in glue.h.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(u32)]
+pub(crate) enum GvtPart {
+    Vregs = 0,
+    CfgSpace = 1,
+    Ggtt = 2,
+    Execlist = 3,
+}
+
+/// A GVT vGPU as a GVT callback passes it, to build its [`GvtHandle`] from.
+pub(crate) struct GvtVgpuPtr(*mut c_void);
+
+/// One workload GVT handed over, as read from GVT's callback.
+pub(crate) struct GvtWorkload<'a> {
+    /// GVT's scanned copy of the ring slice.
+    pub(crate) ring: &'a [u32],
+    /// Graphics address of `ring[0]`.
+    pub(crate) ring_gma: u64,
+    /// Graphics address of the status page.
+    pub(crate) hwsp_gma: u64,
+    /// The shadowed batch buffers.
+    pub(crate) bbs: &'a [handoff::ShadowBb<'a>],
 }
 
 /// GVT's `struct intel_vgpu`, as a pointer that may be sent between threads.
@@ -687,7 +889,9 @@ pub(crate) struct GvtHandle {
 }
 
 impl GvtHandle {
-    fn new(vgpu: *mut c_void) -> impl PinInit<Self> {
+    /// The handle of the vGPU a GVT callback passed.
+    pub(crate) fn new(vgpu: GvtVgpuPtr) -> impl PinInit<Self> {
+        let GvtVgpuPtr(vgpu) = vgpu;
         pin_init!(Self {
             addr: vgpu as usize,
             live <- new_mutex!(CGvtVgpu(vgpu), "hag_gvt_handle"),
@@ -778,7 +982,7 @@ extern "C" fn hag_rust_gvt_vgpu_added(vgpu: *mut c_void, id: c_uint) -> c_int {
     let Some(state) = gvt_state() else { return 0 };
     // SAFETY: GVT passes a vGPU it has initialised, valid for the call.
     let ggtt_size = unsafe { hag_gvt_ggtt_size(vgpu) };
-    match state.gvt_vgpu_added(id, ggtt_size, GvtHandle::new(vgpu)) {
+    match state.gvt_vgpu_added(id, ggtt_size, GvtVgpuPtr(vgpu)) {
         Ok(_) => 0,
         Err(e) => {
             pr_warn!("GVT vGPU {}: not tracked (error {}): its writes are not logged\n", id, e.to_errno());
@@ -810,21 +1014,14 @@ extern "C" fn hag_rust_gvt_workload(
     nr_bbs: u32,
 ) -> c_int {
     let Some(state) = gvt_state() else { return 0 };
-    let Some(gvt) = state.gvt_vgpu(vgpu as usize) else { return 0 };
     let mut translate = GvtTranslate { wl };
     let mut shadows = KVec::new();
     let ring = gvt_ring(ring, ring_bytes).and_then(|ring| {
         gvt_shadows(bbs, nr_bbs, &mut shadows)?;
         Ok(ring)
     });
-    let workload = ring.map(|ring| handoff::Workload {
-        ring,
-        ring_gma,
-        hwsp_gma,
-        bbs: &shadows,
-        ggtt_size: gvt.ggtt_size,
-    });
-    gvt.workload(engine, workload.as_ref().map_err(|why| *why), &mut translate);
+    let workload = ring.map(|ring| GvtWorkload { ring, ring_gma, hwsp_gma, bbs: &shadows });
+    state.gvt_workload(vgpu as usize, engine, workload, &mut translate);
     0
 }
 

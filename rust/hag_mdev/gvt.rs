@@ -31,7 +31,9 @@ use kernel::{new_mutex, pin_init};
 
 use crate::abi;
 use crate::dirty::DirtyLog;
-use crate::glue::{GvtHandle, GvtTranslate};
+pub(crate) use crate::glue::GvtPart;
+use crate::glue::{self, GvtHandle, GvtTranslate, GvtVgpuPtr, GvtWorkload};
+use crate::State;
 use crate::handoff::{self, Limits, Outcome, Workload};
 use crate::snapshot::{self as fmt, Snapshot, SnapshotError, Writer};
 
@@ -286,17 +288,6 @@ impl GvtVgpu {
 /// The most a GVT-g snapshot may take (see [`abi::CONTEXT_MAX_BYTES`]).
 pub(crate) const SNAPSHOT_MAX_BYTES: u64 = abi::CONTEXT_MAX_BYTES;
 
-/// One part of a GVT-g vGPU's snapshot; mirrors `enum hag_gvt_part` in
-/// glue.h.
-#[derive(Clone, Copy, PartialEq, Eq)]
-#[repr(u32)]
-pub(crate) enum GvtPart {
-    Vregs = 0,
-    CfgSpace = 1,
-    Ggtt = 2,
-    Execlist = 3,
-}
-
 impl GvtPart {
     /// Every part, in the order GVT restores them (glue.h).
     const RESTORE_ORDER: [GvtPart; 4] = [GvtPart::Vregs, GvtPart::CfgSpace, GvtPart::Ggtt, GvtPart::Execlist];
@@ -327,5 +318,33 @@ fn errno(e: SnapshotError) -> Error {
         SnapshotError::UnknownVersion(_) => crate::errno(kernel::bindings::EPROTO),
         SnapshotError::NoSpace { .. } => ENOSPC,
         _ => EINVAL,
+    }
+}
+
+impl glue::GvtObserver for State {
+    fn gvt_vgpu_added(&self, gvt_id: u32, ggtt_size: u64, vgpu: GvtVgpuPtr) -> Result<u32> {
+        State::gvt_vgpu_added(self, gvt_id, ggtt_size, GvtHandle::new(vgpu))
+    }
+
+    fn gvt_vgpu_removed(&self, vgpu: usize) {
+        State::gvt_vgpu_removed(self, vgpu)
+    }
+
+    fn gvt_workload(
+        &self,
+        vgpu: usize,
+        engine: u32,
+        workload: core::result::Result<GvtWorkload<'_>, &'static str>,
+        translate: &mut GvtTranslate,
+    ) {
+        let Some(gvt) = self.gvt_vgpu(vgpu) else { return };
+        let workload = workload.map(|w| Workload {
+            ring: w.ring,
+            ring_gma: w.ring_gma,
+            hwsp_gma: w.hwsp_gma,
+            bbs: w.bbs,
+            ggtt_size: gvt.ggtt_size,
+        });
+        gvt.workload(engine, workload.as_ref().map_err(|why| *why), translate);
     }
 }

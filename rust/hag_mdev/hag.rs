@@ -9,7 +9,8 @@
 //! nothing behind.
 //!
 //! Layout: [`glue`] is the one place that talks to C (and holds every
-//! `unsafe` block); [`vgpu`] keeps the vGPU table; [`sim`] is the simulated
+//! `unsafe` block); it calls back through traits that [`vgpu::State`]
+//! implements, and names nothing above it; [`vgpu`] keeps the vGPU table; [`sim`] is the simulated
 //! vGPU (registers, GTT, engine, VFIO protocol); [`dirty`] its GPU dirty log;
 //! [`control`] answers the `/dev/hag` ioctls; [`events`] sends netlink
 //! events. [`abi`] and [`audit`] are the shared crates' sources (the ABI and
@@ -57,13 +58,13 @@ pub(crate) fn errno(code: u32) -> Error {
 pub(crate) const MODULE_VERSION: &str = "0.1.0";
 
 struct HagModule {
-    _registration: glue::Registration,
+    _registration: glue::Registration<State>,
 }
 
 impl kernel::Module for HagModule {
     fn init(_module: &'static ThisModule) -> Result<Self> {
         let state = KBox::pin_init(State::new(), GFP_KERNEL)?;
-        let registration = glue::Registration::new(state)?;
+        let registration = glue::Registration::new(state, sim::SNAPSHOT_BYTES)?;
         pr_info!(
             "hag_mdev {} loaded: /dev/{}, netlink family '{}', mdev type '{}' (ABI {})\n",
             MODULE_VERSION,

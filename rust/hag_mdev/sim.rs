@@ -20,6 +20,7 @@ use kernel::uaccess::UserSlice;
 use crate::abi;
 use crate::sim_regs as r;
 use crate::audit::{self, AddressSpace, AuditConfig, AuditError, GfxMemory, MemoryFault, ValidatedCommand};
+use crate::glue;
 use crate::dirty::DirtyLog;
 use crate::events::Event;
 use crate::glue::{EventFd, VgpuHandle};
@@ -30,6 +31,16 @@ pub(crate) use snapshot::SNAPSHOT_BYTES;
 const PAGE: u64 = 4096;
 /// Graphics pages of one vGPU.
 const GTT_ENTRIES: usize = (abi::SIM_GFX_MEM_SIZE / PAGE) as usize;
+/// Memory one submission's validated commands may take: the auditor's
+/// entry limit is derived from it, so a guest's ring costs the host at most
+/// this much (in vmalloc'd pages, never a large kmalloc).
+const SUBMISSION_LIST_BYTES: usize = 2 << 20;
+/// Rows walked per blit when marking a submission's pages; past that a
+/// blit's remaining rows are marked as one range (more pages, never fewer).
+const MARK_ROW_STEPS: u32 = 64;
+/// Commands (or batch pages read) between two chances to reschedule while
+/// a doorbell's audit runs.
+const RESCHED_EVERY: u32 = 256;
 /// Registers MI_LOAD_REGISTER_* and MI_STORE_REGISTER_MEM may name: the
 /// general-purpose registers, low and high halves.
 const ALLOWED_REGISTERS: [u32; 2 * r::GPR_COUNT as usize] = {
@@ -101,6 +112,9 @@ pub(crate) struct Sim {
     queued_tail: Option<u32>,
     /// Submissions are held (for a snapshot); the current one finishes.
     pub(crate) quiesced: bool,
+    /// The `/dev/hag` opener whose `IOC_QUIESCE` or `IOC_RESTORE_CONTEXT`
+    /// holds the vGPU: its file's release lets the vGPU go.
+    pub(crate) held_by: Option<u64>,
     /// VFIO migration holds the vGPU stopped (any state but RUNNING):
     /// only VFIO lets it run again (or close or reset), not `IOC_RESUME`.
     pub(crate) vfio_stopped: bool,
@@ -129,6 +143,7 @@ impl Sim {
             halt: Halt::Idle,
             queued_tail: None,
             quiesced: false,
+            held_by: None,
             vfio_stopped: false,
             msi: None,
             dirty: None,
@@ -157,6 +172,7 @@ impl Sim {
         if !open {
             self.msi = None;
             self.quiesced = false;
+            self.held_by = None;
             // VFIO's DMA logging belongs to the closing VMM (as in the
             // in-tree migration drivers); hag's own log is /dev/hag's.
             self.vfio_dirty = None;
@@ -283,7 +299,14 @@ impl Sim {
             r::RESET if value & 1 != 0 => self.reset_engine(),
             r::RING_START => self.regs.ring_start = value & !(PAGE as u32 - 1),
             r::RING_CTL => self.regs.ring_ctl = value & ((r::RING_CTL_PAGES_MASK << r::RING_CTL_PAGES_SHIFT) | r::RING_CTL_ENABLE),
-            r::HWS_PGA => self.regs.hws_pga = value & !(PAGE as u32 - 1),
+            r::HWS_PGA => {
+                // A status page outside graphics memory is refused (the
+                // register keeps its value), as a snapshot holding one is.
+                let page = value & !(PAGE as u32 - 1);
+                if hws_pga_valid(page) {
+                    self.regs.hws_pga = page;
+                }
+            }
             r::RING_TAIL => self.doorbell(value, handle),
             o if (r::GPR_BASE..gpr_end).contains(&o) => {
                 self.regs.gpr[((o - r::GPR_BASE) / 4) as usize] = value
@@ -307,9 +330,16 @@ impl Sim {
             (*entry & 0xffff_ffff) | (u64::from(value) << 32)
         };
         // A submission in flight was marked through the old translation;
-        // mark its write set again so pages it now reaches are dirty too.
-        if self.run.is_some() {
-            self.mark_running_write_set();
+        // if it may write this graphics page, the page the entry maps now
+        // is dirty too. (Only this entry changed: one step.)
+        let page = half / 2;
+        let writes_page = self
+            .run
+            .as_ref()
+            .and_then(|run| run.pages.get(page / 64))
+            .is_some_and(|word| word & (1 << (page % 64)) != 0);
+        if writes_page && self.mark_page(page) {
+            self.stats.pages_marked += 1;
         }
         let _ = handle;
     }
@@ -403,7 +433,7 @@ impl Sim {
         } else {
             [(head, self.ring_bytes()), (0, tail)]
         };
-        let mut cmds = KVec::new();
+        let mut cmds = KVVec::new();
         for (from, to) in parts {
             if from == to {
                 continue;
@@ -413,25 +443,35 @@ impl Sim {
                 return;
             }
         }
-        let submission = Submission::new(cmds, tail);
-        self.run = Some(submission);
+        let Ok(pages) = write_pages(&cmds) else {
+            self.reject(out_of_memory(ring + u64::from(head)));
+            return;
+        };
+        self.run = Some(Submission::new(cmds, pages, tail));
         self.mark_running_write_set();
         self.last_progress_ns = Ktime::ktime_get().to_ns();
         handle.kick(0);
     }
 
-    fn audit_part(&self, handle: &VgpuHandle, gfx: u64, bytes: usize, cmds: &mut KVec<ValidatedCommand>) -> core::result::Result<(), AuditError> {
+    fn audit_part(&self, handle: &VgpuHandle, gfx: u64, bytes: usize, cmds: &mut KVVec<ValidatedCommand>) -> core::result::Result<(), AuditError> {
         let ggtt = AddressSpace::Ggtt;
         let fault = |gfx_addr| AuditError { space: ggtt, gfx_addr, header: None, reason: audit::Reason::MemoryFault { space: ggtt, addr: gfx_addr } };
-        let mut raw = KVVec::from_elem(0u8, bytes, GFP_KERNEL).map_err(|_| fault(gfx))?;
+        let mut raw = KVVec::from_elem(0u8, bytes, GFP_KERNEL).map_err(|_| out_of_memory(gfx))?;
         self.gfx_access(handle, gfx, &mut raw, false).map_err(fault)?;
-        let mut dwords = KVVec::from_elem(0u32, bytes / 4, GFP_KERNEL).map_err(|_| fault(gfx))?;
+        let mut dwords = KVVec::from_elem(0u32, bytes / 4, GFP_KERNEL).map_err(|_| out_of_memory(gfx))?;
         for (i, dw) in dwords.iter_mut().enumerate() {
             *dw = le_dword(&raw, i);
         }
-        let cfg = AuditConfig::new(abi::SIM_GFX_MEM_SIZE, u64::from(self.regs.hws_pga))
-            .with_registers(&ALLOWED_REGISTERS);
-        let mut memory = GttMemory { sim: self, handle };
+        drop(raw);
+        let max_entries = (SUBMISSION_LIST_BYTES / core::mem::size_of::<ValidatedCommand>()) as u32;
+        // Both parts of a wrapped ring share the one list and its limit.
+        let listed = u32::try_from(cmds.len()).unwrap_or(u32::MAX);
+        let cfg = AuditConfig {
+            max_entries: max_entries.saturating_sub(listed),
+            ..AuditConfig::new(abi::SIM_GFX_MEM_SIZE, u64::from(self.regs.hws_pga)).with_registers(&ALLOWED_REGISTERS)
+        };
+        let page = KVVec::from_elem(0u8, PAGE as usize, GFP_KERNEL).map_err(|_| out_of_memory(gfx))?;
+        let mut memory = GttMemory { sim: self, handle, page, cached: None, loads: 0 };
         let mut sink = VecSink { cmds };
         audit::audit(&dwords, gfx, &cfg, &mut memory, &mut sink).map(|_| ())
     }
@@ -456,32 +496,39 @@ impl Sim {
     }
 
     /// Marks the dirty log for every page the running submission may write,
-    /// through the GTT as it is now.
+    /// through the GTT as it is now: at most one step per graphics page,
+    /// whatever the commands.
     pub(crate) fn mark_running_write_set(&mut self) {
-        let Some(run) = &self.run else { return };
         if self.dirty.is_none() && self.vfio_dirty.is_none() {
             return;
         }
+        let Some(run) = self.run.take() else { return };
         let mut marked = 0;
-        for cmd in run.commands() {
-            for page in cmd.kind.write_set().pages() {
-                let gfx = page * PAGE;
-                if gfx >= abi::SIM_GFX_MEM_SIZE {
-                    continue;
-                }
-                let pte = self.gtt.get(page as usize).copied().unwrap_or(0);
-                if pte & r::GTT_PRESENT == 0 {
-                    continue;
-                }
-                let gpa = pte & r::GTT_ADDR_MASK;
-                let in_hag = self.dirty.as_mut().is_some_and(|log| log.mark(gpa));
-                let in_vfio = self.vfio_dirty.as_mut().is_some_and(|log| log.mark(gpa));
-                if in_hag || in_vfio {
+        for (w, word) in run.pages.iter().enumerate() {
+            let mut bits = *word;
+            while bits != 0 {
+                let page = w * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                if self.mark_page(page) {
                     marked += 1;
                 }
             }
         }
+        self.run = Some(run);
         self.stats.pages_marked += marked;
+    }
+
+    /// Marks the guest page graphics page `page` maps now, if it is mapped
+    /// and logged.
+    fn mark_page(&mut self, page: usize) -> bool {
+        let pte = self.gtt.get(page).copied().unwrap_or(0);
+        if pte & r::GTT_PRESENT == 0 {
+            return false;
+        }
+        let gpa = pte & r::GTT_ADDR_MASK;
+        let in_hag = self.dirty.as_mut().is_some_and(|log| log.mark(gpa));
+        let in_vfio = self.vfio_dirty.as_mut().is_some_and(|log| log.mark(gpa));
+        in_hag || in_vfio
     }
 
     /// Starts logging; a submission already running is marked at once, so
@@ -535,6 +582,11 @@ impl Sim {
                 Event::new(abi::EVENT_STATE_CHANGED, self.id, &self.uuid).message("dma fault").send();
                 return;
             }
+            engine::Outcome::Broken(e) => {
+                pr_err!("hag_mdev: vGPU {}: the engine's walk disagrees with the audit ({:?}): a hag bug\n", self.id, e);
+                self.hang("the engine's walk disagrees with the audit");
+                return;
+            }
             engine::Outcome::Progress { head_moved, stalled } => {
                 if head_moved {
                     self.last_progress_ns = now;
@@ -542,6 +594,12 @@ impl Sim {
                 // Busy: run on at once; waiting on memory: poll a bit later.
                 delay_ms = if stalled { 1 } else { 0 };
             }
+        }
+        // Work, not only the head: a submission that re-runs batches can
+        // move its head and still never end.
+        if self.run.as_ref().is_some_and(|run| run.work >= engine::SUBMISSION_OPS) {
+            self.hang("the submission did more work than any submission may");
+            return;
         }
         let stalled_ms = (now - self.last_progress_ns) / 1_000_000;
         if stalled_ms >= i64::from(self.watchdog_ms) {
@@ -565,6 +623,7 @@ impl Sim {
     /// `IOC_RESUME`: submissions held while quiesced start now.
     pub(crate) fn resume(&mut self, handle: &VgpuHandle) {
         self.quiesced = false;
+        self.held_by = None;
         self.start_queued(handle);
     }
 
@@ -615,10 +674,17 @@ impl Sim {
 
 /// Batch buffers, read through the GTT for the auditor. The simulated vGPU
 /// has no PPGTT (its audit configuration refuses PPGTT addresses), so a PPGTT
-/// read faults.
+/// read faults. The last page read is kept: one DMA call per page, not per
+/// command (a batch of register loads reads its pairs one by one).
 struct GttMemory<'a> {
     sim: &'a Sim,
     handle: &'a VgpuHandle,
+    /// One graphics page's bytes,
+    page: KVVec<u8>,
+    /// ...of this graphics page number.
+    cached: Option<u64>,
+    /// Pages read, to reschedule now and then.
+    loads: u32,
 }
 
 impl GfxMemory for GttMemory<'_> {
@@ -626,29 +692,83 @@ impl GfxMemory for GttMemory<'_> {
         if space != AddressSpace::Ggtt {
             return Err(MemoryFault { gfx_addr });
         }
-        let mut bytes = [0u8; 64];
         let mut addr = gfx_addr;
-        for chunk in out.chunks_mut(16) {
-            let raw = &mut bytes[..chunk.len() * 4];
-            self.sim.gfx_access(self.handle, addr, raw, false).map_err(|at| MemoryFault { gfx_addr: at })?;
-            for (i, dw) in chunk.iter_mut().enumerate() {
-                *dw = le_dword(raw, i);
+        for dw in out.iter_mut() {
+            let page = addr / PAGE;
+            if self.cached != Some(page) {
+                self.cached = None;
+                self.loads = self.loads.wrapping_add(1);
+                if self.loads % RESCHED_EVERY == 0 {
+                    glue::cond_resched();
+                }
+                self.sim.gfx_access(self.handle, page * PAGE, &mut self.page, false).map_err(|at| MemoryFault { gfx_addr: at.max(addr) })?;
+                self.cached = Some(page);
             }
-            addr += raw.len() as u64;
+            *dw = le_dword(&self.page, ((addr % PAGE) / 4) as usize);
+            addr = addr.checked_add(4).ok_or(MemoryFault { gfx_addr: addr })?;
         }
         Ok(())
     }
 }
 
-/// Collects validated commands for the engine.
+/// Collects validated commands for the engine. The auditor's `max_entries`
+/// keeps the list within [`SUBMISSION_LIST_BYTES`]; the sink checks again
+/// before it grows, so no guest can make it ask for more.
 struct VecSink<'a> {
-    cmds: &'a mut KVec<ValidatedCommand>,
+    cmds: &'a mut KVVec<ValidatedCommand>,
 }
 
 impl audit::AuditSink for VecSink<'_> {
     fn command(&mut self, cmd: &ValidatedCommand) -> core::result::Result<(), audit::SinkFull> {
+        if (self.cmds.len() + 1) * core::mem::size_of::<ValidatedCommand>() > SUBMISSION_LIST_BYTES {
+            return Err(audit::SinkFull);
+        }
+        if self.cmds.len() % (RESCHED_EVERY as usize * 16) == 0 {
+            glue::cond_resched();
+        }
         self.cmds.push(*cmd, GFP_KERNEL).map_err(|_| audit::SinkFull)
     }
+}
+
+/// The graphics pages a submission may write, one bit each, from every
+/// command's write set in bounded steps (see `WriteSet::page_runs`): built
+/// once, so marking them again (on a GTT write, after each dirty-log read)
+/// costs one step per page, not per row of every blit.
+fn write_pages(cmds: &[ValidatedCommand]) -> Result<KVVec<u64>> {
+    let mut pages = KVVec::from_elem(0u64, GTT_ENTRIES / 64, GFP_KERNEL)?;
+    for (i, cmd) in cmds.iter().enumerate() {
+        if i % RESCHED_EVERY as usize == RESCHED_EVERY as usize - 1 {
+            glue::cond_resched();
+        }
+        for run in cmd.kind.write_set().page_runs(MARK_ROW_STEPS) {
+            // The audit kept every write inside graphics memory (GGTT).
+            let last = run.last.min(GTT_ENTRIES as u64 - 1);
+            let mut page = run.first;
+            while page <= last {
+                let (w, bit) = ((page / 64) as usize, page % 64);
+                let Some(word) = pages.get_mut(w) else { break };
+                if bit == 0 && last - page >= 63 {
+                    *word = u64::MAX;
+                    page += 64;
+                } else {
+                    *word |= 1 << bit;
+                    page += 1;
+                }
+            }
+        }
+    }
+    Ok(pages)
+}
+
+/// A submission refused because the host had no memory for its audit.
+fn out_of_memory(gfx_addr: u64) -> AuditError {
+    AuditError { space: AddressSpace::Ggtt, gfx_addr, header: None, reason: audit::Reason::SinkFull }
+}
+
+/// Whether `HWS_PGA` may hold `value`: a page-aligned status page inside
+/// graphics memory.
+pub(crate) fn hws_pga_valid(value: u32) -> bool {
+    value % PAGE as u32 == 0 && u64::from(value) + PAGE <= abi::SIM_GFX_MEM_SIZE
 }
 
 /// Little-endian dword `i` of `bytes` (0 past the end).

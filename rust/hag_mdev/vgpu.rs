@@ -49,14 +49,19 @@ impl Vgpu {
     /// Holds new submissions and waits up to `timeout_ms` for the one in
     /// flight to end (sleeping, so process context only). On timeout the
     /// hold this call took is let go again and `ETIMEDOUT` returned: work
-    /// in flight is never snapshotted.
-    pub(crate) fn quiesce(&self, timeout_ms: u32) -> Result {
+    /// in flight is never snapshotted. A hold taken for a `/dev/hag`
+    /// opener (`holder`) is that opener's: it goes when the opener's file
+    /// is released.
+    pub(crate) fn quiesce(&self, timeout_ms: u32, holder: Option<u64>) -> Result {
         let held_before = core::mem::replace(&mut self.sim.lock().quiesced, true);
         let deadline = Ktime::ktime_get().to_ns() + i64::from(timeout_ms) * 1_000_000;
         loop {
             {
                 let mut sim = self.sim.lock();
                 if !sim.busy() {
+                    if holder.is_some() {
+                        sim.held_by = holder;
+                    }
                     return Ok(());
                 }
                 if Ktime::ktime_get().to_ns() >= deadline {
@@ -178,10 +183,17 @@ impl Entry {
         }
     }
 
-    /// Loads a context snapshot; refused ones leave the vGPU unchanged.
-    pub(crate) fn restore(&self, bytes: &[u8]) -> Result {
+    /// Loads a context snapshot for `/dev/hag` opener `opener` (a
+    /// simulated vGPU stays quiesced, held by it); refused ones leave the
+    /// vGPU unchanged.
+    pub(crate) fn restore(&self, bytes: &[u8], opener: u64) -> Result {
         match self {
-            Entry::Sim(v) => v.sim.lock().restore(bytes),
+            Entry::Sim(v) => {
+                let mut sim = v.sim.lock();
+                sim.restore(bytes)?;
+                sim.held_by = Some(opener);
+                Ok(())
+            }
             Entry::Gvt(g) => g.restore(bytes),
         }
     }
@@ -277,6 +289,12 @@ impl State {
     /// passes ids that `vgpu_created` returned.
     pub(crate) fn vgpu_removed(&self, id: u32) {
         let removed = self.table.lock().remove(|e| matches!(e, Entry::Sim(v) if v.id == id));
+        if let Some(Entry::Sim(vgpu)) = &removed {
+            // Clones of the vGPU may live on (a quiesce in flight): from
+            // here their uses of the C side find nothing.
+            let _sim = vgpu.sim.lock();
+            vgpu.handle.forget();
+        }
         if let Some(entry) = removed {
             Event::new(abi::EVENT_VGPU_REMOVED, entry.id(), &entry.uuid()).send();
         }
@@ -315,6 +333,32 @@ impl State {
             g.handle.forget();
             g.log_stats("removed");
             Event::new(abi::EVENT_VGPU_REMOVED, g.id, &[0; 16]).send();
+        }
+    }
+
+    /// `/dev/hag` opener `opener` is gone: every simulated vGPU it holds
+    /// quiesced (and VFIO migration does not hold stopped) runs again.
+    pub(crate) fn opener_closed(&self, opener: u64) {
+        let mut vgpus: [Option<Entry>; MAX_VGPUS] = [const { None }; MAX_VGPUS];
+        {
+            let table = self.table.lock();
+            for (out, slot) in vgpus.iter_mut().zip(table.slots.iter()) {
+                *out = slot.clone();
+            }
+        }
+        for entry in vgpus.iter().flatten() {
+            let Entry::Sim(vgpu) = entry else { continue };
+            let released = {
+                let mut sim = vgpu.sim.lock();
+                let held = sim.quiesced && sim.held_by == Some(opener) && !sim.vfio_stopped;
+                if held {
+                    sim.resume(&vgpu.handle);
+                }
+                held
+            };
+            if released {
+                vgpu.event("resumed: the process that quiesced it closed /dev/hag");
+            }
         }
     }
 
@@ -378,7 +422,7 @@ impl State {
         let vgpu = self.vgpu(id)?;
         let action = match (cur, next) {
             (RUNNING, STOP) => {
-                if let Err(e) = vgpu.quiesce(MIG_QUIESCE_MS) {
+                if let Err(e) = vgpu.quiesce(MIG_QUIESCE_MS, None) {
                     pr_info!(
                         "vGPU {}: VFIO migration: the engine did not go idle within {} ms; staying RUNNING\n",
                         id,
@@ -513,5 +557,61 @@ impl State {
         }
         infos[..count].sort_unstable_by_key(|info| info.id);
         (infos, count)
+    }
+}
+
+impl glue::MdevParent for State {
+    fn vgpu_probe(&self, uuid: [u8; 16], handle: VgpuHandle) -> Result<u32> {
+        self.vgpu_created(uuid, handle)
+    }
+
+    fn vgpu_remove(&self, id: u32) {
+        self.vgpu_removed(id)
+    }
+}
+
+impl glue::VfioDevice for State {
+    fn vgpu_open(&self, id: u32, open: bool) {
+        self.vgpu_opened(id, open)
+    }
+
+    fn region_rw(&self, id: u32, user: UserSlice, count: usize, pos: u64, write: bool) -> Result<usize> {
+        self.vfio_rw(id, user, count, pos, write)
+    }
+
+    fn device_ioctl(&self, id: u32, cmd: u32, arg: usize) -> Result<i64> {
+        self.vfio_ioctl(id, cmd, arg)
+    }
+
+    fn tick(&self, id: u32) {
+        self.vgpu_tick(id)
+    }
+
+    fn dma_log_start(&self, id: u32, iova: u64, length: u64) -> Result {
+        State::dma_log_start(self, id, iova, length)
+    }
+
+    fn dma_log_stop(&self, id: u32) -> Result {
+        State::dma_log_stop(self, id)
+    }
+
+    fn dma_log_report(&self, id: u32, iova: u64, length: u64, report: &mut dyn FnMut(u64)) -> Result {
+        State::dma_log_report(self, id, iova, length, report)
+    }
+
+    fn mig_step(&self, id: u32, cur: u32, next: u32) -> Result<MigAction> {
+        State::mig_step(self, id, cur, next)
+    }
+
+    fn mig_save(&self, id: u32, out: &mut [u8]) -> Result<usize> {
+        State::mig_save(self, id, out)
+    }
+
+    fn mig_restore(&self, id: u32, bytes: &[u8]) -> Result {
+        State::mig_restore(self, id, bytes)
+    }
+
+    fn mig_reset(&self, id: u32) {
+        State::mig_reset(self, id)
     }
 }

@@ -538,6 +538,17 @@ impl Device {
         Ok(list)
     }
 
+    /// `IOC_SAVE_CONTEXT` with every field as given (reserved included):
+    /// `arg.buf` must be 0 or address `arg.buf_bytes` writable bytes that
+    /// outlive the call (the module writes at most that many there).
+    pub fn save_context_raw(&self, arg: &mut abi::HagContextBuf) -> Result<(), Errno> {
+        // SAFETY: `self.file` is open for the call and `arg` is a live
+        // `HagContextBuf`; per this method's contract its buffer is either
+        // absent or writable for `buf_bytes`.
+        unsafe { ioctl_ctx::save_context(self.file.as_raw_fd(), arg) }?;
+        Ok(())
+    }
+
     /// `IOC_DIRTY_START` with every field as given (reserved included).
     pub fn dirty_start_raw(&self, arg: HagDirtyStart) -> Result<(), Errno> {
         // SAFETY: `self.file` is open for the call and `arg` is a live

@@ -13,7 +13,17 @@
 //!    rung; whatever happens (completed, rejected, hung, DMA fault) the
 //!    vGPU is reset. After each round no guest page outside what some GTT
 //!    entry mapped during the round may have changed, every changed page
-//!    must be in hag's dirty log, and the device must still answer.
+//!    must be in hag's dirty log, and the device must still answer;
+//! 4. sends valid streams that are expensive rather than malformed: a ring
+//!    of 2 MiB of register loads (over a million validated commands: must
+//!    be refused, never a kernel warning), blits of one-byte rows at pitch
+//!    0 and 1 (BAR0, GTT writes and dirty-log reads must stay answered
+//!    within [`RESPONSIVE`] meanwhile), a chain into a batch already
+//!    audited from a later batch and batches called again (must complete,
+//!    with the hardware's counts); and the small checks: a snapshot taken
+//!    after a DMA fault restores, `HWS_PGA` outside graphics memory is
+//!    refused, `IOC_SAVE_CONTEXT`'s reserved field is checked, and a
+//!    quiesce left by a process that exits is undone.
 //!
 //! The command generator ([`Gen`]) and the GTT bookkeeping ([`GttModel`])
 //! are plain values, tested without the device.
@@ -105,6 +115,11 @@ pub struct HostileReport {
     pub ring_shrinks: u32,
     /// Guest pages the engine changed, summed over rounds.
     pub pages_written: u64,
+    /// Expensive valid streams sent (part 4).
+    pub expensive: u32,
+    /// The slowest BAR0 access, GTT write or dirty-log read while one of
+    /// them ran, in milliseconds.
+    pub slowest_access_ms: u64,
     /// Every violated expectation, in order (at most 50).
     pub violations: Vec<String>,
 }
@@ -1463,6 +1478,410 @@ impl Fuzz<'_, '_> {
     }
 }
 
+// ---------------------------------------------------------------------------
+// Part 4: valid streams that are expensive, and the small checks
+
+/// The longest a BAR0 access, a GTT write or a dirty-log read may take
+/// while an expensive submission runs: the module holds the vGPU's lock
+/// for one bounded slice of work at a time, a few milliseconds even under
+/// TCG and a debug kernel.
+pub const RESPONSIVE: Duration = Duration::from_millis(1000);
+/// Graphics page where part 4 maps its 2 MiB ring (outside the window).
+const BIG_RING_PAGE: u64 = 2048;
+/// Pages of that ring (the largest `RING_CTL` allows).
+const BIG_RING_PAGES: u64 = 512;
+/// `ERROR_REASON` of a submission with too many validated commands
+/// (`Reason::TooManyEntries`).
+const REASON_TOO_MANY_ENTRIES: u32 = 16;
+
+/// One page of register loads: four `MI_LOAD_REGISTER_IMM` of 127 pairs
+/// and four `MI_NOOP`, so that pages can follow each other in a ring.
+pub fn register_load_page() -> Vec<u32> {
+    let mut page = Vec::with_capacity((PAGE_SIZE / 4) as usize);
+    for _ in 0..4 {
+        page.push(encode::load_register_imm_header(127));
+        for i in 0..127u32 {
+            page.extend([gpr(u64::from(i)), i]);
+        }
+    }
+    page.resize((PAGE_SIZE / 4) as usize, encode::noop()[0]);
+    page
+}
+
+/// A ring's worth of blits whose rows are one byte: at destination pitch 0
+/// from a source of pitch 1 (every row differs: each is run) and fills at
+/// pitch 0 (every row the same: one row is the whole blit). The source is
+/// the 32 KiB at `data` (32767 rows, the most a blit has).
+pub fn tiny_pitch_blits(data: u64, ring_dwords: usize) -> Vec<u32> {
+    let dst = BlitRect {
+        base: data + 0x100,
+        pitch: 0,
+        x: 0,
+        y: 0,
+    };
+    let src = BlitRect {
+        base: data,
+        pitch: 1,
+        x: 0,
+        y: 0,
+    };
+    let copy = encode::xy_src_copy_blt(dst, src, 1, 1, 0x7fff);
+    let fill = encode::xy_color_blt(dst, 1, 1, 0x7fff, 0x5a);
+    let mut out = Vec::new();
+    while out.len() + copy.len() + fill.len() + 2 <= ring_dwords {
+        out.extend(copy);
+        out.extend(fill);
+    }
+    if out.len() % 2 == 1 {
+        out.push(encode::noop()[0]);
+    }
+    out
+}
+
+/// Batches that call, chain and start again batches already audited, and
+/// the count each leaves at its counter: the hardware's.
+pub struct Reentry {
+    /// Batch page contents, by index into the layout's batches.
+    pub batches: Vec<(usize, Vec<u32>)>,
+    /// The ring.
+    pub ring: Vec<u32>,
+    /// Counters (graphics addresses) and the value each must end with.
+    pub counts: Vec<(u64, u32)>,
+}
+
+/// The reentry streams over `lay`, counting at `data + 0x800` on.
+pub fn reentry(lay: &Layout) -> Vec<Reentry> {
+    let b = &lay.batches;
+    let (c1, c2) = (lay.data + 0x800, lay.data + 0x808);
+    let inc = |at| encode::atomic(at, 0x05, 0).to_vec();
+    let end = || encode::batch_buffer_end().to_vec();
+    let chain = |k: usize| encode::batch_buffer_start(b[k], false).to_vec();
+    let call = |k: usize| encode::batch_buffer_start(b[k], true).to_vec();
+    let cat = |parts: &[Vec<u32>]| parts.concat();
+    let pad = |mut v: Vec<u32>| {
+        if v.len() % 2 == 1 {
+            v.push(encode::noop()[0]);
+        }
+        v
+    };
+    vec![
+        // A chains to B; C chains to B again (audited): B runs twice, the
+        // ring goes on after C. (A walk that returned from B's second run
+        // into the ring after A would loop over the ring's middle, its
+        // head moving, for ever.)
+        Reentry {
+            batches: vec![(0, chain(1)), (1, cat(&[inc(c1), end()])), (2, chain(1))],
+            ring: pad(cat(&[chain(0), inc(c2), chain(2), inc(c2)])),
+            counts: vec![(c1, 2), (c2, 2)],
+        },
+        // The ring starts A twice; A calls B twice: B runs four times.
+        Reentry {
+            batches: vec![
+                (0, cat(&[call(1), call(1), end()])),
+                (1, cat(&[inc(c1), end()])),
+            ],
+            ring: pad(cat(&[chain(0), chain(0), inc(c2)])),
+            counts: vec![(c1, 4), (c2, 1)],
+        },
+        // A calls B, which chains to C; the ring then starts C itself
+        // (another level, another entry) and A again.
+        Reentry {
+            batches: vec![
+                (0, cat(&[call(1), inc(c2), end()])),
+                (1, chain(2)),
+                (2, cat(&[inc(c1), end()])),
+            ],
+            ring: pad(cat(&[chain(0), chain(2), chain(0)])),
+            counts: vec![(c1, 3), (c2, 2)],
+        },
+    ]
+}
+
+impl Fuzz<'_, '_> {
+    /// Runs `f`, keeping the slowest time it took in `slowest`.
+    fn timed<T>(slowest: &mut Duration, f: impl FnOnce() -> T) -> T {
+        let start = std::time::Instant::now();
+        let out = f();
+        *slowest = (*slowest).max(start.elapsed());
+        out
+    }
+
+    /// Rings the doorbell at `tail` of the ring programmed now and waits
+    /// up to `timeout`, meanwhile reading BAR0, rewriting the GTT entry of
+    /// graphics page `busy_page` (with its own value) and reading the dirty
+    /// log, each timed. Returns the outcome, `ERROR_REASON` and the slowest
+    /// access.
+    fn run_timed(
+        &mut self,
+        tail: u32,
+        busy_page: u64,
+        timeout: Duration,
+    ) -> anyhow::Result<(Outcome, u32, Duration)> {
+        let mut slowest = Duration::ZERO;
+        let regs = self.drv.regs();
+        let pte = self.gtt.entry(busy_page as usize);
+        let off = r::GTT_OFFSET + busy_page as u32 * r::GTT_ENTRY_BYTES;
+        regs.write(r::RING_TAIL, tail)?;
+        let start = std::time::Instant::now();
+        let outcome = loop {
+            let status = Self::timed(&mut slowest, || regs.read(r::ERROR_STATUS))?;
+            match status {
+                r::ERROR_NONE => {}
+                r::ERROR_COMMAND_REJECTED => break Outcome::Rejected,
+                r::ERROR_HANG => break Outcome::Hung,
+                _ => break Outcome::Fault,
+            }
+            let engine = Self::timed(&mut slowest, || regs.read(r::ENGINE_STATUS))?;
+            let head = Self::timed(&mut slowest, || regs.read(r::RING_HEAD))?;
+            if engine & r::ENGINE_IDLE != 0 && head == tail {
+                break Outcome::Completed;
+            }
+            if start.elapsed() >= timeout {
+                break Outcome::Timeout;
+            }
+            Self::timed(&mut slowest, || -> anyhow::Result<()> {
+                regs.write(off, pte as u32)?;
+                regs.write(off + 4, (pte >> 32) as u32)?;
+                Ok(())
+            })?;
+            let bitmap = &mut self.bitmap;
+            let dev = self.dev;
+            let vgpu = self.vgpu;
+            Self::timed(&mut slowest, || dev.dirty_read_clear(vgpu, bitmap))?;
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        let reason = regs.read(r::ERROR_REASON)?;
+        Ok((outcome, reason, slowest))
+    }
+
+    fn expensive(
+        &mut self,
+        timeout: Duration,
+        report: &mut HostileReport,
+        c: &mut Checks,
+    ) -> anyhow::Result<()> {
+        let lay = self.gen.lay.clone();
+        let data_page = lay.data / PAGE_SIZE;
+        let mut slowest = Duration::ZERO;
+
+        // 2 MiB of register loads: 512 graphics pages onto one guest page.
+        self.drv.reset()?;
+        self.drv
+            .mem()
+            .write_dwords(lay.data, &register_load_page())?;
+        let pte = self.gtt.entry(data_page as usize);
+        for page in BIG_RING_PAGE..BIG_RING_PAGE + BIG_RING_PAGES {
+            let off = r::GTT_OFFSET + page as u32 * r::GTT_ENTRY_BYTES;
+            self.drv.regs().write(off, pte as u32)?;
+            self.drv.regs().write(off + 4, (pte >> 32) as u32)?;
+        }
+        let regs = self.drv.regs();
+        regs.write(r::RING_START, (BIG_RING_PAGE * PAGE_SIZE) as u32)?;
+        regs.write(
+            r::RING_CTL,
+            ((BIG_RING_PAGES as u32 - 1) << r::RING_CTL_PAGES_SHIFT) | r::RING_CTL_ENABLE,
+        )?;
+        let tail = (BIG_RING_PAGES * PAGE_SIZE) as u32 - 8;
+        let (outcome, reason, took) = self.run_timed(tail, data_page, timeout)?;
+        slowest = slowest.max(took);
+        report.expensive += 1;
+        c.that(
+            "a 2 MiB ring of register loads is refused for its validated commands",
+            outcome == Outcome::Rejected && reason == REASON_TOO_MANY_ENTRIES,
+            || format!("outcome {outcome:?}, ERROR_REASON {reason}"),
+        );
+        for page in BIG_RING_PAGE..BIG_RING_PAGE + BIG_RING_PAGES {
+            let off = r::GTT_OFFSET + page as u32 * r::GTT_ENTRY_BYTES;
+            self.drv.regs().write(off, 0)?;
+            self.drv.regs().write(off + 4, 0)?;
+        }
+
+        // Blits of one-byte rows, in the driver's ring.
+        self.drv.reset()?;
+        let ring_dwords = (self.drv.ring_size() / 4 - 2) as usize;
+        let blits = tiny_pitch_blits(lay.data, ring_dwords);
+        self.drv.mem().write_dwords(self.drv.ring_gfx(), &blits)?;
+        let tail = blits.len() as u32 * 4;
+        let (outcome, _, took) =
+            self.run_timed(tail, data_page, timeout.min(Duration::from_secs(3)))?;
+        slowest = slowest.max(took);
+        report.expensive += 1;
+        c.that(
+            "blits of one-byte rows run, hang or are stopped, never wedge the device",
+            matches!(
+                outcome,
+                Outcome::Completed | Outcome::Hung | Outcome::Timeout
+            ),
+            || format!("outcome {outcome:?}"),
+        );
+
+        // Batches started again, through chains and calls.
+        for (n, case) in reentry(&lay).into_iter().enumerate() {
+            self.drv.reset()?;
+            for (k, dwords) in &case.batches {
+                self.drv.mem().write_dwords(lay.batches[*k], dwords)?;
+            }
+            for &(at, _) in &case.counts {
+                self.drv.mem().write_u32(at, 0)?;
+            }
+            self.drv
+                .mem()
+                .write_dwords(self.drv.ring_gfx(), &case.ring)?;
+            let tail = case.ring.len() as u32 * 4;
+            let (outcome, reason, took) = self.run_timed(tail, data_page, timeout)?;
+            slowest = slowest.max(took);
+            report.expensive += 1;
+            c.that(
+                &format!("batches started again (case {n}) complete"),
+                outcome == Outcome::Completed,
+                || format!("outcome {outcome:?}, ERROR_REASON {reason}"),
+            );
+            for &(at, want) in &case.counts {
+                let got = self.drv.mem().read_u32(at)?;
+                c.that(
+                    &format!("batches started again (case {n}): counter at {at:#x}"),
+                    got == want || outcome != Outcome::Completed,
+                    || format!("is {got}, the hardware leaves {want}"),
+                );
+            }
+        }
+        report.slowest_access_ms = slowest.as_millis() as u64;
+        c.that(
+            "BAR0, GTT writes and dirty-log reads answer while expensive work runs",
+            slowest <= RESPONSIVE,
+            || {
+                format!(
+                    "one took {} ms (at most {} ms)",
+                    slowest.as_millis(),
+                    RESPONSIVE.as_millis()
+                )
+            },
+        );
+        self.drv.reset()?;
+        Ok(())
+    }
+
+    /// The small checks of part 4.
+    fn small_checks(&mut self, c: &mut Checks) -> anyhow::Result<()> {
+        let lay = self.gen.lay.clone();
+        // A DMA fault after a three-dword command: the ring head stays
+        // qword aligned, so the snapshot taken then restores.
+        self.drv.reset()?;
+        let unmapped = (WINDOW_PAGES + 3) * PAGE_SIZE;
+        let ring = [
+            encode::load_register_imm(gpr(0), 1).to_vec(),
+            encode::store_data_imm(unmapped, 1).to_vec(),
+            encode::noop().to_vec(),
+        ]
+        .concat();
+        self.drv.mem().write_dwords(self.drv.ring_gfx(), &ring)?;
+        let pending = Pending {
+            start: 0,
+            tail: ring.len() as u32 * 4,
+            offsets: Vec::new(),
+            parts: Vec::new(),
+        };
+        self.drv.doorbell(&pending)?;
+        let outcome = self.drv.wait(Duration::from_secs(10));
+        c.that(
+            "a store to an unmapped page after a register load faults",
+            matches!(&outcome, Err(f) if matches!(f.error, DriverError::DmaFault { .. })),
+            || format!("{:?}", outcome.as_ref().map_err(|f| f.error.to_string())),
+        );
+        let head = self.drv.regs().read(r::RING_HEAD)?;
+        c.that(
+            "RING_HEAD after a fault is qword aligned",
+            head % 8 == 0,
+            || format!("it is {head:#x}"),
+        );
+        self.dev.quiesce(self.vgpu, 1000)?;
+        let snap = self.dev.save_context(self.vgpu)?;
+        let restored = self.dev.restore_context(self.vgpu, &snap);
+        c.that(
+            "a snapshot taken after a DMA fault restores",
+            restored.is_ok(),
+            || format!("{:?}", restored.as_ref().map_err(|e| e.errno())),
+        );
+        // IOC_SAVE_CONTEXT checks its reserved field (while quiesced, when
+        // it would otherwise answer).
+        let mut arg = abi::HagContextBuf {
+            vgpu_id: self.vgpu,
+            reserved: 1,
+            buf: 0,
+            buf_bytes: 0,
+            used_bytes: 0,
+        };
+        c.errno(
+            "IOC_SAVE_CONTEXT with reserved 1",
+            self.dev.save_context_raw(&mut arg),
+            &[Errno::EINVAL],
+        );
+        self.dev.resume(self.vgpu)?;
+
+        // HWS_PGA: a status page outside graphics memory is refused.
+        let regs = self.drv.regs();
+        let before = regs.read(r::HWS_PGA)?;
+        for bad in [
+            GFX as u32,
+            (GFX - PAGE_SIZE) as u32 + 1 + PAGE_SIZE as u32,
+            u32::MAX,
+        ] {
+            regs.write(r::HWS_PGA, bad)?;
+            let now = regs.read(r::HWS_PGA)?;
+            c.that(
+                &format!("HWS_PGA {bad:#x} is refused"),
+                now == before,
+                || format!("it reads {now:#x}, was {before:#x}"),
+            );
+        }
+        let last = (GFX - PAGE_SIZE) as u32;
+        regs.write(r::HWS_PGA, last)?;
+        let now = regs.read(r::HWS_PGA)?;
+        c.that("HWS_PGA at the last page is taken", now == last, || {
+            format!("it reads {now:#x}")
+        });
+        self.drv.reset()?;
+
+        // A process quiesces the vGPU and exits without resuming it.
+        let vgpu = self.vgpu;
+        // SAFETY: `hag-vmm hostile` runs no other thread, so the child may
+        // allocate and open files; it only opens /dev/hag, quiesces and
+        // leaves with `_exit`.
+        let child = unsafe { nix::libc::fork() };
+        if child < 0 {
+            bail!("fork: {}", Errno::last());
+        }
+        if child == 0 {
+            let code = match Device::open().map(|d| d.quiesce(vgpu, 2000).is_ok()) {
+                Ok(true) => 0,
+                _ => 1,
+            };
+            // SAFETY: ends the child at once, running none of the parent's
+            // destructors; the kernel closes its files.
+            unsafe { nix::libc::_exit(code) }
+        }
+        let mut status = 0;
+        // SAFETY: waits for the child forked above; `status` is a live int.
+        let waited = unsafe { nix::libc::waitpid(child, &mut status, 0) };
+        c.that(
+            "a child process quiesces the vGPU and exits",
+            waited == child && nix::libc::WIFEXITED(status) && nix::libc::WEXITSTATUS(status) == 0,
+            || format!("waitpid {waited}, status {status:#x}"),
+        );
+        let engine = self.drv.regs().read(r::ENGINE_STATUS)?;
+        c.that(
+            "a quiesce left by a process that exited is undone",
+            engine & r::ENGINE_QUIESCED == 0,
+            || format!("ENGINE_STATUS {engine:#x} still has QUIESCED"),
+        );
+        if engine & r::ENGINE_QUIESCED != 0 {
+            self.dev.resume(self.vgpu)?;
+        }
+        let _ = lay;
+        Ok(())
+    }
+}
+
 /// A store and a user interrupt that must complete: the vGPU works.
 fn sanity<R: Registers>(
     drv: &mut Driver<'_, R>,
@@ -1570,6 +1989,15 @@ pub fn run(cfg: &HostileConfig) -> anyhow::Result<HostileReport> {
         fuzz.round(n, cfg.round_timeout, &mut report, &mut c)?;
         report.rounds += 1;
     }
+
+    // Part 4.
+    fuzz.expensive(
+        cfg.round_timeout.max(Duration::from_secs(5)),
+        &mut report,
+        &mut c,
+    )
+    .context("expensive streams")?;
+    fuzz.small_checks(&mut c).context("small checks")?;
     sanity(&mut fuzz.drv, data + 8, 0x600d_0002, "after fuzzing")?;
     dev.set_watchdog(vgpu.id, abi::WATCHDOG_DEFAULT_MS)?;
     let _ = dev.dirty_stop(vgpu.id);
@@ -1657,6 +2085,76 @@ mod tests {
             "only {accepted} of 500 rounds pass the audit"
         );
         assert!(rejected >= 50, "only {rejected} of 500 rounds are rejected");
+    }
+
+    /// What the hardware leaves at each counter: runs the audited list with
+    /// the auditor's own walk (as the module's engine does) and counts the
+    /// increments.
+    fn run_counts(ring: &[u32], ring_gfx: u64, pages: &mut Pages, lay: &Layout) -> Vec<(u64, u32)> {
+        use hag_audit::audit::flow::Exec;
+        use hag_audit::audit::{AuditSink, SinkFull, ValidatedCommand};
+        struct Keep(Vec<ValidatedCommand>);
+        impl AuditSink for Keep {
+            fn command(&mut self, cmd: &ValidatedCommand) -> Result<(), SinkFull> {
+                self.0.push(*cmd);
+                Ok(())
+            }
+        }
+        let regs = crate::driver::gpr_registers();
+        let cfg = AuditConfig::new(GFX, lay.hws).with_registers(&regs);
+        let mut keep = Keep(Vec::new());
+        audit(ring, ring_gfx, &cfg, pages, &mut keep).expect("the stream is valid");
+        let cmds = keep.0;
+        let mut exec = Exec::new(&cmds);
+        let mut counts = std::collections::BTreeMap::new();
+        for _ in 0..10_000 {
+            let Some(i) = exec.current(&cmds).unwrap() else {
+                break;
+            };
+            if let hag_audit::audit::Command::Atomic { addr, .. } = cmds[i].kind {
+                *counts.entry(addr).or_insert(0u32) += 1;
+            }
+            exec.advance(&cmds).unwrap();
+        }
+        assert!(exec.current(&cmds).unwrap().is_none(), "the stream ends");
+        counts.into_iter().collect()
+    }
+
+    #[test]
+    fn reentry_streams_leave_the_hardware_counts() {
+        let lay = Layout::packed();
+        for (n, case) in reentry(&lay).into_iter().enumerate() {
+            let mut pages = Pages(Default::default());
+            for (k, dw) in &case.batches {
+                pages.0.insert(lay.batches[*k], dw.clone());
+            }
+            assert!(case.ring.len() % 2 == 0);
+            let got = run_counts(&case.ring, lay.ring, &mut pages, &lay);
+            assert_eq!(got, case.counts, "case {n}");
+        }
+    }
+
+    #[test]
+    fn expensive_streams_are_valid_and_refused_only_for_their_size() {
+        let lay = Layout::packed();
+        let regs = crate::driver::gpr_registers();
+        let cfg = AuditConfig::new(GFX, lay.hws).with_registers(&regs);
+        // One page of register loads is valid on its own, and pages of it
+        // follow each other; 512 of them are over the entry limit only.
+        let page = register_load_page();
+        assert_eq!(page.len() as u64, PAGE_SIZE / 4);
+        let mut pages = Pages(Default::default());
+        audit(&page, lay.ring, &cfg, &mut pages, &mut NoSink).unwrap();
+        let ring: Vec<u32> = (0..BIG_RING_PAGES)
+            .flat_map(|_| page.iter().copied())
+            .collect();
+        let ring = &ring[..ring.len() - 2];
+        let e = audit(ring, lay.ring, &cfg, &mut pages, &mut NoSink).unwrap_err();
+        assert_eq!(e.reason.code(), REASON_TOO_MANY_ENTRIES, "{e}");
+        // The blits fill the ring and pass.
+        let blits = tiny_pitch_blits(lay.data, (lay.ring_size / 4 - 2) as usize);
+        assert!(blits.len() > 500 && blits.len() % 2 == 0);
+        audit(&blits, lay.ring, &cfg, &mut pages, &mut NoSink).unwrap();
     }
 
     #[test]

@@ -95,14 +95,18 @@ pub const IOC_INJECT_HANG: u32 = ioc(IOC_WRITE, 0x07, core::mem::size_of::<HagVg
 /// `_IOW(IOC_MAGIC, 8, HagQuiesce)`: hold new submissions of a vGPU and
 /// wait until its engine is idle. Fails with `ETIMEDOUT` (and holds
 /// nothing) if the engine is still busy after `timeout_ms`; a hung or
-/// stopped engine counts as idle (it runs nothing).
+/// stopped engine counts as idle (it runs nothing). The hold belongs to the
+/// open file of `/dev/hag` that took it (the last to quiesce or restore):
+/// when that file is released (closed, or its process died) the vGPU is
+/// resumed.
 pub const IOC_QUIESCE: u32 = ioc(IOC_WRITE, 0x08, core::mem::size_of::<HagQuiesce>());
 /// `_IOW(IOC_MAGIC, 9, HagVgpuRef)`: release a quiesced vGPU; submissions
 /// held meanwhile start.
 pub const IOC_RESUME: u32 = ioc(IOC_WRITE, 0x09, core::mem::size_of::<HagVgpuRef>());
 /// `_IOWR(IOC_MAGIC, 10, HagContextBuf)`: write a quiesced vGPU's context
-/// snapshot (format: [`crate::snapshot`]) to `buf`; `EBUSY` if not quiesced,
-/// `ENOSPC` (with `used_bytes` set to the size needed) if `buf` is too small.
+/// snapshot (format: [`crate::snapshot`]) to `buf`; `EINVAL` if `reserved`
+/// is not 0, `EBUSY` if not quiesced, `ENOSPC` (with `used_bytes` set to the
+/// size needed) if `buf` is too small.
 pub const IOC_SAVE_CONTEXT: u32 = ioc(
     IOC_READ | IOC_WRITE,
     0x0a,
@@ -111,7 +115,7 @@ pub const IOC_SAVE_CONTEXT: u32 = ioc(
 /// `_IOW(IOC_MAGIC, 11, HagContextBuf)`: restore a snapshot into a vGPU
 /// that is quiesced or has no work. Refused with `EINVAL` when the snapshot
 /// is damaged (magic, checksum, lengths), `EPROTO` for an unknown version,
-/// `EXDEV` when the vGPU does not match (type, graphics memory size). The vGPU stays quiesced after a restore.
+/// `EXDEV` when the vGPU does not match (type, graphics memory size). The vGPU stays quiesced after a restore, held as by [`IOC_QUIESCE`].
 pub const IOC_RESTORE_CONTEXT: u32 = ioc(IOC_WRITE, 0x0b, core::mem::size_of::<HagContextBuf>());
 
 /// Argument of [`IOC_QUIESCE`].

@@ -30,6 +30,8 @@
 mod decode;
 #[path = "audit/encode.rs"]
 pub mod encode;
+#[path = "audit/flow.rs"]
+pub mod flow;
 #[path = "audit/opcodes.rs"]
 pub mod opcodes;
 #[path = "audit/scan.rs"]
@@ -95,8 +97,13 @@ pub struct AuditConfig<'a> {
     /// [`MAX_BATCH_DEPTH`].
     pub max_batch_depth: u8,
     /// Most commands scanned per submission (ring and batches together; an
-    /// `MI_LOAD_REGISTER_IMM` counts once).
+    /// `MI_LOAD_REGISTER_IMM` counts once): bounds the auditor's work.
     pub max_commands: u32,
+    /// Most [`ValidatedCommand`]s handed to the sink per submission (an
+    /// `MI_LOAD_REGISTER_IMM` of n pairs hands over n): bounds the memory a
+    /// sink that keeps them needs, `max_entries * size_of::<ValidatedCommand>()`
+    /// bytes, which is what a kernel sets it from.
+    pub max_entries: u32,
     /// Most distinct batch entries (address and level) followed per
     /// submission. At most [`MAX_BATCHES`].
     pub max_batches: usize,
@@ -108,8 +115,9 @@ pub struct AuditConfig<'a> {
 }
 
 impl<'a> AuditConfig<'a> {
-    /// A configuration with the default limits (depth 3, 16384 commands, 64
-    /// batches), no PPGTT and no allowed registers.
+    /// A configuration with the default limits (depth 3, 16384 commands,
+    /// 32768 validated commands, 64 batches), no PPGTT and no allowed
+    /// registers.
     pub const fn new(gfx_mem_size: u64, hwsp_gfx_addr: u64) -> Self {
         AuditConfig {
             gfx_mem_size,
@@ -117,6 +125,7 @@ impl<'a> AuditConfig<'a> {
             hwsp_gfx_addr,
             max_batch_depth: 3,
             max_commands: 16384,
+            max_entries: 32768,
             max_batches: MAX_BATCHES,
             allowed_registers: &[],
         }
@@ -779,6 +788,146 @@ pub fn pages_of(range: WriteRange) -> Pages {
     }
 }
 
+/// Consecutive 4 KiB graphics pages `first..=last` (page numbers, address
+/// / 4096) in one address space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageRun {
+    /// The address space of the pages.
+    pub space: AddressSpace,
+    /// First page.
+    pub first: u64,
+    /// Last page (inclusive).
+    pub last: u64,
+}
+
+impl WriteSet {
+    /// The pages written, as ascending, disjoint runs of consecutive pages,
+    /// in at most `max_steps` steps of work whatever the rows (at least
+    /// one): a rectangle whose every page between its first and last is
+    /// written (rows less than a page apart, or gaps between rows shorter
+    /// than a page) is one run at once; otherwise rows are walked, merged
+    /// where they touch, and once `max_steps` rows were walked the last run
+    /// reaches to the rectangle's last page. So the runs are exactly
+    /// [`Self::pages`] when that fits, and a superset (never missing a page)
+    /// when it does not: a kernel can mark a huge blit's pages in bounded
+    /// time under a lock.
+    pub fn page_runs(&self, max_steps: u32) -> PageRuns {
+        let mut runs = PageRuns {
+            space: AddressSpace::Ggtt,
+            rows: None,
+            next_row: 0,
+            pending: None,
+            steps_left: max_steps.max(1),
+            last_page: 0,
+        };
+        match *self {
+            WriteSet::None => {}
+            WriteSet::Range(r) => {
+                runs.space = r.space;
+                let mut pages = pages_of(r);
+                if let Some(first) = pages.next() {
+                    runs.pending = Some((first, pages.last));
+                }
+            }
+            WriteSet::Strided(s) => {
+                runs.space = s.space;
+                if s.rows == 0 || s.row_bytes == 0 {
+                    return runs;
+                }
+                let first = s.base / PAGE_SIZE;
+                let end = match s.extent() {
+                    Some(e) => e.end(),
+                    // Unreachable for a validated blit: claim the rest of
+                    // the space rather than miss a page.
+                    None => u64::MAX,
+                };
+                let last = end.saturating_sub(1) / PAGE_SIZE;
+                let gap = s.pitch.saturating_sub(s.row_bytes);
+                if s.rows == 1 || s.pitch < PAGE_SIZE || gap < PAGE_SIZE {
+                    // Every page from the first row's to the last row's is
+                    // written: a row starts (or a row runs) in each.
+                    runs.pending = Some((first, last));
+                } else {
+                    runs.rows = Some(s);
+                    runs.last_page = last;
+                }
+            }
+        }
+        runs
+    }
+}
+
+/// Iterator of [`WriteSet::page_runs`].
+#[derive(Clone, Debug)]
+pub struct PageRuns {
+    space: AddressSpace,
+    /// Rows still to walk (sparse rectangles only).
+    rows: Option<Strided>,
+    next_row: u64,
+    /// The run being grown.
+    pending: Option<(u64, u64)>,
+    steps_left: u32,
+    /// The rectangle's last page.
+    last_page: u64,
+}
+
+impl Iterator for PageRuns {
+    type Item = PageRun;
+
+    fn next(&mut self) -> Option<PageRun> {
+        let space = self.space;
+        let run = |(first, last)| PageRun { space, first, last };
+        // Each turn walks one row (and uses a step) or returns, so a call
+        // ends after at most `steps_left` turns.
+        loop {
+            let Some(s) = self.rows else {
+                return self.pending.take().map(run);
+            };
+            if self.next_row >= s.rows {
+                self.rows = None;
+                continue;
+            }
+            if self.steps_left == 0 {
+                // Out of steps: everything from here to the end, at once.
+                self.rows = None;
+                let first = match self.pending {
+                    Some((first, _)) => first,
+                    None => self
+                        .next_row
+                        .checked_mul(s.pitch)
+                        .and_then(|o| s.base.checked_add(o))
+                        .map_or(self.last_page, |a| a / PAGE_SIZE),
+                };
+                self.pending = Some((first.min(self.last_page), self.last_page));
+                continue;
+            }
+            self.steps_left -= 1;
+            let row = self
+                .next_row
+                .checked_mul(s.pitch)
+                .and_then(|o| s.base.checked_add(o))
+                .and_then(|start| Some((start, start.checked_add(s.row_bytes - 1)?)));
+            self.next_row += 1;
+            let Some((start, end)) = row else {
+                // Overflow (unreachable once validated): claim the rest.
+                self.steps_left = 0;
+                continue;
+            };
+            let (first, last) = (start / PAGE_SIZE, end / PAGE_SIZE);
+            match self.pending {
+                Some((pf, pl)) if first <= pl.saturating_add(1) => {
+                    self.pending = Some((pf, pl.max(last)));
+                }
+                Some(done) => {
+                    self.pending = Some((first, last));
+                    return Some(run(done));
+                }
+                None => self.pending = Some((first, last)),
+            }
+        }
+    }
+}
+
 /// Iterator over the pages of a [`WriteSet`], ascending, each once.
 #[derive(Clone, Debug)]
 pub struct WritePages {
@@ -903,6 +1052,12 @@ pub enum Reason {
         /// The limit.
         limit: usize,
     },
+    /// More than `max_entries` validated commands (register loads count one
+    /// per pair).
+    TooManyEntries {
+        /// The limit.
+        limit: u32,
+    },
     /// Reading graphics memory failed.
     MemoryFault {
         /// The address space read.
@@ -939,6 +1094,7 @@ impl Reason {
             Reason::MemoryFault { .. } => 13,
             Reason::SinkFull => 14,
             Reason::BadConfig { .. } => 15,
+            Reason::TooManyEntries { .. } => 16,
         }
     }
 }
@@ -1007,6 +1163,10 @@ impl fmt::Display for Reason {
             } => {
                 write!(f, "PPGTT address {addr:#x} could not be read")
             }
+            Reason::TooManyEntries { limit } => write!(
+                f,
+                "more than {limit} validated commands (register loads count per pair) in one submission"
+            ),
             Reason::SinkFull => f.write_str("too many validated commands for the sink"),
             Reason::BadConfig { what } => write!(f, "bad audit configuration: {what}"),
         }

@@ -33,6 +33,9 @@
 //!   command, its address and the offending values. Work is bounded by
 //!   [`AuditConfig::max_commands`](audit::AuditConfig::max_commands), [`AuditConfig::max_batches`](audit::AuditConfig::max_batches) and
 //!   [`AuditConfig::max_batch_depth`](audit::AuditConfig::max_batch_depth); nesting uses a fixed-size stack.
+//!   What a sink must keep is bounded by [`AuditConfig::max_entries`](audit::AuditConfig::max_entries),
+//!   counted in validated commands (a register load of n pairs is n), the
+//!   unit that costs memory.
 //! - **Validate once.** The sink receives [`ValidatedCommand`](audit::ValidatedCommand)s in execution
 //!   order; an executor runs exactly those, never guest memory re-read. A
 //!   rejected submission is rejected whole: discard what the sink got.

@@ -702,6 +702,56 @@ fn command_count_limit() {
     assert_eq!(r.unwrap().commands, 5);
 }
 
+/// One MI_LOAD_REGISTER_IMM of `pairs` pairs on an allowed register.
+fn lri(pairs: u8) -> Vec<u32> {
+    let mut v = vec![encode::load_register_imm_header(pairs)];
+    for i in 0..u32::from(pairs) {
+        v.extend([0x2600, i]);
+    }
+    v
+}
+
+#[test]
+fn entry_limit_counts_register_pairs_not_commands() {
+    // 129 commands, far under max_commands, but 128 pairs each: the sink
+    // would have to keep 16512 entries. What costs memory is limited.
+    let cfg = AuditConfig {
+        max_entries: 1000,
+        ..cfg()
+    };
+    let one = lri(128);
+    let ring: Vec<u32> = (0..129).flat_map(|_| one.iter().copied()).collect();
+    let (r, cmds) = run_with(&ring, &cfg, &mut Mem::new());
+    let e = r.unwrap_err();
+    assert_eq!(e.reason, Reason::TooManyEntries { limit: 1000 });
+    // The eighth LRI is the one that does not fit (7 * 128 = 896).
+    assert_eq!(e.gfx_addr, RING + 7 * 4 * one.len() as u64);
+    assert_eq!(cmds.len(), 1000);
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "MI_LOAD_REGISTER_IMM at {:#x}: more than 1000 validated commands (register loads count per pair) in one submission",
+            e.gfx_addr
+        )
+    );
+    // Exactly at the limit passes.
+    let exact: Vec<u32> = (0..125).flat_map(|_| lri(8)).collect();
+    let (r, cmds) = run_with(&exact, &cfg, &mut Mem::new());
+    assert_eq!(r.unwrap().commands, 125);
+    assert_eq!(cmds.len(), 1000);
+    // The default keeps a ring of 2 MiB of such loads (8160 commands,
+    // over a million pairs) well under what a kernel can allocate.
+    let big: Vec<u32> = (0..2040).flat_map(|_| lri(128)).collect();
+    let (r, cmds) = run_with(&big, &common::cfg(), &mut Mem::new());
+    assert_eq!(
+        r.unwrap_err().reason,
+        Reason::TooManyEntries {
+            limit: AuditConfig::new(GFX, HWSP).max_entries
+        }
+    );
+    assert!(cmds.len() * std::mem::size_of::<hag_audit::audit::ValidatedCommand>() <= 4 << 20);
+}
+
 #[test]
 fn batch_count_limit() {
     // A chain through 70 distinct batches.

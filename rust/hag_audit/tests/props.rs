@@ -323,4 +323,53 @@ proptest! {
         let got: Vec<u64> = s.pages().collect();
         prop_assert_eq!(got, want.into_iter().collect::<Vec<_>>());
     }
+
+    #[test]
+    fn page_runs_cover_every_page_in_bounded_steps(base in 0u64..0x100_0000, row_bytes in 1u64..0x3000,
+                                                   pitch in prop_oneof![0u64..0x3000, 0x1000u64..0x2_0000],
+                                                   rows in 1u64..600, max_steps in 1u32..300) {
+        let s = WriteSet::Strided(Strided { space: Ggtt, base, row_bytes, pitch, rows });
+        let want: BTreeSet<u64> = s.pages().collect();
+        let runs: Vec<_> = s.page_runs(max_steps).collect();
+        // Ascending, disjoint and not touching (merged), all in the set's space.
+        prop_assert!(runs.iter().all(|r| r.first <= r.last && r.space == Ggtt));
+        prop_assert!(runs.windows(2).all(|w| w[0].last + 1 < w[1].first), "{runs:?}");
+        // At most one run per step, plus the final one.
+        prop_assert!(runs.len() <= max_steps as usize + 1);
+        let got: BTreeSet<u64> = runs.iter().flat_map(|r| r.first..=r.last).collect();
+        // Never a page missed; the extent bounds what is claimed.
+        prop_assert!(got.is_superset(&want));
+        prop_assert_eq!(got.first(), want.first());
+        prop_assert_eq!(got.last(), want.last());
+        // Exact when every row could be walked, or when every page of the
+        // extent is written anyway.
+        if rows <= u64::from(max_steps) || pitch < 4096 || pitch.saturating_sub(row_bytes) < 4096 {
+            prop_assert_eq!(got, want);
+        }
+    }
+}
+
+#[test]
+fn page_runs_of_a_huge_pitch_zero_blit_are_one_row() {
+    // 65535 rows of one byte at pitch 0: one page, one run, one step.
+    let s = WriteSet::Strided(Strided {
+        space: Ggtt,
+        base: 0x5000,
+        row_bytes: 1,
+        pitch: 0,
+        rows: 0xffff,
+    });
+    let runs: Vec<_> = s.page_runs(1).collect();
+    assert_eq!(runs.len(), 1);
+    assert_eq!((runs[0].first, runs[0].last), (5, 5));
+    // Ranges and empty sets.
+    let r = WriteSet::Range(WriteRange {
+        space: Ppgtt,
+        gfx_addr: 0x1ffc,
+        len: 8,
+    });
+    let runs: Vec<_> = r.page_runs(1).collect();
+    assert_eq!(runs.len(), 1);
+    assert_eq!((runs[0].space, runs[0].first, runs[0].last), (Ppgtt, 1, 2));
+    assert_eq!(WriteSet::None.page_runs(4).count(), 0);
 }

@@ -9,68 +9,101 @@
 //! sources). A slice ends after [`SLICE_COMMANDS`] commands or
 //! [`SLICE_BYTES`] bytes of blit, or when a semaphore is not yet satisfied.
 
+//! The simulated vGPU's engine: executes a submission's validated commands
+//! on guest memory, in bounded slices.
+//!
+//! It trusts the auditor (addresses in range, registers allowed, lengths
+//! right) and checks nothing of the guest's again; what it must still
+//! handle is what the guest can change after the audit: the GTT (a page no
+//! longer mapped is a DMA fault) and memory contents (semaphores, blit
+//! sources). Which command runs next is [`flow::Exec`]'s, the auditor's
+//! own model of the walk, so the engine runs exactly the hardware's
+//! sequence of audited commands (calls, chains, returns, batches started
+//! again).
+//!
+//! Work is counted in operations: one per command and one per DMA call
+//! (each page a transfer touches). A slice ends after [`SLICE_OPS`]
+//! operations or [`SLICE_BYTES`] bytes, whichever comes first, or when a
+//! semaphore is not yet satisfied; a blit is resumed at the chunk it
+//! stopped at, and a blit whose rows all write the same bytes (pitch 0)
+//! runs one row. A submission that has done [`SUBMISSION_OPS`] operations
+//! is declared hung by the watchdog, whether or not its ring head moves.
+
 use kernel::prelude::*;
 use kernel::time::Ktime;
 
 use super::Sim;
-use crate::sim_regs as r;
-use crate::audit::{BlitKind, Command, PostSync, ValidatedCommand};
+use crate::audit::flow::{Exec, FlowError};
+use crate::audit::{BlitKind, Command, PostSync, Strided, ValidatedCommand, PAGE_SIZE};
 use crate::glue::VgpuHandle;
+use crate::sim_regs as r;
 
-/// Commands per slice.
-const SLICE_COMMANDS: u32 = 256;
-/// Blit bytes per slice.
+/// Operations per slice: the vGPU's lock is held for one slice at most.
+const SLICE_OPS: u32 = 1024;
+/// Bytes moved per slice.
 const SLICE_BYTES: u64 = 1 << 20;
-/// Deepest call stack (the auditor allows at most 8 levels).
-const MAX_FRAMES: usize = 8;
+/// Operations one submission may do before the watchdog calls it hung.
+pub(crate) const SUBMISSION_OPS: u64 = 1 << 22;
+/// Bytes of blit moved per DMA call at most.
+const CHUNK: usize = 512;
 
-/// Where a batch's `MI_BATCH_BUFFER_END` continues.
-#[derive(Clone, Copy)]
-enum Frame {
-    /// With the next command in the list (the batch was listed inline).
-    Inline,
-    /// At this index (the batch was re-run from where it was listed).
-    Resume(usize),
+/// Where the current blit is: its row, and bytes of that row done.
+#[derive(Clone, Copy, Default)]
+struct BlitAt {
+    row: u64,
+    done: u64,
 }
 
 /// A submission in flight: its validated commands and where execution is.
 pub(crate) struct Submission {
-    cmds: KVec<ValidatedCommand>,
-    pc: usize,
-    frames: [Frame; MAX_FRAMES],
-    depth: usize,
-    /// Rows of the current blit already done.
-    blit_row: u64,
+    cmds: KVVec<ValidatedCommand>,
+    exec: Exec,
+    /// One bit per graphics page the submission may write.
+    pub(super) pages: KVVec<u64>,
+    blit: BlitAt,
     /// The ring tail this submission ends at.
     tail: u32,
+    /// Operations done so far, for the watchdog.
+    pub(super) work: u64,
 }
 
 impl Submission {
-    pub(crate) fn new(cmds: KVec<ValidatedCommand>, tail: u32) -> Self {
+    pub(crate) fn new(cmds: KVVec<ValidatedCommand>, pages: KVVec<u64>, tail: u32) -> Self {
+        let exec = Exec::new(&cmds);
         Self {
             cmds,
-            pc: 0,
-            frames: [Frame::Inline; MAX_FRAMES],
-            depth: 0,
-            blit_row: 0,
+            exec,
+            pages,
+            blit: BlitAt::default(),
             tail,
+            work: 0,
         }
     }
+}
 
-    pub(crate) fn commands(&self) -> &[ValidatedCommand] {
-        &self.cmds
+/// What one slice may still do.
+struct Budget {
+    ops: u32,
+    bytes: u64,
+}
+
+impl Budget {
+    fn spent(&self) -> bool {
+        self.ops == 0 || self.bytes == 0
     }
 
-    fn push(&mut self, frame: Frame) -> bool {
-        let Some(slot) = self.frames.get_mut(self.depth) else { return false };
-        *slot = frame;
-        self.depth += 1;
-        true
-    }
-
-    fn pop(&mut self) -> Option<Frame> {
-        self.depth = self.depth.checked_sub(1)?;
-        self.frames.get(self.depth).copied()
+    /// Charges a transfer of `len` bytes at `addr`: one operation per page.
+    fn transfer(&mut self, addr: u64, len: usize) -> u32 {
+        let len = len as u64;
+        let pages = if len == 0 {
+            0
+        } else {
+            let last = addr.saturating_add(len - 1) / PAGE_SIZE;
+            (last - addr / PAGE_SIZE + 1).min(u64::from(u32::MAX)) as u32
+        };
+        self.ops = self.ops.saturating_sub(pages);
+        self.bytes = self.bytes.saturating_sub(len);
+        pages
     }
 }
 
@@ -81,52 +114,62 @@ pub(super) enum Outcome {
     Progress { head_moved: bool, stalled: bool },
     /// Guest memory at this graphics address could not be reached.
     Fault(u64),
+    /// The list does not walk as the auditor made it (a hag bug).
+    Broken(FlowError),
 }
 
 enum Step {
+    /// Done: on to the next command.
     Next,
-    Jump(usize),
-    /// Not done: run this command again next slice.
+    /// Not done, waiting on memory: run this command again later.
     Stall,
+    /// Not done, the slice's budget is spent: go on next slice.
+    Yield,
 }
 
 pub(super) fn run_slice(sim: &mut Sim, handle: &VgpuHandle) -> Outcome {
     let Some(mut run) = sim.run.take() else { return Outcome::Finished };
     let head_before = sim.regs.ring_head;
-    let mut budget = SLICE_BYTES;
-    let mut outcome = Outcome::Progress { head_moved: false, stalled: false };
+    let mut budget = Budget { ops: SLICE_OPS, bytes: SLICE_BYTES };
     let mut stalled = false;
-    for _ in 0..SLICE_COMMANDS {
-        let Some(cmd) = run.cmds.get(run.pc).copied() else {
-            outcome = Outcome::Finished;
-            break;
+    let outcome = loop {
+        if budget.spent() {
+            break None;
+        }
+        let index = match run.exec.current(&run.cmds) {
+            Ok(Some(i)) => i,
+            Ok(None) => break Some(Outcome::Finished),
+            Err(e) => break Some(Outcome::Broken(e)),
+        };
+        let Some(cmd) = run.cmds.get(index).copied() else {
+            break Some(Outcome::Broken(FlowError::BadNesting { index }));
         };
         if cmd.level == 0 {
-            // The guest may move RING_START meanwhile: wrap, never panic.
-            sim.regs.ring_head = cmd.gfx_addr.wrapping_sub(u64::from(sim.regs.ring_start)) as u32;
+            // The qword holding the command (tails are qword aligned, and
+            // a snapshot taken after a fault or hang must restore). The
+            // guest may move RING_START meanwhile: wrap, never panic.
+            sim.regs.ring_head = (cmd.gfx_addr.wrapping_sub(u64::from(sim.regs.ring_start)) as u32) & !7;
         }
-        match execute(sim, handle, &mut run, &cmd, &mut budget) {
+        let ops_before = budget.ops;
+        budget.ops = budget.ops.saturating_sub(1);
+        let step = execute(sim, handle, &mut run.blit, &cmd, &mut budget);
+        run.work = run.work.saturating_add(u64::from(ops_before - budget.ops));
+        match step {
             Ok(Step::Next) => {
-                run.pc += 1;
                 sim.stats.commands += 1;
+                if let Err(e) = run.exec.advance(&run.cmds) {
+                    break Some(Outcome::Broken(e));
+                }
             }
-            Ok(Step::Jump(to)) => {
-                run.pc = to;
-                sim.stats.commands += 1;
-            }
+            Ok(Step::Yield) => break None,
             Ok(Step::Stall) => {
                 stalled = true;
-                break;
+                break None;
             }
-            Err(gfx) => {
-                outcome = Outcome::Fault(gfx);
-                break;
-            }
+            Err(gfx) => break Some(Outcome::Fault(gfx)),
         }
-    }
-    if matches!(outcome, Outcome::Progress { .. }) {
-        outcome = Outcome::Progress { head_moved: sim.regs.ring_head != head_before, stalled };
-    }
+    };
+    let outcome = outcome.unwrap_or(Outcome::Progress { head_moved: sim.regs.ring_head != head_before, stalled });
     if let Outcome::Finished = outcome {
         sim.regs.ring_head = run.tail;
     }
@@ -134,45 +177,42 @@ pub(super) fn run_slice(sim: &mut Sim, handle: &VgpuHandle) -> Outcome {
     outcome
 }
 
+/// Whether every row of the blit writes the same bytes to the same place
+/// (destination pitch 0, and a fill or a source row that stays the same
+/// and does not overlap the destination): then one row is the whole blit.
+fn rows_repeat(fill: bool, dst: &Strided, src: Option<&Strided>) -> bool {
+    if dst.pitch != 0 {
+        return false;
+    }
+    match src {
+        _ if fill => true,
+        Some(s) => {
+            let apart = s.base.saturating_add(s.row_bytes) <= dst.base || dst.base.saturating_add(dst.row_bytes) <= s.base;
+            s.pitch == 0 && apart
+        }
+        None => true,
+    }
+}
+
 fn execute(
     sim: &mut Sim,
     handle: &VgpuHandle,
-    run: &mut Submission,
+    at: &mut BlitAt,
     cmd: &ValidatedCommand,
-    budget: &mut u64,
+    budget: &mut Budget,
 ) -> core::result::Result<Step, u64> {
     match cmd.kind {
         // Arbitration only decides where the real engine may preempt; the
-        // simulated engine never preempts a submission.
-        Command::Noop | Command::ArbCheck | Command::ArbOnOff { .. } => {}
+        // simulated engine never preempts a submission. Batch starts and
+        // ends are the walk's ([`Exec`]).
+        Command::Noop
+        | Command::ArbCheck
+        | Command::ArbOnOff { .. }
+        | Command::BatchStart { .. }
+        | Command::BatchEnd => {}
         Command::UserInterrupt => sim.raise(r::INT_USER),
-        Command::BatchStart { addr, second_level, level, already_audited, .. } => {
-            let call = cmd.level == 0 || second_level;
-            if !already_audited {
-                if call && !run.push(Frame::Inline) {
-                    return Err(addr);
-                }
-                return Ok(Step::Next);
-            }
-            // Run the batch again from where the auditor listed it.
-            let start = run
-                .cmds
-                .iter()
-                .position(|c| c.gfx_addr == addr && c.level == level)
-                .ok_or(addr)?;
-            if call && !run.push(Frame::Resume(run.pc + 1)) {
-                return Err(addr);
-            }
-            return Ok(Step::Jump(start));
-        }
-        Command::BatchEnd => match run.pop() {
-            Some(Frame::Resume(to)) => return Ok(Step::Jump(to)),
-            Some(Frame::Inline) => {}
-            // The auditor refuses MI_BATCH_BUFFER_END in the ring.
-            None => return Err(cmd.gfx_addr),
-        },
         Command::SemaphoreWait { addr, data, compare, .. } => {
-            let value = read_u32(sim, handle, addr)?;
+            let value = read_u32(sim, handle, budget, addr)?;
             let holds = match compare {
                 0 => value > data,
                 1 => value >= data,
@@ -186,67 +226,71 @@ fn execute(
             }
         }
         Command::StoreDataImm { addr, data, qword, .. } | Command::StoreDataIndex { addr, data, qword, .. } => {
-            write_data(sim, handle, addr, data, qword)?;
+            write_data(sim, handle, budget, addr, data, qword)?;
         }
         Command::LoadRegisterImm { reg, value, .. } => set_gpr(sim, reg, value),
         Command::StoreRegisterMem { reg, addr, .. } => {
             let value = gpr(sim, reg);
-            write_bytes(sim, handle, addr, &value.to_le_bytes())?;
+            write_bytes(sim, handle, budget, addr, &value.to_le_bytes())?;
         }
         Command::LoadRegisterMem { reg, addr, .. } => {
-            let value = read_u32(sim, handle, addr)?;
+            let value = read_u32(sim, handle, budget, addr)?;
             set_gpr(sim, reg, value);
         }
         Command::CopyMemMem { dst, src, .. } => {
-            let value = read_u32(sim, handle, src)?;
-            write_bytes(sim, handle, dst, &value.to_le_bytes())?;
+            let value = read_u32(sim, handle, budget, src)?;
+            write_bytes(sim, handle, budget, dst, &value.to_le_bytes())?;
         }
         Command::Atomic { addr, len, opcode, inline_data, .. } => {
-            atomic(sim, handle, addr, len, opcode, inline_data.map_or([0, 0], |d| [d[0], d[1]]))?;
+            atomic(sim, handle, budget, addr, len, opcode, inline_data.map_or([0, 0], |d| [d[0], d[1]]))?;
         }
         Command::FlushDw { post_sync, notify } => {
-            post_sync_write(sim, handle, post_sync, false)?;
+            post_sync_write(sim, handle, budget, post_sync, false)?;
             if notify {
                 sim.raise(r::INT_USER);
             }
         }
-        Command::PipeControl { post_sync, .. } => post_sync_write(sim, handle, post_sync, true)?,
+        Command::PipeControl { post_sync, .. } => post_sync_write(sim, handle, budget, post_sync, true)?,
         Command::Blit(blit) => {
             let Some(dst) = blit.dst.rect(blit.bpp, blit.width, blit.height) else {
                 return Err(blit.dst.base);
             };
             let src = blit.src.and_then(|s| s.rect(blit.bpp, blit.width, blit.height));
-            let mut row_buf = [0u8; 512];
-            while run.blit_row < dst.rows {
-                let row = run.blit_row;
+            let fill = matches!(blit.kind, BlitKind::Color) || src.is_none();
+            let rows = if rows_repeat(fill, &dst, src.as_ref()) { dst.rows.min(1) } else { dst.rows };
+            let mut buf = [0u8; CHUNK];
+            while at.row < rows {
+                let row = at.row;
                 let dst_row = dst.base + row * dst.pitch;
-                let mut done = 0u64;
-                while done < dst.row_bytes {
-                    let n = (dst.row_bytes - done).min(row_buf.len() as u64) as usize;
-                    let buf = &mut row_buf[..n];
-                    match (blit.kind, src) {
-                        (BlitKind::Color, _) | (_, None) => {
+                while at.done < dst.row_bytes {
+                    // Resumed here next slice, at this chunk.
+                    if budget.spent() {
+                        return Ok(Step::Yield);
+                    }
+                    let done = at.done;
+                    let n = (dst.row_bytes - done).min(CHUNK as u64) as usize;
+                    let part = &mut buf[..n];
+                    match src {
+                        Some(src) if !fill => {
+                            let from = src.base + row * src.pitch + done;
+                            budget.transfer(from, n);
+                            sim.gfx_access(handle, from, part, false)?;
+                        }
+                        _ => {
                             let color = blit.color.to_le_bytes();
                             let bpp = usize::from(blit.bpp).max(1);
-                            for (i, b) in buf.iter_mut().enumerate() {
+                            for (i, b) in part.iter_mut().enumerate() {
                                 *b = color[((done as usize + i) % bpp) % 4];
                             }
                         }
-                        (_, Some(src)) => {
-                            let from = src.base + row * src.pitch + done;
-                            sim.gfx_access(handle, from, buf, false)?;
-                        }
                     }
-                    write_gfx(sim, handle, dst_row + done, buf)?;
-                    done += n as u64;
+                    write_gfx(sim, handle, budget, dst_row + done, part)?;
+                    at.done += n as u64;
                 }
-                run.blit_row += 1;
-                *budget = budget.saturating_sub(dst.row_bytes.max(1));
-                if *budget == 0 && run.blit_row < dst.rows {
-                    return Ok(Step::Stall);
-                }
+                at.done = 0;
+                at.row += 1;
             }
-            run.blit_row = 0;
+            *at = BlitAt::default();
         }
     }
     Ok(Step::Next)
@@ -264,8 +308,9 @@ fn set_gpr(sim: &mut Sim, reg: u32, value: u32) {
     }
 }
 
-fn read_u32(sim: &Sim, handle: &VgpuHandle, addr: u64) -> core::result::Result<u32, u64> {
+fn read_u32(sim: &Sim, handle: &VgpuHandle, budget: &mut Budget, addr: u64) -> core::result::Result<u32, u64> {
     let mut b = [0u8; 4];
+    budget.transfer(addr, b.len());
     sim.gfx_access(handle, addr, &mut b, false)?;
     Ok(u32::from_le_bytes(b))
 }
@@ -273,35 +318,36 @@ fn read_u32(sim: &Sim, handle: &VgpuHandle, addr: u64) -> core::result::Result<u
 /// Every engine write to guest memory goes through here, so the
 /// `bytes_written` counter is what the GPU really wrote: the measure the
 /// audit's (page-granular, superset) write sets are compared with.
-fn write_gfx(sim: &mut Sim, handle: &VgpuHandle, addr: u64, buf: &mut [u8]) -> core::result::Result<(), u64> {
+fn write_gfx(sim: &mut Sim, handle: &VgpuHandle, budget: &mut Budget, addr: u64, buf: &mut [u8]) -> core::result::Result<(), u64> {
+    budget.transfer(addr, buf.len());
     sim.gfx_access(handle, addr, buf, true)?;
     sim.stats.bytes_written = sim.stats.bytes_written.wrapping_add(buf.len() as u64);
     Ok(())
 }
 
-fn write_bytes(sim: &mut Sim, handle: &VgpuHandle, addr: u64, bytes: &[u8]) -> core::result::Result<(), u64> {
+fn write_bytes(sim: &mut Sim, handle: &VgpuHandle, budget: &mut Budget, addr: u64, bytes: &[u8]) -> core::result::Result<(), u64> {
     let mut buf = [0u8; 8];
     let buf = &mut buf[..bytes.len()];
     buf.copy_from_slice(bytes);
-    write_gfx(sim, handle, addr, buf)
+    write_gfx(sim, handle, budget, addr, buf)
 }
 
-fn write_data(sim: &mut Sim, handle: &VgpuHandle, addr: u64, data: [u32; 2], qword: bool) -> core::result::Result<(), u64> {
+fn write_data(sim: &mut Sim, handle: &VgpuHandle, budget: &mut Budget, addr: u64, data: [u32; 2], qword: bool) -> core::result::Result<(), u64> {
     let value = u64::from(data[0]) | (u64::from(data[1]) << 32);
     let bytes = value.to_le_bytes();
-    write_bytes(sim, handle, addr, if qword { &bytes } else { &bytes[..4] })
+    write_bytes(sim, handle, budget, addr, if qword { &bytes } else { &bytes[..4] })
 }
 
-fn post_sync_write(sim: &mut Sim, handle: &VgpuHandle, post_sync: PostSync, qword: bool) -> core::result::Result<(), u64> {
+fn post_sync_write(sim: &mut Sim, handle: &VgpuHandle, budget: &mut Budget, post_sync: PostSync, qword: bool) -> core::result::Result<(), u64> {
     match post_sync {
         PostSync::None => Ok(()),
         // MI_FLUSH_DW's short form stores a dword; both forms carry the
         // high dword as 0 then, so a non-zero high dword means a qword.
-        PostSync::WriteImm { addr, data, .. } => write_data(sim, handle, addr, data, qword || data[1] != 0),
-        PostSync::DepthCount { addr, .. } => write_data(sim, handle, addr, [0, 0], true),
+        PostSync::WriteImm { addr, data, .. } => write_data(sim, handle, budget, addr, data, qword || data[1] != 0),
+        PostSync::DepthCount { addr, .. } => write_data(sim, handle, budget, addr, [0, 0], true),
         PostSync::Timestamp { addr, .. } => {
             let now = Ktime::ktime_get().to_ns() as u64;
-            write_data(sim, handle, addr, [now as u32, (now >> 32) as u32], true)
+            write_data(sim, handle, budget, addr, [now as u32, (now >> 32) as u32], true)
         }
     }
 }
@@ -309,9 +355,10 @@ fn post_sync_write(sim: &mut Sim, handle: &VgpuHandle, post_sync: PostSync, qwor
 /// MI_ATOMIC on a dword or qword: AND, OR, XOR, MOVE, INC, DEC, ADD, SUB
 /// (the low nibble of the opcode); other operations leave memory as it is
 /// (the audit still counted the bytes as written).
-fn atomic(sim: &mut Sim, handle: &VgpuHandle, addr: u64, len: u8, opcode: u8, operand: [u32; 2]) -> core::result::Result<(), u64> {
+fn atomic(sim: &mut Sim, handle: &VgpuHandle, budget: &mut Budget, addr: u64, len: u8, opcode: u8, operand: [u32; 2]) -> core::result::Result<(), u64> {
     let width = if len >= 8 { 8 } else { 4 };
     let mut b = [0u8; 8];
+    budget.transfer(addr, width);
     sim.gfx_access(handle, addr, &mut b[..width], false)?;
     let old = u64::from_le_bytes(b);
     let arg = u64::from(operand[0]) | (u64::from(operand[1]) << 32);
@@ -326,5 +373,5 @@ fn atomic(sim: &mut Sim, handle: &VgpuHandle, addr: u64, len: u8, opcode: u8, op
         0x8 => old.wrapping_sub(arg),
         _ => return Ok(()),
     };
-    write_bytes(sim, handle, addr, &new.to_le_bytes()[..width])
+    write_bytes(sim, handle, budget, addr, &new.to_le_bytes()[..width])
 }

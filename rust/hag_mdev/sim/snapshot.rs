@@ -163,12 +163,14 @@ impl Sim {
             tail => Some(tail),
         };
         let watchdog_ms = get(engine, 2);
-        // The same checks a guest's register writes get, and the ring
-        // offsets must lie in the ring the snapshot describes.
-        let ring_bytes = (((regs.ring_ctl >> r::RING_CTL_PAGES_SHIFT) & r::RING_CTL_PAGES_MASK) + 1) * 4096;
-        let in_ring = |off: u32| off < ring_bytes && off % 8 == 0;
+        // The same checks a guest's register writes get. Ring offsets are
+        // qword aligned and inside the largest ring: a guest may shrink
+        // its ring under them (the next doorbell then refuses), and such a
+        // vGPU must still migrate.
+        let max_ring = (r::RING_CTL_PAGES_MASK + 1) * 4096;
+        let in_ring = |off: u32| off < max_ring && off % 8 == 0;
         if regs.ring_start % 4096 != 0
-            || regs.hws_pga % 4096 != 0
+            || !super::hws_pga_valid(regs.hws_pga)
             || regs.ring_ctl & !((r::RING_CTL_PAGES_MASK << r::RING_CTL_PAGES_SHIFT) | r::RING_CTL_ENABLE) != 0
             || !in_ring(regs.ring_head)
             || !in_ring(regs.ring_tail)

@@ -70,48 +70,7 @@ pub(crate) mod mig_state {
     }
 }
 
-/// `struct vfio_device_info` up to `num_irqs` (the part every kernel has).
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub(crate) struct DeviceInfo {
-    pub(crate) argsz: u32,
-    pub(crate) flags: u32,
-    pub(crate) num_regions: u32,
-    pub(crate) num_irqs: u32,
-}
-
-/// `struct vfio_region_info`.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub(crate) struct RegionInfo {
-    pub(crate) argsz: u32,
-    pub(crate) flags: u32,
-    pub(crate) index: u32,
-    pub(crate) cap_offset: u32,
-    pub(crate) size: u64,
-    pub(crate) offset: u64,
-}
-
-/// `struct vfio_irq_info`.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub(crate) struct IrqInfo {
-    pub(crate) argsz: u32,
-    pub(crate) flags: u32,
-    pub(crate) index: u32,
-    pub(crate) count: u32,
-}
-
-/// `struct vfio_irq_set` without its trailing `data[]`.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub(crate) struct IrqSet {
-    pub(crate) argsz: u32,
-    pub(crate) flags: u32,
-    pub(crate) index: u32,
-    pub(crate) start: u32,
-    pub(crate) count: u32,
-}
+pub(crate) use crate::glue::uapi::{DeviceInfo, IrqInfo, IrqSet, RegionInfo};
 
 /// Reads the fixed part `T` of an ioctl argument and checks `argsz`, its
 /// first field, covers it.

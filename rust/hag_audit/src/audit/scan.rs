@@ -1,4 +1,6 @@
 //! The walk over one submission: ring, batches, nesting, loops, limits.
+//! What a batch start or end does, and what a start of an audited batch
+//! means, is [`flow`]'s, which executors follow too.
 //!
 //! Control flow is followed with an explicit state machine and a fixed-size
 //! return stack, never recursion. A batch entry (address space, address and
@@ -13,6 +15,7 @@
 //! one `space` per ring batch start is all the state address spaces need.
 
 use super::decode::{self, Shape, MAX_FIXED};
+use super::flow;
 use super::{
     AddressSpace, AuditConfig, AuditError, AuditSink, AuditSummary, Command, GfxMemory, Op, Reason,
     ValidatedCommand, MAX_BATCHES, MAX_BATCH_DEPTH,
@@ -63,6 +66,7 @@ pub fn audit<M: GfxMemory, S: AuditSink>(
         ret: [0; MAX_BATCH_DEPTH as usize + 1],
         visited: [0; MAX_BATCHES],
         nvisited: 0,
+        entries: 0,
         summary: AuditSummary::default(),
     };
     scan.run()
@@ -87,6 +91,8 @@ struct Scan<'r, 'c, M, S> {
     /// Batch entries followed: address | PPGTT << 48 | level << 56.
     visited: [u64; MAX_BATCHES],
     nvisited: usize,
+    /// Validated commands handed to the sink.
+    entries: u32,
     summary: AuditSummary,
 }
 
@@ -261,6 +267,12 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
     }
 
     fn emit(&mut self, at: &At, kind: Command) -> Result<(), Reason> {
+        if self.entries >= self.cfg.max_entries {
+            return Err(Reason::TooManyEntries {
+                limit: self.cfg.max_entries,
+            });
+        }
+        self.entries += 1;
         let cmd = ValidatedCommand {
             space: at.space,
             gfx_addr: at.gfx_addr,
@@ -347,29 +359,8 @@ impl<M: GfxMemory, S: AuditSink> Scan<'_, '_, M, S> {
         n: u32,
     ) -> Result<(), Reason> {
         let from_ring = self.level == 0;
-        if from_ring && second_level {
-            return Err(Reason::Unsupported {
-                what: "second-level batch started from the ring",
-            });
-        }
-        let level = if from_ring {
-            1
-        } else if second_level {
-            self.level.saturating_add(1)
-        } else {
-            self.level
-        };
-        if level > self.cfg.max_batch_depth {
-            return Err(Reason::BatchTooDeep {
-                depth: level,
-                limit: self.cfg.max_batch_depth,
-            });
-        }
-        // Addresses are below 2^48 (checked against the space's size, at
-        // most 2^48), so the space fits in bit 48 and the level in the top
-        // byte: the same address in the two spaces is two batches.
-        let ppgtt = u64::from(space == AddressSpace::Ppgtt);
-        let key = addr | (ppgtt << 48) | (u64::from(level) << 56);
+        let level = flow::transfer(self.level, second_level, self.cfg.max_batch_depth)?.level();
+        let key = flow::entry_key(space, addr, level);
         let seen = self
             .visited
             .get(..self.nvisited)
