@@ -69,20 +69,24 @@ class Build:
 
     @staticmethod
     def find():
-        gvt = os.environ.get("HAG_FLAVOUR", "test") == "gvt"
+        # HAG_FLAVOUR picks the kernel (build-kernel.sh reads it too) and the
+        # module built against it: test (rust/hag_mdev), gvt or debug (each
+        # in build/<flavour>-module/).
+        flavour = os.environ.get("HAG_FLAVOUR", "test")
+        gvt = flavour == "gvt"
         tree = Path(subprocess.run(
             [str(ROOT / "scripts/build-kernel.sh"), "--print-dir"],
             check=True, capture_output=True, text=True,
         ).stdout.strip())
         build = Build(
             kernel_tree=tree,
-            module=ROOT / ("build/gvt-module/rust/hag_mdev/hag_mdev.ko" if gvt
+            module=ROOT / (f"build/{flavour}-module/rust/hag_mdev/hag_mdev.ko" if flavour in ("gvt", "debug")
                            else "rust/hag_mdev/hag_mdev.ko"),
             hagctl=ROOT / "controller/target/release/hagctl",
             vmm=ROOT / "controller/target/release/hag-vmm",
             needs=[tree / "drivers/gpu/drm/i915/kvmgt.ko"] if gvt else [],
         )
-        make = "make gvt controller" if gvt else "make"
+        make = f"make {flavour} controller" if flavour in ("gvt", "debug") else "make"
         for path in (build.bzimage, build.module, build.hagctl, build.vmm, *build.needs):
             if not path.exists():
                 raise SystemExit(f"qemu-tests: {path} missing: run `{make}` first")

@@ -2,13 +2,18 @@
 # Prepares and builds a test kernel once, cached outside the work tree.
 #
 # The tree is Debian's linux-source-6.12 configured as tinyconfig plus a
-# config fragment. Two flavours:
+# config fragment. Three flavours:
 #   test  scripts/kernel-test.config (the default)
 #   gvt   scripts/kernel-test.config + scripts/kernel-gvt.config (i915 with
 #         GVT-g and KVMGT), with the patch series scripts/gvt/*.patch
 #         applied in name order
+#   debug scripts/kernel-test.config + scripts/kernel-debug.config (KASAN,
+#         KFENCE, UBSAN, lockdep, atomic-sleep checks, panic_on_warn),
+#         built with LLVM=1 (KASAN with Rust needs clang); a module for it
+#         must be built with LLVM=1 too (--print-make-args says so)
 # Each flavour builds in its own source copy. The cache directory's name
-# is a hash of the fragment(s) (for gvt, their settings only), the patches,
+# is a hash of the fragment(s) (for gvt and debug, their settings only;
+# for debug also clang's version), the patches,
 # the source package version, the Rust and bindgen versions and a recipe
 # number kept below, so a changed input rebuilds and an unchanged one does
 # not.
@@ -18,6 +23,10 @@
 #                                                       the tree's path
 #   scripts/build-kernel.sh [--flavour F] --cached-dir  print the tree's path
 #                                                       if built, else fail
+#   scripts/build-kernel.sh [--flavour F] --print-make-args
+#                                                       print the make
+#                                                       variables a module
+#                                                       build needs (LLVM=1)
 # The flavour may also come from $HAG_FLAVOUR.
 set -euo pipefail
 
@@ -31,7 +40,7 @@ while [ $# -gt 0 ]; do
 	case $1 in
 	--flavour) flavour=${2:?--flavour needs a name}; shift 2 ;;
 	--flavour=*) flavour=${1#--flavour=}; shift ;;
-	--print-dir | --cached-dir) mode=$1; shift ;;
+	--print-dir | --cached-dir | --print-make-args) mode=$1; shift ;;
 	*) echo "build-kernel: unknown argument $1" >&2; exit 2 ;;
 	esac
 done
@@ -47,6 +56,7 @@ src_version=$(dpkg-query -W -f='${Version}' linux-source-6.12)
 # Bump when a change to this script changes what it builds.
 recipe=1
 patches=()
+make_args=()
 case $flavour in
 test)
 	# The key is computed as it always was, so that cached test kernels
@@ -71,8 +81,26 @@ gvt)
 		sha256sum | cut -c1-16)
 	name=kernel-gvt
 	;;
-*) die "unknown flavour '$flavour' (test or gvt)" ;;
+debug)
+	make_args=(LLVM=1)
+	fragment=$(mktemp)
+	trap 'rm -f "$fragment"' EXIT
+	cat "$here/kernel-test.config" "$here/kernel-debug.config" >"$fragment"
+	key=$( { grep -E '^CONFIG_|^# CONFIG_' "$fragment"; echo "$recipe $src_version ${make_args[*]}";
+		"$RUSTC" --version; "$BINDGEN" --version; clang --version 2>/dev/null | head -1; } |
+		sha256sum | cut -c1-16)
+	name=kernel-debug
+	;;
+*) die "unknown flavour '$flavour' (test, gvt or debug)" ;;
 esac
+if [ "$mode" = --print-make-args ]; then
+	echo "${make_args[*]}"
+	exit 0
+fi
+if [ "${make_args[*]}" = LLVM=1 ]; then
+	command -v clang >/dev/null && command -v ld.lld >/dev/null ||
+		die "the $flavour flavour is built with clang and lld: apt-get install clang lld"
+fi
 dir=$HAG_CACHE/$name-$key
 tree=$dir/linux
 
@@ -86,7 +114,7 @@ mkdir -p "$HAG_CACHE"
 exec 9>"$HAG_CACHE/.$name-$key.lock"
 flock 9
 if [ ! -e "$dir/.built" ]; then
-	log "building $name kernel $src_version into $dir (on 2 cores about 6 minutes, gvt about 15)"
+	log "building $name kernel $src_version into $dir (on 2 cores about 6 minutes, gvt about 15, debug about 20)"
 	rm -rf "$dir"
 	mkdir -p "$dir"
 	tar -C "$dir" -xf "$tarball"
@@ -99,7 +127,7 @@ if [ ! -e "$dir/.built" ]; then
 		patch -d "$tree" -p1 -s -f <"$p" >/dev/null
 		log "applied $(basename "$p")"
 	done
-	kmake() { make -C "$tree" -s -j"$(nproc)" RUSTC="$RUSTC" BINDGEN="$BINDGEN" "$@"; }
+	kmake() { make -C "$tree" -s -j"$(nproc)" RUSTC="$RUSTC" BINDGEN="$BINDGEN" ${make_args[@]+"${make_args[@]}"} "$@"; }
 	kmake rustavailable >/dev/null || die "the kernel says Rust is not available: $(kmake rustavailable 2>&1 | tail -3)"
 	kmake tinyconfig >/dev/null
 	"$tree/scripts/kconfig/merge_config.sh" -m -O "$tree" "$tree/.config" "$fragment" >/dev/null
