@@ -389,7 +389,7 @@ impl Gen {
         let v = self.rng.next_u32();
         // Mild rounds wait on semaphores more often (most never hold: a
         // hang for the watchdog).
-        let kind = match self.rng.below(26) {
+        let kind = match self.rng.below(28) {
             // No MI_BATCH_BUFFER_END (refused in the ring) in mild rounds.
             2 if self.mild => 21,
             _ if self.mild && self.rng.chance(1, 12) => 21,
@@ -463,6 +463,42 @@ impl Gen {
                 let bpp = self.rng.pick(&[1u8, 2, 4, 8, 16, 3, 0]);
                 let (w, h) = (self.extent(), self.extent());
                 encode::xy_fast_copy_blt(dst, src, bpp, w, h).to_vec()
+            }
+            // Valid but expensive: a register load of many pairs (each a
+            // validated command the module must keep), a tall blit of
+            // one-byte rows at pitch 0 or 1 (a DMA call per row).
+            26 => {
+                let pairs = 1 + self.rng.below(127) as u8;
+                let mut lri = vec![encode::load_register_imm_header(pairs)];
+                for _ in 0..pairs {
+                    let reg = self.register();
+                    lri.extend([reg, self.rng.next_u32()]);
+                }
+                lri
+            }
+            27 => {
+                let pitch = self.rng.below(2) as u16;
+                let dst = BlitRect {
+                    base: self.lay.data + self.rng.below(PAGE_SIZE),
+                    pitch: 0,
+                    x: 0,
+                    y: 0,
+                };
+                let src = BlitRect {
+                    base: self.lay.data,
+                    pitch,
+                    x: 0,
+                    y: 0,
+                };
+                let (w, h) = (
+                    1 + self.rng.below(4) as u16,
+                    1 + self.rng.below(0x7fff) as u16,
+                );
+                if self.rng.chance(1, 2) {
+                    encode::xy_src_copy_blt(dst, src, 1, w, h).to_vec()
+                } else {
+                    encode::xy_color_blt(dst, 1, w, h, v).to_vec()
+                }
             }
             _ => {
                 let target = self.batch_target();
