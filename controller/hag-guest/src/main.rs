@@ -161,6 +161,14 @@ struct Cli {
     #[arg(long, value_name = "SECS", default_value_t = 2,
           value_parser = clap::value_parser!(u64).range(1..))]
     progress: u64,
+    /// At most R iterations per second (0: as fast as the vGPU goes), so
+    /// that runs with and without a vGPU dirty memory at the same rate
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    rate: u32,
+    /// No vGPU: the CPU workload alone, paced by --rate (the benchmark's
+    /// VM without a vGPU); needs --cpu-mib and --rate
+    #[arg(long = "no-vgpu", requires = "rate")]
+    no_vgpu: bool,
 }
 
 /// Prints one line on the console and flushes it (a console that fails
@@ -188,10 +196,63 @@ struct Plan {
     time: Duration,
     /// Between progress lines.
     progress: Duration,
+    /// At most this many iterations per second (0: no limit).
+    rate: u32,
+}
+
+/// The CPU workload alone, for a VM without a vGPU (`--no-vgpu`).
+fn run_cpu_only(cli: &Cli) -> anyhow::Result<Outcome> {
+    if cli.cpu_mib == 0 || cli.rate == 0 {
+        bail!("--no-vgpu needs a CPU region (--cpu-mib) and a --rate");
+    }
+    let cpu = CpuRegion::new(cli.cpu_mib << 8, cli.cpu_pages).context("CPU region")?;
+    say(&format!(
+        "hag-guest: no vGPU, CPU region {} MiB ({} pages per iteration), {} iterations/s",
+        cli.cpu_mib,
+        cpu.per_iteration(),
+        cli.rate
+    ));
+    say("HAG-GUEST-READY");
+    let start = Instant::now();
+    let time = Duration::from_secs(cli.seconds);
+    let pace = Duration::from_secs(1) / cli.rate;
+    let progress = Duration::from_secs(cli.progress);
+    let mut next_progress = progress;
+    let mut done = 0u32;
+    while done < cli.iterations || start.elapsed() < time {
+        cpu.write(done).context("CPU workload")?;
+        done += 1;
+        let due = pace * done;
+        let elapsed = start.elapsed();
+        if elapsed < due {
+            std::thread::sleep(due - elapsed);
+        }
+        if start.elapsed() >= next_progress {
+            say(&format!(
+                "hag-guest: iteration {done}, {:.1} s",
+                start.elapsed().as_secs_f64()
+            ));
+            next_progress += progress;
+        }
+    }
+    let found: Mismatches = cpu.check(done)?;
+    let failures = if found.is_empty() {
+        Vec::new()
+    } else {
+        vec![format!("CPU memory: {found}")]
+    };
+    Ok(Outcome {
+        iterations: done,
+        seconds: start.elapsed().as_secs_f64(),
+        failures,
+    })
 }
 
 /// Sets up the vGPU and memory, runs, verifies.
 fn run(cli: &Cli) -> anyhow::Result<Outcome> {
+    if cli.no_vgpu {
+        return run_cpu_only(cli);
+    }
     pagemap::check_page_size()?;
     let dev = pci::find(Path::new(pci::SYSFS_PCI), cli.device.as_deref())?;
     let bdf = dev
@@ -243,6 +304,7 @@ fn run(cli: &Cli) -> anyhow::Result<Outcome> {
         iterations: cli.iterations,
         time: Duration::from_secs(cli.seconds),
         progress: Duration::from_secs(cli.progress),
+        rate: cli.rate,
     };
     let (iterations, seconds) = work(&mut drv, &mut frames, cpu.as_ref(), plan, &mut say)?;
     let now = pagemap::frames(ram.host_addr(), ram.pages()).context("GPU memory")?;
@@ -280,9 +342,13 @@ fn work<R: Registers>(
             ));
             break;
         }
-        // Pacing: the history slots must last until `plan.time`.
+        // Pacing: the history slots must last until `plan.time`, and no
+        // faster than --rate.
         if elapsed < plan.time {
-            let pace = (plan.time - elapsed) / (MAX_ITERATIONS - done);
+            let mut pace = (plan.time - elapsed) / (MAX_ITERATIONS - done);
+            if plan.rate > 0 {
+                pace = pace.max(Duration::from_secs(1) / plan.rate);
+            }
             let since = last_start.elapsed();
             if since < pace {
                 std::thread::sleep(pace - since);
@@ -452,6 +518,7 @@ mod tests {
             iterations: 40,
             time: Duration::ZERO,
             progress: Duration::from_secs(1),
+            rate: 0,
         };
         let mut lines = Vec::new();
         let (n, seconds) = work(&mut drv, &mut frames, Some(&cpu), plan, &mut |l: &str| {
