@@ -3,7 +3,8 @@
  * hag_mdev C glue: the static tables and macro-only helpers of the C
  * interfaces that Rust-for-Linux 6.12 does not wrap (miscdevice and its
  * file_operations, generic netlink, mdev, VFIO). It holds no logic: every
- * callback forwards to a hag_rs_*() function in glue.rs, and every name and
+ * callback forwards through the table of Rust callbacks glue.rs registers
+ * (struct hag_rs_ops, built there for the driver type), and every name and
  * number comes from Rust (which takes them from the shared hag_abi crate), so
  * the ABI is defined in one place. glue.rs is the only Rust file that calls
  * into this one.
@@ -62,8 +63,12 @@ void hag_glue_cond_resched(void)
 	cond_resched();
 }
 
-/* The Rust state, set for the whole time the interfaces are registered. */
+/*
+ * The Rust state and its callbacks, set for the whole time the interfaces
+ * are registered.
+ */
 static const void *hag_ctx;
+static const struct hag_rs_ops *hag_ops;
 static u16 hag_pad_attr;
 /* Sizes of VFIO migration data: a snapshot, and the most a VMM may write. */
 static size_t hag_mig_data_bytes;
@@ -92,14 +97,14 @@ static int hag_misc_open(struct inode *inode, struct file *file)
 
 static int hag_misc_release(struct inode *inode, struct file *file)
 {
-	hag_rs_release(hag_ctx, hag_opener(file));
+	hag_ops->release(hag_ctx, hag_opener(file));
 	return 0;
 }
 
 static long hag_misc_ioctl(struct file *file, unsigned int cmd,
 			   unsigned long arg)
 {
-	return hag_rs_ioctl(hag_ctx, hag_opener(file), cmd, arg);
+	return hag_ops->ioctl(hag_ctx, hag_opener(file), cmd, arg);
 }
 
 static const struct file_operations hag_misc_fops = {
@@ -189,7 +194,7 @@ struct hag_mig_file {
 struct hag_vgpu {
 	struct vfio_device vdev; /* first: vfio_alloc_device() requires it */
 	u32 id;
-	/* Runs the engine's slices and the watchdog: hag_rs_vgpu_tick(). */
+	/* Runs the engine's slices and the watchdog: hag_ops->vgpu_tick(). */
 	struct delayed_work tick;
 	/* VFIO migration v2. Taken before the Rust vGPU lock, never after. */
 	struct mutex mig_lock;
@@ -208,7 +213,7 @@ static void hag_vgpu_tick(struct work_struct *work)
 	struct hag_vgpu *vgpu =
 		container_of(to_delayed_work(work), struct hag_vgpu, tick);
 
-	hag_rs_vgpu_tick(hag_ctx, vgpu->id);
+	hag_ops->vgpu_tick(hag_ctx, vgpu->id);
 }
 
 int hag_glue_dma_rw(struct hag_vgpu *vgpu, u64 gpa, void *data, u64 len,
@@ -377,7 +382,7 @@ static struct file *hag_mig_save(struct hag_vgpu *vgpu)
 				hag_mig_data_bytes);
 	if (IS_ERR(migf))
 		return ERR_CAST(migf);
-	used = hag_rs_mig_save(hag_ctx, vgpu->id, migf->data, migf->cap);
+	used = hag_ops->mig_save(hag_ctx, vgpu->id, migf->data, migf->cap);
 	if (used < 0) {
 		fput(migf->filp);
 		return ERR_PTR(used);
@@ -413,7 +418,7 @@ static int hag_mig_load(struct hag_vgpu *vgpu)
 	if (!migf)
 		return -EINVAL;
 	mutex_lock(&migf->lock);
-	ret = hag_rs_mig_restore(hag_ctx, vgpu->id, migf->data, migf->size);
+	ret = hag_ops->mig_restore(hag_ctx, vgpu->id, migf->data, migf->size);
 	mutex_unlock(&migf->lock);
 	if (!ret)
 		hag_mig_disable_files(vgpu);
@@ -424,7 +429,7 @@ static int hag_mig_load(struct hag_vgpu *vgpu)
 static struct file *hag_mig_step(struct hag_vgpu *vgpu,
 				 enum vfio_device_mig_state next)
 {
-	int action = hag_rs_mig_step(hag_ctx, vgpu->id, vgpu->mig_state, next);
+	int action = hag_ops->mig_step(hag_ctx, vgpu->id, vgpu->mig_state, next);
 
 	switch (action) {
 	case HAG_MIG_NONE:
@@ -512,7 +517,7 @@ static void hag_mig_reset(struct hag_vgpu *vgpu)
 	mutex_lock(&vgpu->mig_lock);
 	hag_mig_disable_files(vgpu);
 	if (vgpu->mig_state != VFIO_DEVICE_STATE_RUNNING)
-		hag_rs_mig_reset(hag_ctx, vgpu->id);
+		hag_ops->mig_reset(hag_ctx, vgpu->id);
 	vgpu->mig_state = VFIO_DEVICE_STATE_RUNNING;
 	mutex_unlock(&vgpu->mig_lock);
 }
@@ -520,22 +525,22 @@ static void hag_mig_reset(struct hag_vgpu *vgpu)
 static ssize_t hag_vfio_read(struct vfio_device *vdev, char __user *buf,
 			     size_t count, loff_t *ppos)
 {
-	return hag_rs_vfio_rw(hag_ctx, to_hag_vgpu(vdev)->id, buf, count,
-			      *ppos, false);
+	return hag_ops->vfio_rw(hag_ctx, to_hag_vgpu(vdev)->id, buf, count,
+			        *ppos, false);
 }
 
 static ssize_t hag_vfio_write(struct vfio_device *vdev, const char __user *buf,
 			      size_t count, loff_t *ppos)
 {
-	return hag_rs_vfio_rw(hag_ctx, to_hag_vgpu(vdev)->id, (char __user *)buf,
-			      count, *ppos, true);
+	return hag_ops->vfio_rw(hag_ctx, to_hag_vgpu(vdev)->id, (char __user *)buf,
+			        count, *ppos, true);
 }
 
 static long hag_vfio_ioctl(struct vfio_device *vdev, unsigned int cmd,
 			   unsigned long arg)
 {
 	struct hag_vgpu *vgpu = to_hag_vgpu(vdev);
-	long ret = hag_rs_vfio_ioctl(hag_ctx, vgpu->id, cmd, arg);
+	long ret = hag_ops->vfio_ioctl(hag_ctx, vgpu->id, cmd, arg);
 
 	/* A reset device is RUNNING again (uapi/linux/vfio.h). */
 	if (cmd == VFIO_DEVICE_RESET && !ret)
@@ -545,7 +550,7 @@ static long hag_vfio_ioctl(struct vfio_device *vdev, unsigned int cmd,
 
 static int hag_vfio_open_device(struct vfio_device *vdev)
 {
-	hag_rs_vgpu_open(hag_ctx, to_hag_vgpu(vdev)->id, true);
+	hag_ops->vgpu_open(hag_ctx, to_hag_vgpu(vdev)->id, true);
 	return 0;
 }
 
@@ -553,7 +558,7 @@ static void hag_vfio_close_device(struct vfio_device *vdev)
 {
 	struct hag_vgpu *vgpu = to_hag_vgpu(vdev);
 
-	hag_rs_vgpu_open(hag_ctx, vgpu->id, false);
+	hag_ops->vgpu_open(hag_ctx, vgpu->id, false);
 	/* Files the VMM still holds read and write nothing from here on. */
 	hag_mig_reset(vgpu);
 }
@@ -580,21 +585,21 @@ static int hag_log_start(struct vfio_device *vdev,
 	if (first > last)
 		return -EINVAL;
 	*page_size = SZ_4K;
-	return hag_rs_dma_log_start(hag_ctx, to_hag_vgpu(vdev)->id, first,
-				    last - first + 1);
+	return hag_ops->dma_log_start(hag_ctx, to_hag_vgpu(vdev)->id, first,
+				      last - first + 1);
 }
 
 static int hag_log_stop(struct vfio_device *vdev)
 {
-	return hag_rs_dma_log_stop(hag_ctx, to_hag_vgpu(vdev)->id);
+	return hag_ops->dma_log_stop(hag_ctx, to_hag_vgpu(vdev)->id);
 }
 
 static int hag_log_read_and_clear(struct vfio_device *vdev,
 				  unsigned long iova, unsigned long length,
 				  struct iova_bitmap *dirty)
 {
-	return hag_rs_dma_log_report(hag_ctx, to_hag_vgpu(vdev)->id, iova,
-				     length, dirty);
+	return hag_ops->dma_log_report(hag_ctx, to_hag_vgpu(vdev)->id, iova,
+				       length, dirty);
 }
 
 static const struct vfio_log_ops hag_log_ops = {
@@ -646,7 +651,7 @@ static int hag_mdev_probe(struct mdev_device *mdev)
 #if IS_ENABLED(CONFIG_IOMMUFD_DRIVER)
 	vgpu->vdev.log_ops = &hag_log_ops;
 #endif
-	ret = hag_rs_vgpu_probe(hag_ctx, mdev->uuid.b, vgpu, &vgpu->id);
+	ret = hag_ops->vgpu_probe(hag_ctx, mdev->uuid.b, vgpu, &vgpu->id);
 	if (ret)
 		goto err_put;
 
@@ -657,7 +662,7 @@ static int hag_mdev_probe(struct mdev_device *mdev)
 	return 0;
 
 err_forget:
-	hag_rs_vgpu_remove(hag_ctx, vgpu->id);
+	hag_ops->vgpu_remove(hag_ctx, vgpu->id);
 err_put:
 	mutex_destroy(&vgpu->mig_lock);
 	vfio_put_device(&vgpu->vdev);
@@ -676,7 +681,7 @@ static void hag_mdev_remove(struct mdev_device *mdev)
 	hag_mig_disable_files(vgpu);
 	mutex_unlock(&vgpu->mig_lock);
 	mutex_destroy(&vgpu->mig_lock);
-	hag_rs_vgpu_remove(hag_ctx, vgpu->id);
+	hag_ops->vgpu_remove(hag_ctx, vgpu->id);
 	vfio_put_device(&vgpu->vdev);
 }
 
@@ -723,11 +728,13 @@ static struct device hag_parent_dev = {
  * interface a callback may use already exists when callbacks can start; on
  * failure, undoes what it did and returns the error.
  */
-int hag_glue_register(const void *ctx, const struct hag_glue_config *cfg)
+int hag_glue_register(const void *ctx, const struct hag_rs_ops *ops,
+		      const struct hag_glue_config *cfg)
 {
 	int ret;
 
 	hag_ctx = ctx;
+	hag_ops = ops;
 	hag_pad_attr = cfg->genl_pad_attr;
 	hag_mig_data_bytes = cfg->mig_data_bytes;
 	hag_mig_max_bytes = cfg->mig_max_bytes;
@@ -819,12 +826,12 @@ static_assert((int)HAG_GVT_PART_EXECLIST == (int)INTEL_GVT_AUDIT_EXECLIST);
 
 static int hag_gvt_vgpu_added(struct intel_vgpu *vgpu, unsigned int id)
 {
-	return hag_rust_gvt_vgpu_added(vgpu, id);
+	return hag_ops->gvt_vgpu_added(hag_ctx, vgpu, id);
 }
 
 static void hag_gvt_vgpu_removed(struct intel_vgpu *vgpu)
 {
-	hag_rust_gvt_vgpu_removed(vgpu);
+	hag_ops->gvt_vgpu_removed(hag_ctx, vgpu);
 }
 
 /* Batch buffers per workload handed over without an allocation. */
@@ -849,7 +856,7 @@ static int hag_gvt_workload_scanned(const struct intel_gvt_audit_workload *wl)
 		bbs[i].size = wl->bbs[i].size;
 		bbs[i].ppgtt = wl->bbs[i].ppgtt;
 	}
-	ret = hag_rust_gvt_workload(wl, wl->vgpu, wl->engine, wl->ring,
+	ret = hag_ops->gvt_workload(hag_ctx, wl, wl->vgpu, wl->engine, wl->ring,
 				    wl->ring_bytes, wl->ring_gma, wl->hwsp_gma,
 				    bbs, wl->nr_bbs);
 	if (bbs != on_stack)

@@ -35,27 +35,41 @@ enum hag_mig_action {
 	HAG_MIG_CLOSE = 4, /* end the data session */
 };
 
-/* Implemented in glue.rs. */
-long hag_rs_ioctl(const void *ctx, u64 opener, unsigned int cmd,
-		  unsigned long arg);
-void hag_rs_release(const void *ctx, u64 opener);
-int hag_rs_vgpu_probe(const void *ctx, const u8 *uuid, struct hag_vgpu *vgpu,
-		      u32 *id);
-void hag_rs_vgpu_remove(const void *ctx, u32 id);
-void hag_rs_vgpu_open(const void *ctx, u32 id, bool open);
-long hag_rs_vfio_rw(const void *ctx, u32 id, char __user *buf, size_t count,
-		    u64 pos, bool write);
-long hag_rs_vfio_ioctl(const void *ctx, u32 id, unsigned int cmd,
-		       unsigned long arg);
-void hag_rs_vgpu_tick(const void *ctx, u32 id);
-int hag_rs_dma_log_start(const void *ctx, u32 id, u64 iova, u64 length);
-int hag_rs_dma_log_stop(const void *ctx, u32 id);
-int hag_rs_dma_log_report(const void *ctx, u32 id, u64 iova, u64 length,
-			  void *dirty);
-int hag_rs_mig_step(const void *ctx, u32 id, u32 cur, u32 next);
-long hag_rs_mig_save(const void *ctx, u32 id, u8 *buf, size_t cap);
-int hag_rs_mig_restore(const void *ctx, u32 id, const u8 *buf, size_t len);
-void hag_rs_mig_reset(const void *ctx, u32 id);
+/*
+ * The Rust callbacks, built by glue.rs for the driver type it registers
+ * (as upstream's miscdevice.rs builds file_operations): every one takes
+ * the registered context first. Mirrored by glue::RsOps.
+ */
+struct hag_gvt_bb;
+struct hag_rs_ops {
+	long (*ioctl)(const void *ctx, u64 opener, unsigned int cmd,
+		      unsigned long arg);
+	void (*release)(const void *ctx, u64 opener);
+	int (*vgpu_probe)(const void *ctx, const u8 *uuid,
+			  struct hag_vgpu *vgpu, u32 *id);
+	void (*vgpu_remove)(const void *ctx, u32 id);
+	void (*vgpu_open)(const void *ctx, u32 id, bool open);
+	long (*vfio_rw)(const void *ctx, u32 id, char __user *buf,
+			size_t count, u64 pos, bool write);
+	long (*vfio_ioctl)(const void *ctx, u32 id, unsigned int cmd,
+			   unsigned long arg);
+	void (*vgpu_tick)(const void *ctx, u32 id);
+	int (*dma_log_start)(const void *ctx, u32 id, u64 iova, u64 length);
+	int (*dma_log_stop)(const void *ctx, u32 id);
+	int (*dma_log_report)(const void *ctx, u32 id, u64 iova, u64 length,
+			      void *dirty);
+	int (*mig_step)(const void *ctx, u32 id, u32 cur, u32 next);
+	long (*mig_save)(const void *ctx, u32 id, u8 *buf, size_t cap);
+	int (*mig_restore)(const void *ctx, u32 id, const u8 *buf, size_t len);
+	void (*mig_reset)(const void *ctx, u32 id);
+	/* GVT-g (called only while registered with GVT). */
+	int (*gvt_vgpu_added)(const void *ctx, void *vgpu, unsigned int id);
+	void (*gvt_vgpu_removed)(const void *ctx, void *vgpu);
+	int (*gvt_workload)(const void *ctx, const void *wl, void *vgpu,
+			    unsigned int engine, const u32 *ring,
+			    u32 ring_bytes, u64 ring_gma, u64 hwsp_gma,
+			    const struct hag_gvt_bb *bbs, u32 nr_bbs);
+};
 
 /* An event message under construction; freed by multicast or cancel. */
 struct hag_glue_msg {
@@ -64,7 +78,8 @@ struct hag_glue_msg {
 };
 
 /* Implemented in glue.c, called from glue.rs. */
-int hag_glue_register(const void *ctx, const struct hag_glue_config *cfg);
+int hag_glue_register(const void *ctx, const struct hag_rs_ops *ops,
+		      const struct hag_glue_config *cfg);
 void hag_glue_unregister(void);
 int hag_glue_msg_new(struct hag_glue_msg *msg, u8 cmd);
 int hag_glue_msg_put_u32(struct hag_glue_msg *msg, u16 attr, u32 value);
@@ -121,13 +136,5 @@ int hag_gvt_wait_idle(void *vgpu);
 long hag_gvt_part_size(void *vgpu, u32 part);
 int hag_gvt_save_part(void *vgpu, u32 part, void *buf, size_t len);
 int hag_gvt_restore_part(void *vgpu, u32 part, const void *buf, size_t len);
-
-/* Implemented in glue.rs; called only while registered. */
-int hag_rust_gvt_vgpu_added(void *vgpu, unsigned int id);
-void hag_rust_gvt_vgpu_removed(void *vgpu);
-int hag_rust_gvt_workload(const void *wl, void *vgpu, unsigned int engine,
-			  const u32 *ring, u32 ring_bytes, u64 ring_gma,
-			  u64 hwsp_gma, const struct hag_gvt_bb *bbs,
-			  u32 nr_bbs);
 
 #endif /* HAG_GLUE_H */

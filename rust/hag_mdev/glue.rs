@@ -4,7 +4,8 @@
 //! Rust-for-Linux 6.12 has no abstractions for miscdevice, file operations,
 //! generic netlink, mdev or VFIO. `glue.c` holds their static tables and the
 //! helpers that are C macros or inline functions; this file declares them,
-//! receives their callbacks (`hag_rs_*`) and turns both directions into safe
+//! receives their callbacks (the table [`RsOps`], built per driver type) and
+//! turns both directions into safe
 //! Rust: [`Registration`] owns the registered interfaces and the driver
 //! state, and [`EventMessage`] builds and sends one netlink message.
 //! Every `unsafe` block of the module is in this file.
@@ -19,7 +20,7 @@
 
 use core::ffi::{c_char, c_int, c_long, c_uint, c_ulong, c_void};
 use core::ptr;
-use core::sync::atomic::{AtomicPtr, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use kernel::prelude::*;
 use kernel::types::{AsBytes, FromBytes};
@@ -92,18 +93,67 @@ pub(crate) trait GvtObserver {
 }
 
 /// Everything the registered interfaces call back.
-pub(crate) trait Driver: FileOps + MdevParent + VfioDevice + GvtObserver + Send + Sync {}
+pub(crate) trait Driver: FileOps + MdevParent + VfioDevice + GvtObserver + Send + Sync + 'static {}
 
-impl<T: FileOps + MdevParent + VfioDevice + GvtObserver + Send + Sync> Driver for T {}
+impl<T: FileOps + MdevParent + VfioDevice + GvtObserver + Send + Sync + 'static> Driver for T {}
 
-/// The driver the callbacks reach, as the thin pointer glue.c carries.
-struct DriverRef(*const dyn Driver);
+/// The Rust callbacks glue.c calls, built for one driver type. Mirrors
+/// `struct hag_rs_ops` in glue.h.
+#[repr(C)]
+pub(crate) struct RsOps {
+    ioctl: extern "C" fn(*const c_void, u64, c_uint, c_ulong) -> c_long,
+    release: extern "C" fn(*const c_void, u64),
+    vgpu_probe: extern "C" fn(*const c_void, *const u8, *mut CVgpu, *mut u32) -> c_int,
+    vgpu_remove: extern "C" fn(*const c_void, u32),
+    vgpu_open: extern "C" fn(*const c_void, u32, bool),
+    vfio_rw: extern "C" fn(*const c_void, u32, *mut u8, usize, u64, bool) -> c_long,
+    vfio_ioctl: extern "C" fn(*const c_void, u32, c_uint, c_ulong) -> c_long,
+    vgpu_tick: extern "C" fn(*const c_void, u32),
+    dma_log_start: extern "C" fn(*const c_void, u32, u64, u64) -> c_int,
+    dma_log_stop: extern "C" fn(*const c_void, u32) -> c_int,
+    dma_log_report: extern "C" fn(*const c_void, u32, u64, u64, *mut c_void) -> c_int,
+    mig_step: extern "C" fn(*const c_void, u32, u32, u32) -> c_int,
+    mig_save: extern "C" fn(*const c_void, u32, *mut u8, usize) -> c_long,
+    mig_restore: extern "C" fn(*const c_void, u32, *const u8, usize) -> c_int,
+    mig_reset: extern "C" fn(*const c_void, u32),
+    gvt_vgpu_added: extern "C" fn(*const c_void, *mut c_void, c_uint) -> c_int,
+    gvt_vgpu_removed: extern "C" fn(*const c_void, *mut c_void),
+    #[allow(clippy::type_complexity)]
+    gvt_workload:
+        extern "C" fn(*const c_void, *const c_void, *mut c_void, c_uint, *const u32, u32, u64, u64, *const CGvtBb, u32)
+            -> c_int,
+}
 
-// SAFETY: it points to a `Driver`, which is `Send + Sync`, owned by the
-// `Registration` that owns this value too.
-unsafe impl Send for DriverRef {}
-// SAFETY: as above.
-unsafe impl Sync for DriverRef {}
+/// The table for driver `T`, as upstream's `MiscdeviceVTable<T>` builds
+/// `file_operations`: every entry is a callback monomorphised for `T`.
+struct Vtable<T>(core::marker::PhantomData<T>);
+
+impl<T: Driver> Vtable<T> {
+    const OPS: RsOps = RsOps {
+        ioctl: ioctl::<T>,
+        release: release::<T>,
+        vgpu_probe: vgpu_probe::<T>,
+        vgpu_remove: vgpu_remove::<T>,
+        vgpu_open: vgpu_open::<T>,
+        vfio_rw: vfio_rw::<T>,
+        vfio_ioctl: vfio_ioctl::<T>,
+        vgpu_tick: vgpu_tick::<T>,
+        dma_log_start: dma_log_start::<T>,
+        dma_log_stop: dma_log_stop::<T>,
+        dma_log_report: dma_log_report::<T>,
+        mig_step: mig_step::<T>,
+        mig_save: mig_save::<T>,
+        mig_restore: mig_restore::<T>,
+        mig_reset: mig_reset::<T>,
+        gvt_vgpu_added: gvt_vgpu_added::<T>,
+        gvt_vgpu_removed: gvt_vgpu_removed::<T>,
+        gvt_workload: gvt_workload::<T>,
+    };
+
+    fn build() -> &'static RsOps {
+        &Self::OPS
+    }
+}
 
 /// Mirrors `struct hag_glue_config` in glue.c.
 #[repr(C)]
@@ -153,7 +203,7 @@ extern "C" {
     fn hag_glue_msleep(ms: u32);
     fn hag_glue_cond_resched();
     fn hag_glue_iova_bitmap_set(dirty: *mut c_void, iova: u64, length: u64);
-    fn hag_glue_register(ctx: *const c_void, cfg: *const GlueConfig) -> c_int;
+    fn hag_glue_register(ctx: *const c_void, ops: *const RsOps, cfg: *const GlueConfig) -> c_int;
     fn hag_glue_unregister();
     fn hag_glue_msg_new(msg: *mut GlueMsg, cmd: u8) -> c_int;
     fn hag_glue_msg_put_u32(msg: *mut GlueMsg, attr: u16, value: u32) -> c_int;
@@ -175,14 +225,12 @@ fn c_str(bytes: &'static [u8]) -> *const c_char {
 ///
 /// Dropping it unregisters everything before the state is freed, so no
 /// callback can see freed state.
-pub(crate) struct Registration<T: Driver + 'static> {
+pub(crate) struct Registration<T: Driver> {
     state: Pin<KBox<T>>,
-    /// What glue.c's context pointer points to.
-    ctx: KBox<DriverRef>,
     gvt: GvtSupport,
 }
 
-impl<T: Driver + 'static> Registration<T> {
+impl<T: Driver> Registration<T> {
     /// Registers `/dev/hag`, the `hag` netlink family and the mdev parent,
     /// and (if built with it) the GVT-g observer, all calling `state` back.
     /// `mig_data_bytes` is the size of a VFIO migration snapshot.
@@ -201,22 +249,20 @@ impl<T: Driver + 'static> Registration<T> {
             genl_pad_attr: abi::ATTR_PAD,
             genl_version: abi::GENL_VERSION,
         };
-        let driver: *const dyn Driver = &*state as &(dyn Driver + 'static);
-        let ctx = KBox::new(DriverRef(driver), GFP_KERNEL)?;
-        let ctx_ptr: *const DriverRef = &*ctx;
+        let ctx: *const T = &*state;
         // SAFETY: `cfg` lives across the call and its strings are 'static and
-        // NUL-terminated (glue.c keeps only those pointers). `ctx_ptr`
-        // points to a box, and the box to the pinned state, both owned by
-        // `self` until `drop` has called `hag_glue_unregister`, after which
-        // no callback runs.
-        let ret = unsafe { hag_glue_register(ctx_ptr.cast(), &cfg) };
+        // NUL-terminated (glue.c keeps only those pointers). The table is
+        // 'static and built for `T`. `ctx` points into a pinned allocation
+        // that `self` owns until `drop` has called `hag_glue_unregister`,
+        // after which no callback runs.
+        let ret = unsafe { hag_glue_register(ctx.cast(), Vtable::<T>::build(), &cfg) };
         if ret != 0 {
             return Err(Error::from_errno(ret));
         }
         // GVT may call back at once (for the vGPUs it already has), after
         // /dev/hag exists; unloading unregisters from GVT first.
-        let gvt = gvt_register(ctx_ptr);
-        Ok(Self { state, ctx, gvt })
+        let gvt = gvt_register();
+        Ok(Self { state, gvt })
     }
 
     /// What the module found of GVT-g at load.
@@ -225,20 +271,20 @@ impl<T: Driver + 'static> Registration<T> {
     }
 }
 
-impl<T: Driver + 'static> Drop for Registration<T> {
+impl<T: Driver> Drop for Registration<T> {
     fn drop(&mut self) {
         if let GvtSupport::Registered { .. } = self.gvt {
             // SAFETY: registered in `new`; this runs once. It waits for
             // GVT's calls in flight, so none sees the state after this.
             unsafe { hag_gvt_unregister() };
-            GVT_STATE.store(ptr::null_mut(), Ordering::Release);
+            GVT_REGISTERED.store(false, Ordering::Release);
         }
         // SAFETY: `new` registered successfully (a `Registration` exists
         // only then), and this runs once.
         unsafe { hag_glue_unregister() };
-        // `self.state` and `self.ctx` are freed after this, with no
-        // interface left to reach them.
-        let _ = (&self.state, &self.ctx);
+        // `self.state` is freed after this, with no interface left to
+        // reach it.
+        let _ = &self.state;
     }
 }
 
@@ -246,20 +292,20 @@ impl<T: Driver + 'static> Drop for Registration<T> {
 ///
 /// # Safety
 ///
-/// `ctx` must be the pointer given to `hag_glue_register`, and the call must
-/// happen while registered (glue.c only calls back then).
-unsafe fn state<'a>(ctx: *const c_void) -> &'a dyn Driver {
-    // SAFETY: per this function's contract, `ctx` points to the `DriverRef`
-    // box of the live `Registration`, which points to its pinned state.
-    unsafe { &*(*ctx.cast::<DriverRef>()).0 }
+/// `ctx` must be the pointer a `Registration<T>` gave to
+/// `hag_glue_register` (with the table built for this `T`), and the call
+/// must happen while registered (glue.c only calls back then).
+unsafe fn state<'a, T: Driver>(ctx: *const c_void) -> &'a T {
+    // SAFETY: per this function's contract, `ctx` points to the pinned `T`
+    // owned by the live `Registration<T>`.
+    unsafe { &*ctx.cast::<T>() }
 }
 
 /// `/dev/hag` ioctl, by the opener numbered `opener`.
-#[no_mangle]
-extern "C" fn hag_rs_ioctl(ctx: *const c_void, opener: u64, cmd: c_uint, arg: c_ulong) -> c_long {
+extern "C" fn ioctl<T: Driver>(ctx: *const c_void, opener: u64, cmd: c_uint, arg: c_ulong) -> c_long {
     // SAFETY: called by glue.c's file operations, which exist only while
     // registered, with the registered context.
-    let state = unsafe { state(ctx) };
+    let state = unsafe { state::<T>(ctx) };
     match state.ioctl(opener, cmd, arg as usize) {
         Ok(()) => 0,
         Err(e) => e.to_errno() as c_long,
@@ -268,22 +314,20 @@ extern "C" fn hag_rs_ioctl(ctx: *const c_void, opener: u64, cmd: c_uint, arg: c_
 
 /// `/dev/hag` opener `opener` released its file (closed, or its process
 /// died): what it held goes.
-#[no_mangle]
-extern "C" fn hag_rs_release(ctx: *const c_void, opener: u64) {
+extern "C" fn release<T: Driver>(ctx: *const c_void, opener: u64) {
     // SAFETY: called by glue.c's file operations while registered.
-    unsafe { state(ctx) }.release(opener);
+    unsafe { state::<T>(ctx) }.release(opener);
 }
 
 /// mdev probe: a vGPU was created through sysfs.
-#[no_mangle]
-extern "C" fn hag_rs_vgpu_probe(
+extern "C" fn vgpu_probe<T: Driver>(
     ctx: *const c_void,
     uuid: *const u8,
     vgpu: *mut CVgpu,
     id: *mut u32,
 ) -> c_int {
     // SAFETY: called by glue.c's mdev probe while registered.
-    let state = unsafe { state(ctx) };
+    let state = unsafe { state::<T>(ctx) };
     // SAFETY: glue.c passes the mdev's `guid_t` bytes, 16 bytes long and
     // valid for the call.
     let guid: [u8; 16] = unsafe { ptr::read(uuid.cast::<[u8; 16]>()) };
@@ -298,16 +342,14 @@ extern "C" fn hag_rs_vgpu_probe(
     }
 }
 
-/// mdev remove, or a failed probe after `hag_rs_vgpu_probe` succeeded.
-#[no_mangle]
-extern "C" fn hag_rs_vgpu_remove(ctx: *const c_void, id: u32) {
+/// mdev remove, or a failed probe after `vgpu_probe` succeeded.
+extern "C" fn vgpu_remove<T: Driver>(ctx: *const c_void, id: u32) {
     // SAFETY: called by glue.c's mdev remove while registered.
-    unsafe { state(ctx) }.vgpu_remove(id);
+    unsafe { state::<T>(ctx) }.vgpu_remove(id);
 }
 
 /// A VMM read or wrote a VFIO region of the vGPU (`pos` encodes the region).
-#[no_mangle]
-extern "C" fn hag_rs_vfio_rw(
+extern "C" fn vfio_rw<T: Driver>(
     ctx: *const c_void,
     id: u32,
     buf: *mut u8,
@@ -316,7 +358,7 @@ extern "C" fn hag_rs_vfio_rw(
     write: bool,
 ) -> c_long {
     // SAFETY: called by glue.c's VFIO device ops while registered.
-    let state = unsafe { state(ctx) };
+    let state = unsafe { state::<T>(ctx) };
     let user = UserSlice::new(buf as usize, count);
     match state.region_rw(id, user, count, pos, write) {
         Ok(done) => c_long::try_from(done).unwrap_or(c_long::MAX),
@@ -325,10 +367,9 @@ extern "C" fn hag_rs_vfio_rw(
 }
 
 /// A VMM issued an ioctl on the vGPU's VFIO device fd.
-#[no_mangle]
-extern "C" fn hag_rs_vfio_ioctl(ctx: *const c_void, id: u32, cmd: c_uint, arg: c_ulong) -> c_long {
+extern "C" fn vfio_ioctl<T: Driver>(ctx: *const c_void, id: u32, cmd: c_uint, arg: c_ulong) -> c_long {
     // SAFETY: called by glue.c's VFIO device ops while registered.
-    let state = unsafe { state(ctx) };
+    let state = unsafe { state::<T>(ctx) };
     match state.device_ioctl(id, cmd, arg as usize) {
         Ok(ret) => ret,
         Err(e) => e.to_errno() as c_long,
@@ -336,19 +377,17 @@ extern "C" fn hag_rs_vfio_ioctl(ctx: *const c_void, id: u32, cmd: c_uint, arg: c
 }
 
 /// The vGPU's delayed work ran: an engine slice and the watchdog.
-#[no_mangle]
-extern "C" fn hag_rs_vgpu_tick(ctx: *const c_void, id: u32) {
+extern "C" fn vgpu_tick<T: Driver>(ctx: *const c_void, id: u32) {
     // SAFETY: glue.c cancels the work before the vGPU (and the state)
     // goes away, so this runs while registered.
-    unsafe { state(ctx) }.tick(id);
+    unsafe { state::<T>(ctx) }.tick(id);
 }
 
 /// VFIO DMA logging started on the vGPU (glue.c passes the span of the
 /// VMM's ranges).
-#[no_mangle]
-extern "C" fn hag_rs_dma_log_start(ctx: *const c_void, id: u32, iova: u64, length: u64) -> c_int {
+extern "C" fn dma_log_start<T: Driver>(ctx: *const c_void, id: u32, iova: u64, length: u64) -> c_int {
     // SAFETY: called by glue.c's VFIO log ops while registered.
-    let state = unsafe { state(ctx) };
+    let state = unsafe { state::<T>(ctx) };
     match state.dma_log_start(id, iova, length) {
         Ok(()) => 0,
         Err(e) => e.to_errno(),
@@ -356,10 +395,9 @@ extern "C" fn hag_rs_dma_log_start(ctx: *const c_void, id: u32, iova: u64, lengt
 }
 
 /// VFIO DMA logging stopped.
-#[no_mangle]
-extern "C" fn hag_rs_dma_log_stop(ctx: *const c_void, id: u32) -> c_int {
+extern "C" fn dma_log_stop<T: Driver>(ctx: *const c_void, id: u32) -> c_int {
     // SAFETY: called by glue.c's VFIO log ops while registered.
-    let state = unsafe { state(ctx) };
+    let state = unsafe { state::<T>(ctx) };
     match state.dma_log_stop(id) {
         Ok(()) => 0,
         Err(e) => e.to_errno(),
@@ -368,8 +406,7 @@ extern "C" fn hag_rs_dma_log_stop(ctx: *const c_void, id: u32) -> c_int {
 
 /// VFIO asks for the dirty pages in `[iova, iova + length)`, to be set in
 /// its `struct iova_bitmap` and cleared here.
-#[no_mangle]
-extern "C" fn hag_rs_dma_log_report(
+extern "C" fn dma_log_report<T: Driver>(
     ctx: *const c_void,
     id: u32,
     iova: u64,
@@ -377,7 +414,7 @@ extern "C" fn hag_rs_dma_log_report(
     dirty: *mut c_void,
 ) -> c_int {
     // SAFETY: called by glue.c's VFIO log ops while registered.
-    let state = unsafe { state(ctx) };
+    let state = unsafe { state::<T>(ctx) };
     let mut report = |page_gpa: u64| {
         // SAFETY: `dirty` is the iova_bitmap VFIO passed for this call,
         // valid until we return; iova_bitmap_set ignores pages outside it.
@@ -396,11 +433,11 @@ extern "C" fn hag_rs_dma_log_report(
 pub(crate) enum MigAction {
     /// Nothing more.
     None = 0,
-    /// Take the snapshot (`hag_rs_mig_save`) into a new file to read.
+    /// Take the snapshot (`mig_save`) into a new file to read.
     Save = 1,
     /// Open a file the VMM writes a snapshot into.
     Resume = 2,
-    /// Load what was written (`hag_rs_mig_restore`), then close the file.
+    /// Load what was written (`mig_restore`), then close the file.
     Load = 3,
     /// End the data session.
     Close = 4,
@@ -409,10 +446,9 @@ pub(crate) enum MigAction {
 /// VFIO migration: the device moves from `cur` to `next`, one arc that
 /// `vfio_mig_get_next_state` chose (`enum vfio_device_mig_state` values).
 /// Returns a [`MigAction`] for glue.c, or a negative errno.
-#[no_mangle]
-extern "C" fn hag_rs_mig_step(ctx: *const c_void, id: u32, cur: u32, next: u32) -> c_int {
+extern "C" fn mig_step<T: Driver>(ctx: *const c_void, id: u32, cur: u32, next: u32) -> c_int {
     // SAFETY: called by glue.c's VFIO migration ops while registered.
-    let state = unsafe { state(ctx) };
+    let state = unsafe { state::<T>(ctx) };
     match state.mig_step(id, cur, next) {
         Ok(action) => action as c_int,
         Err(e) => e.to_errno(),
@@ -421,10 +457,9 @@ extern "C" fn hag_rs_mig_step(ctx: *const c_void, id: u32, cur: u32, next: u32) 
 
 /// VFIO migration, STOP to STOP_COPY: writes the vGPU's snapshot into the
 /// `cap` bytes at `buf`; returns the bytes used or a negative errno.
-#[no_mangle]
-extern "C" fn hag_rs_mig_save(ctx: *const c_void, id: u32, buf: *mut u8, cap: usize) -> c_long {
+extern "C" fn mig_save<T: Driver>(ctx: *const c_void, id: u32, buf: *mut u8, cap: usize) -> c_long {
     // SAFETY: called by glue.c's VFIO migration ops while registered.
-    let state = unsafe { state(ctx) };
+    let state = unsafe { state::<T>(ctx) };
     // SAFETY: glue.c passes the kvmalloc'd buffer of a migration file it
     // has just made, `cap` bytes long, which nothing else reaches before
     // this returns (the file is not installed in any fd table yet).
@@ -437,10 +472,9 @@ extern "C" fn hag_rs_mig_save(ctx: *const c_void, id: u32, buf: *mut u8, cap: us
 
 /// VFIO migration, RESUMING to STOP: loads the `len` bytes at `buf` the VMM
 /// wrote. 0 or a negative errno (the vGPU is then unchanged).
-#[no_mangle]
-extern "C" fn hag_rs_mig_restore(ctx: *const c_void, id: u32, buf: *const u8, len: usize) -> c_int {
+extern "C" fn mig_restore<T: Driver>(ctx: *const c_void, id: u32, buf: *const u8, len: usize) -> c_int {
     // SAFETY: called by glue.c's VFIO migration ops while registered.
-    let state = unsafe { state(ctx) };
+    let state = unsafe { state::<T>(ctx) };
     // SAFETY: glue.c passes the migration file's kvmalloc'd (non-NULL)
     // buffer and the bytes written into it, at most its size, and holds
     // the file's lock across the call, so no write changes it meanwhile.
@@ -453,16 +487,15 @@ extern "C" fn hag_rs_mig_restore(ctx: *const c_void, id: u32, buf: *const u8, le
 
 /// VFIO migration state back to RUNNING without a transition (device
 /// close or reset): the vGPU is let go.
-#[no_mangle]
-extern "C" fn hag_rs_mig_reset(ctx: *const c_void, id: u32) {
+extern "C" fn mig_reset<T: Driver>(ctx: *const c_void, id: u32) {
     // SAFETY: called by glue.c's VFIO device ops while registered.
-    unsafe { state(ctx) }.mig_reset(id);
+    unsafe { state::<T>(ctx) }.mig_reset(id);
 }
 
 /// The C side of one vGPU: DMA to its VM's memory and its work item.
 ///
 /// The C object lives from probe until glue.c's remove has called
-/// `hag_rs_vgpu_remove` (after stopping VFIO access and cancelling the
+/// the table's `vgpu_remove` (after stopping VFIO access and cancelling the
 /// work), but `Arc<Vgpu>` clones may outlive that (a quiesce holds one for
 /// up to a minute). So the pointer is cleared at remove ([`Self::forget`]),
 /// with the vGPU's mutex held, and every use checks it with that mutex held:
@@ -593,10 +626,9 @@ impl Drop for EventFd {
 }
 
 /// A VMM opened or closed the vGPU's VFIO device.
-#[no_mangle]
-extern "C" fn hag_rs_vgpu_open(ctx: *const c_void, id: u32, open: bool) {
+extern "C" fn vgpu_open<T: Driver>(ctx: *const c_void, id: u32, open: bool) {
     // SAFETY: called by glue.c's VFIO device ops while registered.
-    unsafe { state(ctx) }.vgpu_open(id, open);
+    unsafe { state::<T>(ctx) }.vgpu_open(id, open);
 }
 
 // The ABI structures cross to and from userspace as raw bytes.
@@ -791,11 +823,9 @@ extern "C" {
         -> c_int;
 }
 
-/// The state GVT's callbacks reach: they carry no context pointer. Set
-/// before `hag_gvt_register` and cleared after `hag_gvt_unregister` (which
-/// waits for calls in flight), while the `Registration` owning the state
-/// lives.
-static GVT_STATE: AtomicPtr<DriverRef> = AtomicPtr::new(ptr::null_mut());
+/// Whether hag is registered with GVT-g: set from a successful
+/// `hag_gvt_register` until `Registration::drop` has unregistered.
+static GVT_REGISTERED: AtomicBool = AtomicBool::new(false);
 
 /// What the module found of GVT-g at load, for the one load line.
 #[derive(Clone, Copy)]
@@ -809,19 +839,19 @@ pub(crate) enum GvtSupport {
 }
 
 /// Registers hag's ops with GVT, if the module was built with them.
-fn gvt_register(state: *const DriverRef) -> GvtSupport {
+fn gvt_register() -> GvtSupport {
     // SAFETY: no preconditions.
     if !unsafe { hag_gvt_compiled_in() } {
         return GvtSupport::NotCompiledIn;
     }
-    GVT_STATE.store(state.cast_mut(), Ordering::Release);
-    // SAFETY: GVT_STATE points to the registered state from now until
-    // `Registration::drop` clears it after `hag_gvt_unregister`.
+    // SAFETY: glue.c is registered (its context and table are set), so the
+    // GVT trampolines GVT may call from now on reach the state, until
+    // `Registration::drop` unregisters from GVT first.
     let ret = unsafe { hag_gvt_register() };
     if ret != 0 {
-        GVT_STATE.store(ptr::null_mut(), Ordering::Release);
         return GvtSupport::Failed(Error::from_errno(ret));
     }
+    GVT_REGISTERED.store(true, Ordering::Release);
     // SAFETY: no preconditions.
     let devices = unsafe { hag_gvt_nr_devices() };
     GvtSupport::Registered { devices }
@@ -829,17 +859,7 @@ fn gvt_register(state: *const DriverRef) -> GvtSupport {
 
 /// Whether hag is registered with GVT-g (GVT-g vGPUs are tracked).
 pub(crate) fn gvt_active() -> bool {
-    !GVT_STATE.load(Ordering::Acquire).is_null()
-}
-
-/// The state, inside a GVT callback.
-fn gvt_state<'a>() -> Option<&'a dyn Driver> {
-    let state = GVT_STATE.load(Ordering::Acquire);
-    // SAFETY: non-NULL only while registered with GVT, and GVT makes no
-    // call after `hag_gvt_unregister` returned, which happens before the
-    // state (and the `DriverRef` pointing to it) is freed (see
-    // `Registration::drop`).
-    unsafe { state.as_ref().map(|d| &*d.0) }
+    GVT_REGISTERED.load(Ordering::Acquire)
 }
 
 /// Parts of a GVT-g vGPU's snapshot. Mirrors `enum hag_gvt_part` in glue.h.
@@ -955,7 +975,7 @@ impl GvtHandle {
 }
 
 /// Translates through GVT's GTT shadows for the workload being handed
-/// over; exists only inside `hag_rust_gvt_workload`.
+/// over; exists only inside the `gvt_workload` callback.
 pub(crate) struct GvtTranslate {
     wl: *const c_void,
 }
@@ -977,9 +997,10 @@ impl handoff::Translate for GvtTranslate {
 }
 
 /// GVT created a vGPU (or had it when hag registered).
-#[no_mangle]
-extern "C" fn hag_rust_gvt_vgpu_added(vgpu: *mut c_void, id: c_uint) -> c_int {
-    let Some(state) = gvt_state() else { return 0 };
+extern "C" fn gvt_vgpu_added<T: Driver>(ctx: *const c_void, vgpu: *mut c_void, id: c_uint) -> c_int {
+    // SAFETY: glue.c's GVT trampolines run only while registered with GVT,
+    // which is while registered, with the registered context.
+    let state = unsafe { state::<T>(ctx) };
     // SAFETY: GVT passes a vGPU it has initialised, valid for the call.
     let ggtt_size = unsafe { hag_gvt_ggtt_size(vgpu) };
     match state.gvt_vgpu_added(id, ggtt_size, GvtVgpuPtr(vgpu)) {
@@ -992,17 +1013,16 @@ extern "C" fn hag_rust_gvt_vgpu_added(vgpu: *mut c_void, id: c_uint) -> c_int {
 }
 
 /// GVT is destroying a vGPU.
-#[no_mangle]
-extern "C" fn hag_rust_gvt_vgpu_removed(vgpu: *mut c_void) {
-    if let Some(state) = gvt_state() {
-        state.gvt_vgpu_removed(vgpu as usize);
-    }
+extern "C" fn gvt_vgpu_removed<T: Driver>(ctx: *const c_void, vgpu: *mut c_void) {
+    // SAFETY: as in `gvt_vgpu_added`.
+    unsafe { state::<T>(ctx) }.gvt_vgpu_removed(vgpu as usize);
 }
 
 /// GVT scanned and shadowed a workload of `vgpu` (under its vgpu_lock).
 /// Always 0: GVT's scanner is the gate, hag only logs (see gvt.rs).
-#[no_mangle]
-extern "C" fn hag_rust_gvt_workload(
+#[allow(clippy::too_many_arguments)]
+extern "C" fn gvt_workload<T: Driver>(
+    ctx: *const c_void,
     wl: *const c_void,
     vgpu: *mut c_void,
     engine: c_uint,
@@ -1013,7 +1033,8 @@ extern "C" fn hag_rust_gvt_workload(
     bbs: *const CGvtBb,
     nr_bbs: u32,
 ) -> c_int {
-    let Some(state) = gvt_state() else { return 0 };
+    // SAFETY: as in `gvt_vgpu_added`.
+    let state = unsafe { state::<T>(ctx) };
     let mut translate = GvtTranslate { wl };
     let mut shadows = KVec::new();
     let ring = gvt_ring(ring, ring_bytes).and_then(|ring| {

@@ -2,7 +2,7 @@
 //! GVT-g vGPUs: i915's GVT runs them, hag logs what their GPU work writes.
 //!
 //! With the i915 patch, GVT calls hag after it has scanned and shadowed each
-//! workload (glue.c's trampolines, then `glue::hag_rust_gvt_*`). GVT's own
+//! workload (glue.c's trampolines, then the `glue::GvtObserver` callbacks). GVT's own
 //! scanner is the security gate and has already accepted the workload, so
 //! hag never fails one: [`GvtVgpu::workload`] runs the hand-off (hag's
 //! auditor over GVT's shadow copies, pages translated by GVT) and sets the
