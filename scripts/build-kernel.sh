@@ -85,7 +85,8 @@ debug)
 	make_args=(LLVM=1)
 	fragment=$(mktemp)
 	trap 'rm -f "$fragment"' EXIT
-	cat "$here/kernel-test.config" "$here/kernel-debug.config" >"$fragment"
+	# On top of the test kernel's fragment (HAG_KERNEL_FRAGMENT's, if set).
+	cat "${HAG_KERNEL_FRAGMENT:-$here/kernel-test.config}" "$here/kernel-debug.config" >"$fragment"
 	key=$( { grep -E '^CONFIG_|^# CONFIG_' "$fragment"; echo "$recipe $src_version ${make_args[*]}";
 		"$RUSTC" --version; "$BINDGEN" --version; clang --version 2>/dev/null | head -1; } |
 		sha256sum | cut -c1-16)
