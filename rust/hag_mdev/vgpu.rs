@@ -339,13 +339,7 @@ impl State {
     /// `/dev/hag` opener `opener` is gone: every simulated vGPU it holds
     /// quiesced (and VFIO migration does not hold stopped) runs again.
     pub(crate) fn opener_closed(&self, opener: u64) {
-        let mut vgpus: [Option<Entry>; MAX_VGPUS] = [const { None }; MAX_VGPUS];
-        {
-            let table = self.table.lock();
-            for (out, slot) in vgpus.iter_mut().zip(table.slots.iter()) {
-                *out = slot.clone();
-            }
-        }
+        let vgpus = self.entries();
         for entry in vgpus.iter().flatten() {
             let Entry::Sim(vgpu) = entry else { continue };
             let released = {
@@ -515,6 +509,17 @@ impl State {
         vgpu.sim.lock().tick(&vgpu.handle);
     }
 
+    /// Every vGPU now, in slot order: clones, so callers may lock the vGPUs
+    /// (or fault on user memory) without the table lock.
+    fn entries(&self) -> [Option<Entry>; MAX_VGPUS] {
+        let mut vgpus: [Option<Entry>; MAX_VGPUS] = [const { None }; MAX_VGPUS];
+        let table = self.table.lock();
+        for (out, slot) in vgpus.iter_mut().zip(table.slots.iter()) {
+            *out = slot.clone();
+        }
+        vgpus
+    }
+
     /// Number of vGPUs now.
     pub(crate) fn vgpu_count(&self) -> usize {
         self.table.lock().slots.iter().flatten().count()
@@ -524,13 +529,7 @@ impl State {
     /// vGPUs there are. Copies, so callers can fault on user memory without
     /// holding a lock.
     pub(crate) fn infos(&self) -> ([abi::HagVgpuInfo; MAX_VGPUS], usize) {
-        let mut vgpus: [Option<Entry>; MAX_VGPUS] = [const { None }; MAX_VGPUS];
-        {
-            let table = self.table.lock();
-            for (out, slot) in vgpus.iter_mut().zip(table.slots.iter()) {
-                *out = slot.clone();
-            }
-        }
+        let vgpus = self.entries();
         let mut infos = [abi::HagVgpuInfo::default(); MAX_VGPUS];
         let mut count = 0;
         for entry in vgpus.iter().flatten() {

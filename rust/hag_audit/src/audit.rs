@@ -409,6 +409,42 @@ pub struct Blit {
     pub color: u32,
 }
 
+impl Blit {
+    /// Whether the blit writes a source (a copy), rather than a fill.
+    pub fn copies(&self) -> bool {
+        !matches!(self.kind, BlitKind::Color) && self.src.is_some()
+    }
+
+    /// Whether every row writes the same bytes to the same place, so that
+    /// running one row leaves memory as running them all: the destination
+    /// pitch is 0 and the blit is a fill, or copies a pitch-0 source row
+    /// that does not overlap the destination row (an overlapping one could
+    /// read what the previous row wrote).
+    pub fn rows_repeat(&self) -> bool {
+        let Some(dst) = self.dst.rect(self.bpp, self.width, self.height) else {
+            return false;
+        };
+        if dst.pitch != 0 {
+            return false;
+        }
+        if !self.copies() {
+            return true;
+        }
+        match self
+            .src
+            .and_then(|s| s.rect(self.bpp, self.width, self.height))
+        {
+            Some(s) => {
+                let apart = s.space != dst.space
+                    || s.base.saturating_add(s.row_bytes) <= dst.base
+                    || dst.base.saturating_add(dst.row_bytes) <= s.base;
+                s.pitch == 0 && apart
+            }
+            None => false,
+        }
+    }
+}
+
 /// A decoded command with its fields.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Command {

@@ -373,3 +373,35 @@ fn page_runs_of_a_huge_pitch_zero_blit_are_one_row() {
     assert_eq!((runs[0].space, runs[0].first, runs[0].last), (Ppgtt, 1, 2));
     assert_eq!(WriteSet::None.page_runs(4).count(), 0);
 }
+
+#[test]
+fn blit_rows_repeat_only_when_every_row_writes_the_same() {
+    let surf = |base, pitch| Surface {
+        space: Ggtt,
+        base,
+        pitch,
+        x: 0,
+        y: 0,
+    };
+    let blit = |kind, dst, src| Blit {
+        kind,
+        bpp: 1,
+        width: 4,
+        height: 100,
+        dst,
+        src,
+        rop: 0,
+        color: 7,
+    };
+    // A fill at pitch 0: one row is the whole blit.
+    assert!(blit(BlitKind::Color, surf(0x1000, 0), None).rows_repeat());
+    assert!(!blit(BlitKind::Color, surf(0x1000, 4), None).rows_repeat());
+    // A copy of a pitch-0 source row, apart from the destination.
+    assert!(blit(BlitKind::SrcCopy, surf(0x1000, 0), Some(surf(0x2000, 0))).rows_repeat());
+    // Rows read different bytes, or may read what the last row wrote.
+    assert!(!blit(BlitKind::SrcCopy, surf(0x1000, 0), Some(surf(0x2000, 1))).rows_repeat());
+    assert!(!blit(BlitKind::FastCopy, surf(0x1000, 0), Some(surf(0x1002, 0))).rows_repeat());
+    assert!(blit(BlitKind::FastCopy, surf(0x1000, 0), Some(surf(0x1004, 0))).rows_repeat());
+    // XY_COLOR_BLT carries no source: a fill whatever `src` says.
+    assert!(blit(BlitKind::Color, surf(0x1000, 0), Some(surf(0x1000, 1))).rows_repeat());
+}

@@ -34,7 +34,7 @@ use kernel::time::Ktime;
 
 use super::Sim;
 use crate::audit::flow::{Exec, FlowError};
-use crate::audit::{BlitKind, Command, PostSync, Strided, ValidatedCommand, PAGE_SIZE};
+use crate::audit::{Command, PostSync, ValidatedCommand, PAGE_SIZE};
 use crate::glue::VgpuHandle;
 use crate::sim_regs as r;
 
@@ -177,23 +177,6 @@ pub(super) fn run_slice(sim: &mut Sim, handle: &VgpuHandle) -> Outcome {
     outcome
 }
 
-/// Whether every row of the blit writes the same bytes to the same place
-/// (destination pitch 0, and a fill or a source row that stays the same
-/// and does not overlap the destination): then one row is the whole blit.
-fn rows_repeat(fill: bool, dst: &Strided, src: Option<&Strided>) -> bool {
-    if dst.pitch != 0 {
-        return false;
-    }
-    match src {
-        _ if fill => true,
-        Some(s) => {
-            let apart = s.base.saturating_add(s.row_bytes) <= dst.base || dst.base.saturating_add(dst.row_bytes) <= s.base;
-            s.pitch == 0 && apart
-        }
-        None => true,
-    }
-}
-
 fn execute(
     sim: &mut Sim,
     handle: &VgpuHandle,
@@ -256,8 +239,8 @@ fn execute(
                 return Err(blit.dst.base);
             };
             let src = blit.src.and_then(|s| s.rect(blit.bpp, blit.width, blit.height));
-            let fill = matches!(blit.kind, BlitKind::Color) || src.is_none();
-            let rows = if rows_repeat(fill, &dst, src.as_ref()) { dst.rows.min(1) } else { dst.rows };
+            let fill = !blit.copies();
+            let rows = if blit.rows_repeat() { dst.rows.min(1) } else { dst.rows };
             let mut buf = [0u8; CHUNK];
             while at.row < rows {
                 let row = at.row;
