@@ -17,6 +17,16 @@ With HAG_FLAVOUR=gvt, hosts boot the GVT-g kernel (scripts/build-kernel.sh
 `make gvt` built against it, and kvmgt.ko in the initramfs for lib.sh to
 load before it; i915 finds no Intel GPU there, so no GVT-g device exists.
 
+A scenario whose header says `# vms: yes` runs real VMs inside its test
+hosts: the hosts get `-cpu max` (TCG emulates AMD SVM, so KVM works inside
+them; a VM is never run under TCG inside TCG), more memory, a distinct
+SMBIOS UUID each, and this machine's root directory read-only over 9p
+(mount tag `hostroot`), from which lib.sh's `host_root_up` makes a writable
+root with QEMU 10 and libvirt in it, as virtme-ng does. The VMs boot the
+test kernel with the initramfs `build_vm_initramfs` writes (guest/vm-init
+and hag-guest); their paths reach the host on its kernel command line
+(`hag_vm_kernel=`, `hag_vm_initrd=`), as paths under that root.
+
 A scenario loses a host for real by printing `HAG-KILL-HOST` on its console
 (lib.sh's `lose_this_host`): the harness then SIGKILLs that host's QEMU
 process at once, as a power cut would, and judges the host only on what it
@@ -60,6 +70,7 @@ class Build:
     module: Path
     hagctl: Path
     vmm: Path
+    guest: Path
     # In-tree modules hag_mdev.ko needs loaded first (besides mdev.ko).
     needs: list = field(default_factory=list)
 
@@ -80,14 +91,17 @@ class Build:
         ).stdout.strip())
         build = Build(
             kernel_tree=tree,
-            module=ROOT / (f"build/{flavour}-module/rust/hag_mdev/hag_mdev.ko" if flavour in ("gvt", "debug")
-                           else "rust/hag_mdev/hag_mdev.ko"),
+            # HAG_MODULE_KO: another build of the module (a clean checkout's).
+            module=Path(os.environ.get("HAG_MODULE_KO") or
+                        ROOT / (f"build/{flavour}-module/rust/hag_mdev/hag_mdev.ko" if flavour in ("gvt", "debug")
+                                else "rust/hag_mdev/hag_mdev.ko")),
             hagctl=ROOT / "controller/target/release/hagctl",
             vmm=ROOT / "controller/target/release/hag-vmm",
+            guest=Path(os.environ.get("HAG_GUEST_BIN", ROOT / "controller/target/release/hag-guest")),
             needs=[tree / "drivers/gpu/drm/i915/kvmgt.ko"] if gvt else [],
         )
         make = f"make {flavour} controller" if flavour in ("gvt", "debug") else "make"
-        for path in (build.bzimage, build.module, build.hagctl, build.vmm, *build.needs):
+        for path in (build.bzimage, build.module, build.hagctl, build.vmm, build.guest, *build.needs):
             if not path.exists():
                 raise SystemExit(f"qemu-tests: {path} missing: run `{make}` first")
         return build
@@ -102,6 +116,39 @@ def shared_libraries(binary):
         if m:
             libs.append(Path(m.group(1)))
     return libs
+
+
+def copy_with_libraries(binary, root, dest):
+    """Copies `binary` to `root`/`dest` with the shared libraries it loads."""
+    shutil.copy2(binary, root / dest)
+    for lib in shared_libraries(binary):
+        target = root / lib.relative_to("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(lib.resolve(), target)
+
+
+def write_cpio_gz(root, dest):
+    cpio = subprocess.run(
+        "find . | sort | cpio -o -H newc --quiet -R 0:0",
+        shell=True, cwd=root, check=True, capture_output=True,
+    ).stdout
+    with gzip.open(dest, "wb", compresslevel=1) as f:
+        f.write(cpio)
+
+
+def build_vm_initramfs(build, dest):
+    """Writes the initramfs of a real VM's guest (a QEMU/KVM guest inside a
+    test host): busybox, guest/vm-init as /init, and hag-guest, the guest
+    GPU driver and workload."""
+    with tempfile.TemporaryDirectory(prefix="hag-vm-initramfs-") as tmp:
+        root = Path(tmp)
+        for d in ("bin", "sbin", "usr/bin", "proc", "sys", "dev", "tmp"):
+            (root / d).mkdir(parents=True, exist_ok=True)
+        shutil.copy2("/bin/busybox", root / "bin/busybox")
+        shutil.copy2(TESTS / "guest/vm-init", root / "init")
+        os.chmod(root / "init", 0o755)
+        copy_with_libraries(build.guest, root, "bin/hag-guest")
+        write_cpio_gz(root, dest)
 
 
 def build_initramfs(build, dest):
@@ -123,20 +170,24 @@ def build_initramfs(build, dest):
         shutil.copy2(TESTS / "demo.sh", root / "hag/scenarios/demo.sh")
         # The libvirt hook, its installer and sample config (libvirt_hook.sh).
         shutil.copytree(ROOT / "scripts/libvirt", root / "hag/libvirt")
-        shutil.copy2(build.hagctl, root / "bin/hagctl")
-        shutil.copy2(build.vmm, root / "bin/hag-vmm")
-        libs = set(shared_libraries(build.hagctl)) | set(shared_libraries(build.vmm))
-        for lib in sorted(libs):
-            target = root / lib.relative_to("/")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(lib.resolve(), target)
+        copy_with_libraries(build.hagctl, root, "bin/hagctl")
+        copy_with_libraries(build.vmm, root, "bin/hag-vmm")
         os.chmod(root / "init", 0o755)
-        cpio = subprocess.run(
-            "find . | sort | cpio -o -H newc --quiet -R 0:0",
-            shell=True, cwd=root, check=True, capture_output=True,
-        ).stdout
-    with gzip.open(dest, "wb", compresslevel=1) as f:
-        f.write(cpio)
+        write_cpio_gz(root, dest)
+
+
+def add_scenario_to_initramfs(initramfs, name, text):
+    """Appends a gzip'd cpio member with scenario `name` (its text): the
+    kernel unpacks concatenated archives in order. For scripts that make
+    their scenario (the evaluation's)."""
+    with tempfile.TemporaryDirectory(prefix="hag-scenario-") as tmp:
+        root = Path(tmp)
+        (root / "hag/scenarios").mkdir(parents=True)
+        (root / f"hag/scenarios/{name}.sh").write_text(text)
+        cpio = subprocess.run("find . | sort | cpio -o -H newc --quiet -R 0:0", shell=True, cwd=root,
+                              check=True, capture_output=True).stdout
+    with open(initramfs, "ab") as f:
+        f.write(gzip.compress(cpio, compresslevel=1))
 
 
 class Hub:
@@ -224,12 +275,48 @@ class Result:
 
 
 def scenario_header(script, key, default):
-    """Reads `# key: value` from a scenario's first lines."""
+    """Reads `# key: value` from a scenario's first lines (a number, or
+    `yes`, read as 1)."""
     for line in script.read_text().splitlines()[:5]:
-        m = re.match(rf"#\s*{key}:\s*(\d+)", line)
+        m = re.match(rf"#\s*{key}:\s*(\d+|yes)\b", line)
         if m:
-            return int(m.group(1))
+            return 1 if m.group(1) == "yes" else int(m.group(1))
     return default
+
+
+# Memory of a test host that runs real VMs: two VMs of 256 MiB (one
+# incoming), QEMU's and libvirtd's own, the tmpfs root overlay.
+VM_HOST_MIB = 2048
+
+
+def host_tsc_khz():
+    """This machine's TSC frequency in kHz, which is what TCG's TSC runs at
+    (its `cpu MHz`: these machines have a constant, known-frequency TSC)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("cpu MHz"):
+            return round(float(line.split(":")[1]) * 1000)
+    raise SystemExit("qemu-tests: no 'cpu MHz' in /proc/cpuinfo to give test hosts their TSC frequency")
+
+
+def vm_host_args(index, vm_initramfs, build):
+    """QEMU arguments and kernel command-line words for a test host that
+    runs real VMs (`# vms: yes`)."""
+    args = [
+        "-cpu", "max",
+        "-fsdev", "local,id=hostroot,path=/,readonly=on,security_model=none,multidevs=remap",
+        "-device", "virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot",
+        # libvirt refuses to migrate to a host with its own UUID.
+        "-smbios", f"type=1,uuid=8a6c0000-4a47-4000-8000-{index:012x}",
+    ]
+    # tsc_early_khz: the test kernel has neither HPET nor ACPI's PM timer,
+    # so it calibrates the TSC against the PIT alone, which fails when the
+    # machine is busy; the kernel then marks the TSC unstable with a
+    # frequency of 0, and KVM, which needs that frequency for its guests'
+    # clocks, retries a clock update forever: the VM never leaves its reset
+    # vector. TCG's TSC is this machine's, so its frequency is given.
+    words = (f" hag_vm_kernel={build.bzimage} hag_vm_initrd={vm_initramfs}"
+             f" tsc_early_khz={host_tsc_khz()}")
+    return args, words
 
 
 def run_scenario(build, initramfs, script, logdir, on_output=None):
@@ -240,6 +327,11 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
     name = script.stem
     n_hosts = scenario_header(script, "hosts", 1)
     timeout = scenario_header(script, "timeout", 300)
+    vms = scenario_header(script, "vms", 0)
+    vm_initramfs = logdir / "vm-initramfs.cpio.gz"
+    if vms and (not vm_initramfs.exists() or
+                vm_initramfs.stat().st_mtime < build.guest.stat().st_mtime):
+        build_vm_initramfs(build, vm_initramfs)
     start = time.monotonic()
     # Two independent segments: eth0 carries the data, eth1 is a second
     # path (for heartbeats), so a scenario can cut one link and keep the
@@ -258,14 +350,15 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
                     "-netdev", f"socket,id=net{n},udp=127.0.0.1:{hub.port},localaddr=127.0.0.1:{port}",
                     "-device", f"virtio-net-pci,netdev=net{n},mac=52:54:00:4a:{0x47 + n:02x}:{i:02x}",
                 ]
+            extra, words = vm_host_args(i, vm_initramfs.resolve(), build) if vms else ([], "")
             cmd = [
-                "qemu-system-x86_64", "-accel", "tcg", "-m", "512", "-smp", "1",
-                "-nodefaults", "-display", "none", "-no-reboot", "-monitor", "none",
+                "qemu-system-x86_64", "-accel", "tcg", "-m", str(VM_HOST_MIB if vms else 512),
+                "-smp", "1", "-nodefaults", "-display", "none", "-no-reboot", "-monitor", "none",
                 "-kernel", str(build.bzimage), "-initrd", str(initramfs),
                 "-append", f"console=ttyS0 panic=-1 quiet loglevel=4 hag_scenario={name} "
-                           f"hag_host={i} hag_hosts={n_hosts}",
+                           f"hag_host={i} hag_hosts={n_hosts}{words}",
                 "-serial", f"file:{host.log}",
-            ] + nics
+            ] + extra + nics
             host.process = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=open(logdir / f"{name}.host{i}.qemu.err", "w"),

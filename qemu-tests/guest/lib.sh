@@ -77,3 +77,188 @@ lose_this_host() {
 	echo "HAG-KILL-HOST"
 	while :; do sleep 1; done
 }
+
+# ---- Real VMs (scenarios with `# vms: yes`) -------------------------------
+# The runner's root, read-only over 9p, under a tmpfs overlay: QEMU 10,
+# libvirt and their libraries come from there. Commands run in it with
+# `in_root`; /dev, /proc, /sys, /tmp and /hag are the test host's own, and
+# hagctl is this initramfs's.
+HOST_ROOT=/hostroot
+
+host_root_up() {
+	[ -d "$HOST_ROOT/usr" ] && return 0
+	mkdir -p /mnt/9p /mnt/rw "$HOST_ROOT"
+	mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=524288,cache=loose hostroot /mnt/9p ||
+		fail "mounting the runner's root over 9p (is this a '# vms: yes' scenario?)"
+	mount -t tmpfs tmpfs /mnt/rw
+	mkdir -p /mnt/rw/upper /mnt/rw/work
+	mount -t overlay overlay -o lowerdir=/mnt/9p,upperdir=/mnt/rw/upper,workdir=/mnt/rw/work "$HOST_ROOT" ||
+		fail "overlay on the runner's root"
+	for d in dev proc sys tmp; do
+		mount --bind "/$d" "$HOST_ROOT/$d"
+	done
+	mkdir -p "$HOST_ROOT/hag" "$HOST_ROOT/run"
+	mount --bind /hag "$HOST_ROOT/hag"
+	mount -t tmpfs tmpfs "$HOST_ROOT/run"
+	cp /bin/hagctl "$HOST_ROOT/usr/local/bin/hagctl"
+	# QEMU and libvirt look for these.
+	mkdir -p "$HOST_ROOT/run/libvirt" "$HOST_ROOT/var/log/libvirt/qemu" "$HOST_ROOT/var/lib/libvirt/qemu"
+	[ -e /dev/kvm ] || fail "no /dev/kvm in this test host (kvm_amd did not load?)"
+}
+
+in_root() { chroot "$HOST_ROOT" "$@"; }
+
+# The VM's kernel and initramfs, as paths inside the root (the runner's).
+vm_kernel() { sed -n 's/.*hag_vm_kernel=\([^ ]*\).*/\1/p' /proc/cmdline; }
+vm_initrd() { sed -n 's/.*hag_vm_initrd=\([^ ]*\).*/\1/p' /proc/cmdline; }
+
+VM_MIB=256
+
+# vm_start NAME MDEV-UUID GUEST-ARGS [QEMU-ARG...]: starts QEMU/KVM with
+# the hag-sim vGPU MDEV-UUID (none if empty; VM_VGPU_OPTS adds vfio-pci
+# properties), booting the test kernel with hag-guest GUEST-ARGS (commas for
+# spaces). Console in /tmp/NAME.console, QMP at /tmp/NAME.qmp, QEMU's stderr
+# in /tmp/NAME.qemu.err, its pid in /tmp/NAME.pid.
+vm_start() {
+	name=$1 uuid=$2 gargs=$3
+	shift 3
+	rm -f "/tmp/$name.console" "/tmp/$name.qmp"
+	if [ -n "$uuid" ]; then
+		set -- -device "vfio-pci,sysfsdev=/sys/bus/mdev/devices/$uuid,id=vgpu0${VM_VGPU_OPTS:-}" "$@"
+	fi
+	in_root qemu-system-x86_64 -name "$name" -accel kvm -cpu host -m "$VM_MIB" -smp 1 \
+		-machine q35 -nodefaults -no-user-config -display none -no-reboot \
+		-kernel "$(vm_kernel)" -initrd "$(vm_initrd)" \
+		-append "console=ttyS0 panic=-1 quiet loglevel=4 hag_guest=$gargs" \
+		-serial "file:/tmp/$name.console" \
+		-qmp "unix:/tmp/$name.qmp,server=on,wait=off" \
+		-daemonize -pidfile "/tmp/$name.pid" "$@" 2>"/tmp/$name.qemu.err" ||
+		fail "QEMU did not start VM $name: $(cat "/tmp/$name.qemu.err")"
+	wait_for 30 test -S "/tmp/$name.qmp" || fail "VM $name: no QMP socket"
+}
+
+# vm_wait_console NAME SECONDS PATTERN: waits for PATTERN on NAME's console.
+vm_wait_console() {
+	wait_for "$2" grep -q "$3" "/tmp/$1.console" ||
+		fail "VM $1: no '$3' on its console after $2 s: $(tail -5 "/tmp/$1.console" 2>/dev/null)"
+}
+
+# vm_result NAME SECONDS: waits for the guest's verdict; prints it.
+vm_result() {
+	vm_wait_console "$1" "$2" HAG-GUEST-RESULT
+	grep HAG-GUEST-RESULT "/tmp/$1.console"
+}
+
+vm_show() {
+	echo "--- console of VM $1:"
+	cat "/tmp/$1.console" 2>/dev/null || true
+	[ ! -s "/tmp/$1.qemu.err" ] || { echo "--- QEMU stderr:"; cat "/tmp/$1.qemu.err"; }
+}
+
+# Two-host handshakes. signal_ready PORT: accepts one connection on PORT
+# (stdin from /dev/null: nc would otherwise wait for input); await_ready
+# HOST PORT [SECONDS]: connects until that succeeds.
+signal_ready() { nc -l -p "$1" </dev/null >/dev/null || fail "ready signal on port $1 failed"; }
+await_ready() {
+	wait_for "${3:-300}" sh -c "echo go | nc $1 $2" || fail "$1 never signalled ready on port $2"
+}
+
+# port_listening PORT: something on this host listens on TCP PORT (read
+# from /proc/net/tcp, so nothing connects to it).
+port_listening() {
+	grep -qi ":$(printf '%04X' "$1") 00000000:0000 0A" /proc/net/tcp
+}
+
+# ---- libvirt (real libvirtd in the host root) -------------------------------
+# libvirtd listens on TCP 16509 without authentication: the test network
+# is closed and reaches nothing but the other test hosts. No cgroups, no
+# namespaces, no security driver in a test host; QEMU runs as root; its
+# stdio goes to a file (no virtlogd).
+libvirt_up() {
+	host_root_up
+	cat >"$HOST_ROOT/etc/libvirt/libvirtd.conf" <<CONF
+listen_tls = 0
+listen_tcp = 1
+listen_addr = "0.0.0.0"
+auth_tcp = "none"
+auth_unix_rw = "none"
+host_uuid = "8a6c0000-4a47-4000-8000-$(printf '%012x' "$HAG_HOST")"
+log_outputs = "3:file:/var/log/libvirt/libvirtd.log"
+CONF
+	cat >"$HOST_ROOT/etc/libvirt/qemu.conf" <<CONF
+user = "root"
+group = "root"
+dynamic_ownership = 0
+remember_owner = 0
+security_driver = "none"
+cgroup_controllers = [ ]
+namespaces = [ ]
+seccomp_sandbox = 0
+stdio_handler = "file"
+migration_address = "0.0.0.0"
+CONF
+	hostname "testhost$HAG_HOST"
+	echo "$(host_ip "$HAG_HOST") testhost$HAG_HOST" >>"$HOST_ROOT/etc/hosts"
+	peer_index=$((1 - HAG_HOST))
+	echo "$(host_ip "$peer_index") testhost$peer_index" >>"$HOST_ROOT/etc/hosts"
+	# hag's qemu hook, as a user installs it; libvirtd looks for hooks
+	# when it starts.
+	sh /hag/libvirt/install.sh --root "$HOST_ROOT" >/dev/null || fail "installing the libvirt hook"
+	in_root /usr/sbin/libvirtd --listen --daemon --pid-file=/run/libvirtd.pid ||
+		fail "libvirtd did not start"
+	wait_for 60 in_root virsh -c qemu:///system version || {
+		tail -20 "$HOST_ROOT/var/log/libvirt/libvirtd.log"
+		fail "libvirtd does not answer"
+	}
+}
+
+# domain_xml NAME MDEV-UUID GUEST-ARGS: a domain like vm_start's VM.
+domain_xml() {
+	cat <<XML
+<domain type='kvm'>
+  <name>$1</name>
+  <memory unit='MiB'>$VM_MIB</memory>
+  <vcpu>1</vcpu>
+  <os>
+    <type arch='x86_64' machine='q35'>hvm</type>
+    <kernel>$(vm_kernel)</kernel>
+    <initrd>$(vm_initrd)</initrd>
+    <cmdline>console=ttyS0 panic=-1 quiet loglevel=4 hag_guest=$3</cmdline>
+  </os>
+  <cpu mode='host-passthrough'/>
+  <on_poweroff>destroy</on_poweroff>
+  <on_reboot>destroy</on_reboot>
+  <devices>
+    <emulator>/usr/bin/qemu-system-x86_64</emulator>
+    <serial type='file'>
+      <source path='/tmp/$1.console' append='on'/>
+    </serial>
+    <hostdev mode='subsystem' type='mdev' managed='no' model='vfio-pci' display='off'>
+      <source>
+        <address uuid='$2'/>
+      </source>
+    </hostdev>
+    <controller type='usb' model='none'/>
+    <video><model type='none'/></video>
+    <memballoon model='none'/>
+  </devices>
+</domain>
+XML
+}
+
+# The pre-shared key every test host holds for hagctl's host-to-host
+# connections (migrate/receive, checkpoint/backup): provisioned as an
+# operator would, a file of 64 hex digits readable only by root, at
+# hagctl's default --key path. Tests only: a real pair makes its own with
+# `hagctl keygen FILE` and copies it over a trusted channel.
+HAG_TEST_KEY=5f0c2a9e7d4b13c86a1fe2d0b7c94e3158a6d2f09b7e4c1a3d8f6b2e0c5a9174
+ha_key() {
+	mkdir -p /etc/hag
+	(umask 077 && echo "${1:-$HAG_TEST_KEY}" >/etc/hag/pair.key)
+	chmod 600 /etc/hag/pair.key
+}
+
+# A key no test host's hagctl holds (a rogue peer's), in a file of its own.
+ha_rogue_key() {
+	(umask 077 && echo "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef" >"$1")
+}
