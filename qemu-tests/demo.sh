@@ -16,6 +16,7 @@ ITERATIONS=30000
 sock=/tmp/vm.sock
 
 load_hag allow_hang_injection=1
+ha_key
 uuid=$(new_uuid)
 mdev_create "$uuid"
 say "hag_mdev loaded; vGPU $uuid created"

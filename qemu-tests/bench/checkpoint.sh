@@ -21,6 +21,7 @@
 : "${INTERVALS:=2s 1s}"
 : "${BW_MIB:=4}"
 load_hag
+ha_key
 peer=$(host_ip $((1 - HAG_HOST)))
 me=$(host_ip "$HAG_HOST")
 wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"

@@ -14,6 +14,7 @@
 : "${ITERATIONS:=8000}"
 : "${BW_MIB:=8}"
 load_hag
+ha_key
 peer=$(host_ip $((1 - HAG_HOST)))
 me=$(host_ip "$HAG_HOST")
 wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"

@@ -33,8 +33,10 @@ peer=$(host_ip $((1 - HAG_HOST)))
 me=$(host_ip "$HAG_HOST")
 if [ "$HAG_HOST" = 0 ]; then
 	load_hag allow_hang_injection=1
+	ha_key
 else
 	load_hag
+	ha_key
 fi
 wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
 now_cs() { cut -d' ' -f1 /proc/uptime | tr -d .; }

@@ -3,6 +3,7 @@
 # check_result EXIT_STATUS, which judges the VM's end on host 1
 # (/tmp/vm.out holds its output).
 load_hag
+ha_key
 uuid=$(new_uuid)
 mdev_create "$uuid"
 target=$(host_ip 1)

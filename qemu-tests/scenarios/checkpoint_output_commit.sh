@@ -11,6 +11,7 @@ backup=$(host_ip 1):7200
 peer=$(host_ip $((1 - HAG_HOST)))
 sock=/tmp/vm.sock
 load_hag
+ha_key
 mdev_create "$uuid"
 wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
 

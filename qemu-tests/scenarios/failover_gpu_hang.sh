@@ -16,6 +16,7 @@ sock=/tmp/vm.sock
 
 if [ "$HAG_HOST" = 1 ]; then
 	load_hag
+	ha_key
 	mdev_create "$uuid"
 	wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
 	step "host 1: backup on $backup"
@@ -32,6 +33,7 @@ if [ "$HAG_HOST" = 1 ]; then
 	grep -q '"generation":1' /run/hag/backup.json || fail "generation 1 not stored with the checkpoint"
 else
 	load_hag allow_hang_injection=1
+	ha_key
 	mdev_create "$uuid"
 	wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
 	step "host 0: VM with the frames workload, protected by $backup"

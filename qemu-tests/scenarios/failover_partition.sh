@@ -15,6 +15,7 @@ heartbeat=$(host_ip2 1):7201
 other=$((1 - HAG_HOST))
 sock=/tmp/vm.sock
 load_hag
+ha_key
 mdev_create "$uuid"
 wait_for 60 ping -c 1 -W 1 "$(host_ip $other)" || fail "$(host_ip $other) unreachable"
 wait_for 60 ping -c 1 -W 1 "$(host_ip2 $other)" || fail "$(host_ip2 $other) unreachable"

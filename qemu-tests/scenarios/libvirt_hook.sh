@@ -23,6 +23,7 @@ vm_uuid=$(new_uuid)
 backup_uuid=$(new_uuid)
 
 load_hag
+ha_key
 mdev_create "$vm_uuid"
 mdev_create "$backup_uuid"
 

@@ -9,6 +9,7 @@ ITERATIONS=40000
 # Seconds a VM runs on a host before it is migrated on.
 DWELL=4
 load_hag
+ha_key
 peer=$(host_ip $((1 - HAG_HOST)))
 me=$(host_ip "$HAG_HOST")
 wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"

@@ -23,7 +23,7 @@
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -33,10 +33,12 @@ use hag_vmm::control::VmClient;
 use hag_vmm::ram::PAGE_SIZE;
 
 use crate::migrate::{tune, IncomingVm};
+use crate::secure::{self, Key, Outbox, Reader};
 #[cfg(test)]
 use crate::wire::PageData;
 use crate::wire::{
-    check_context, check_hello, read_msg, write_msg, Msg, Round, Sides, Target, PAGE,
+    check_context, check_hello, read_msg, session_name, Msg, Round, Sides, ENDED_PHASE, PAGE,
+    VERSION_MAX,
 };
 
 /// `hagctl checkpoint` → `hagctl backup`.
@@ -55,15 +57,14 @@ pub trait Image {
     fn ram_size(&self) -> u64;
     /// Writes page `index`.
     fn write_page(&mut self, index: u64, bytes: &[u8; PAGE]) -> Result<(), String>;
-    /// Whether page `index` now holds other bytes than `bytes` (for the
-    /// count of pages an epoch really changed; unknown counts as changed).
-    fn differs(&self, _index: u64, _bytes: &[u8; PAGE]) -> bool {
-        true
-    }
+    /// Reads page `index` (for the undo record of an epoch being applied).
+    fn read_page(&self, index: u64, out: &mut [u8; PAGE]) -> Result<(), String>;
 }
 
 /// The standby image's guest RAM: a memfd of the backup's own, written
-/// and read by offset.
+/// and read by offset. Its memory is reserved when it is made (fallocate),
+/// so that a pairing the backup cannot hold is refused at HELLO, not
+/// discovered part-way through an epoch.
 pub struct StandbyRam {
     file: std::fs::File,
     size: u64,
@@ -72,12 +73,14 @@ pub struct StandbyRam {
 }
 
 impl StandbyRam {
-    /// `size` bytes of zeroes.
+    /// `size` bytes of zeroes, reserved.
     pub fn new(size: u64) -> std::io::Result<Self> {
+        use nix::fcntl::{fallocate, FallocateFlags};
         use nix::sys::memfd::{memfd_create, MFdFlags};
         let fd = memfd_create(c"hag-standby-ram", MFdFlags::MFD_CLOEXEC)?;
+        let len = i64::try_from(size).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+        fallocate(&fd, FallocateFlags::empty(), 0, len)?;
         let file = std::fs::File::from(fd);
-        file.set_len(size)?;
         Ok(StandbyRam {
             file,
             size,
@@ -113,9 +116,9 @@ impl Image for StandbyRam {
         }
         Ok(())
     }
-    fn differs(&self, index: u64, bytes: &[u8; PAGE]) -> bool {
-        let mut old = [0u8; PAGE];
-        self.read_at(index * PAGE_SIZE, &mut old).is_err() || old != *bytes
+    fn read_page(&self, index: u64, out: &mut [u8; PAGE]) -> Result<(), String> {
+        self.read_at(index * PAGE_SIZE, out)
+            .map_err(|e| format!("standby image: {e}"))
     }
 }
 
@@ -123,6 +126,8 @@ impl Image for StandbyRam {
 /// what a takeover resumes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Checkpoint {
+    /// The session (pairing) it came from.
+    pub session: u128,
     /// Epoch number.
     pub epoch: u64,
     /// Generation it was taken in.
@@ -154,6 +159,16 @@ pub enum StandbyError {
         theirs: u64,
         /// Ours.
         ours: u64,
+    },
+    /// Another pairing holds this backup.
+    #[error("this backup protects session {ours} (epoch {epoch}); session {theirs} must wait until that primary ends protection")]
+    Busy {
+        /// The pairing asking.
+        theirs: String,
+        /// The pairing the checkpoint belongs to.
+        ours: String,
+        /// Its epoch.
+        epoch: u64,
     },
     /// The primary ended protection (ABORT).
     #[error("the primary ended protection: {0}")]
@@ -205,93 +220,202 @@ pub struct StandbyStats {
     pub last_epoch_changed: u64,
 }
 
+/// What the backup accepts from any primary (issue 12, item 8): checked
+/// before anything is allocated for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest guest RAM a primary may ask the backup to hold, bytes. A
+    /// resynchronisation holds a second image until its first epoch ends,
+    /// so the backup may need twice this.
+    pub max_ram: u64,
+    /// The failover timeout, told to the primary in HELLO_OK.
+    pub timeout_ms: u32,
+}
+
 /// The backup's side of the checkpoint stream.
 ///
-/// Until the first epoch is applied, pages go straight into the image (there
-/// is no checkpoint to protect yet). From then on, pages are staged and
-/// written only when their epoch's EPOCH_END arrives, so the image always
-/// holds exactly the last acknowledged checkpoint — also across a new
-/// session (a primary that reconnects resends everything while the old
-/// checkpoint stays valid).
+/// Every session (a HELLO) writes its first checkpoint into a fresh image
+/// of its own (`next`), never into one an earlier, unfinished session
+/// wrote: the image becomes the standby image only when that session's
+/// first EPOCH_END arrives, replacing the old one whole. A resynchronising
+/// primary (the same pairing, after its link failed) thus leaves the last
+/// acknowledged checkpoint valid until the new one is complete, and
+/// nothing of an aborted sync survives into a checkpoint. Later epochs are
+/// staged in memory (at most one copy of each page) and applied at their
+/// EPOCH_END with an undo record: a write that fails part-way is rolled
+/// back, so the image always holds exactly the last acknowledged
+/// checkpoint.
+///
+/// The image type is generic so that the policy is tested on plain
+/// memory; the backup uses [`StandbyRam`].
 #[derive(Debug)]
-pub struct Standby {
+pub struct Standby<I> {
     phase: Phase,
     staged: BTreeMap<u64, Box<[u8; PAGE]>>,
+    /// The session of the stream in progress (after its HELLO).
+    session: Option<u128>,
     last_epoch_in_session: u64,
-    /// A new session over an existing checkpoint: its first epoch replaces
-    /// the whole image (pages it does not send are zero).
-    resync: bool,
+    /// The image of [`Self::committed`].
+    current: Option<I>,
+    /// The image the session in progress fills, until its first epoch.
+    next: Option<I>,
+    limits: Limits,
     /// The last acknowledged checkpoint.
     pub committed: Option<Checkpoint>,
     /// This backup's generation (raised by each takeover).
     pub generation: u64,
     /// Counters.
     pub stats: StandbyStats,
+    /// The connection feeding the stream (a number the I/O gives it).
+    pub owner: u64,
 }
 
-impl Standby {
+impl<I: Image> Standby<I> {
+    /// Refuses a HELLO of another pairing than the checkpoint's, before
+    /// anything of the stream in progress is touched.
+    pub fn busy(&self, session: u128) -> Option<StandbyError> {
+        let cp = self.committed.as_ref()?;
+        (cp.session != session).then(|| StandbyError::Busy {
+            theirs: session_name(session),
+            ours: session_name(cp.session),
+            epoch: cp.epoch,
+        })
+    }
+
     /// A standby at `generation` with no checkpoint.
-    pub fn new(generation: u64) -> Self {
+    pub fn new(generation: u64, limits: Limits) -> Self {
         Standby {
             phase: Phase::AwaitHello,
             staged: BTreeMap::new(),
+            session: None,
             last_epoch_in_session: 0,
-            resync: false,
+            current: None,
+            next: None,
+            limits,
             committed: None,
             generation,
             stats: StandbyStats::default(),
+            owner: 0,
         }
     }
 
     /// A new connection from a primary: back to HELLO; an unfinished
-    /// epoch is dropped (the checkpoint stays).
+    /// epoch or sync is dropped (the checkpoint stays).
     pub fn new_session(&mut self) {
         self.phase = Phase::AwaitHello;
         self.staged.clear();
+        self.next = None;
+        self.session = None;
         self.last_epoch_in_session = 0;
-        self.resync = self.committed.is_some();
     }
 
     /// Drops the checkpoint (protection ended).
     pub fn discard(&mut self) {
         self.committed = None;
+        self.current = None;
         self.new_session();
     }
 
+    /// Hands over the checkpoint and its image (at takeover).
+    pub fn take(&mut self) -> Option<(Checkpoint, I)> {
+        let cp = self.committed.take()?;
+        let img = self.current.take()?;
+        self.new_session();
+        Some((cp, img))
+    }
+
     /// Applies one message of the checkpoint stream; returns the reply.
-    pub fn on(&mut self, msg: Msg, image: &mut impl Image) -> Result<Option<Msg>, StandbyError> {
+    /// `create` makes a fresh zero image of the size a HELLO asks for,
+    /// once the limits allow it.
+    pub fn on(
+        &mut self,
+        msg: Msg,
+        create: &mut dyn FnMut(u64) -> Result<I, String>,
+    ) -> Result<Option<Msg>, StandbyError> {
         let phase = std::mem::replace(&mut self.phase, Phase::AwaitHello);
-        let (next, reply) = self.step(phase, msg, image)?;
+        let (next, reply) = self.step(phase, msg, create)?;
         self.phase = next;
         Ok(reply)
+    }
+
+    fn hello(
+        &mut self,
+        (min, max, ram_size, session): (u16, u16, u64, u128),
+        create: &mut dyn FnMut(u64) -> Result<I, String>,
+    ) -> Result<Msg, StandbyError> {
+        let bad = |s: String| Err(StandbyError::Invalid(s));
+        if ram_size == 0 || ram_size % PAGE as u64 != 0 {
+            return bad(format!("guest RAM of {ram_size} bytes is not whole pages"));
+        }
+        if ram_size > self.limits.max_ram {
+            return bad(format!(
+                "the primary's VM has {} MiB of guest RAM, this backup takes at most {} MiB (--max-ram)",
+                ram_size >> 20,
+                self.limits.max_ram >> 20
+            ));
+        }
+        if let Some(busy) = self.busy(session) {
+            return Err(busy);
+        }
+        let have = self.current.as_ref().map_or(ram_size, Image::ram_size);
+        let version =
+            check_hello(CHECKPOINT, (min, max, ram_size), have).map_err(StandbyError::Invalid)?;
+        let img = create(ram_size).map_err(|e| {
+            StandbyError::Invalid(format!(
+                "cannot hold {} MiB of guest RAM here: {e}",
+                ram_size >> 20
+            ))
+        })?;
+        self.next = Some(img);
+        self.session = Some(session);
+        Ok(Msg::HelloOk {
+            version,
+            generation: self.generation,
+            timeout_ms: self.limits.timeout_ms,
+        })
     }
 
     fn step(
         &mut self,
         phase: Phase,
         msg: Msg,
-        image: &mut impl Image,
+        create: &mut dyn FnMut(u64) -> Result<I, String>,
     ) -> Result<(Phase, Option<Msg>), StandbyError> {
         match (phase, msg) {
             (_, Msg::Abort { reason }) => Err(StandbyError::Ended(reason)),
             (_, Msg::Error { message }) => Err(StandbyError::PrimaryError(message)),
-            (Phase::AwaitHello, Msg::Hello { min, max, ram_size }) => {
-                let version = check_hello(CHECKPOINT, (min, max, ram_size), image.ram_size())
-                    .map_err(StandbyError::Invalid)?;
-                Ok((Phase::Rounds(Round::FIRST), Some(Msg::HelloOk { version })))
+            (
+                Phase::AwaitHello,
+                Msg::Hello {
+                    min,
+                    max,
+                    ram_size,
+                    session,
+                },
+            ) => {
+                let reply = self.hello((min, max, ram_size, session), create)?;
+                Ok((Phase::Rounds(Round::FIRST), Some(reply)))
             }
             (Phase::Rounds(at), Msg::Pages { round, pages }) => {
-                // Until the first checkpoint, pages go straight into the image.
-                let staging = self.committed.is_some();
-                let ram_size = image.ram_size();
+                let Standby {
+                    next,
+                    current,
+                    staged,
+                    stats,
+                    ..
+                } = self;
+                let ram_size = next.as_ref().or(current.as_ref()).map_or(0, I::ram_size);
                 let at = at
                     .on_pages(round, &pages, ram_size, |index, _, buf| {
-                        if staging {
-                            self.staged.insert(index, Box::new(*buf));
-                        } else {
-                            image.write_page(index, buf)?;
+                        // A session's first checkpoint fills its own image;
+                        // later epochs are staged.
+                        match next {
+                            Some(img) => img.write_page(index, buf)?,
+                            None => {
+                                staged.insert(index, Box::new(*buf));
+                            }
                         }
-                        self.stats.pages += 1;
+                        stats.pages += 1;
                         Ok(())
                     })
                     .map_err(StandbyError::Invalid)?;
@@ -321,49 +445,7 @@ impl Standby {
                 },
                 Msg::EpochEnd { epoch, generation },
             ) => {
-                if generation < self.generation {
-                    return Err(StandbyError::Stale {
-                        theirs: generation,
-                        ours: self.generation,
-                    });
-                }
-                if epoch <= self.last_epoch_in_session {
-                    return Err(StandbyError::Invalid(format!(
-                        "epoch {epoch} after epoch {}",
-                        self.last_epoch_in_session
-                    )));
-                }
-                if std::mem::take(&mut self.resync) {
-                    // The primary sent every non-zero page again.
-                    let zero = [0u8; PAGE];
-                    for index in 0..image.ram_size() / PAGE as u64 {
-                        if !self.staged.contains_key(&index) {
-                            image
-                                .write_page(index, &zero)
-                                .map_err(StandbyError::Invalid)?;
-                        }
-                    }
-                }
-                self.stats.last_epoch_pages = self.staged.len() as u64;
-                self.stats.last_epoch_changed = 0;
-                for (index, page) in std::mem::take(&mut self.staged) {
-                    if image.differs(index, &page) {
-                        self.stats.last_epoch_changed += 1;
-                    }
-                    image
-                        .write_page(index, &page)
-                        .map_err(StandbyError::Invalid)?;
-                    self.stats.staged_applied += 1;
-                }
-                self.generation = generation;
-                self.last_epoch_in_session = epoch;
-                self.committed = Some(Checkpoint {
-                    epoch,
-                    generation,
-                    context,
-                    vm_state,
-                });
-                self.stats.epochs += 1;
+                self.epoch_end(epoch, generation, context, vm_state)?;
                 Ok((
                     Phase::Rounds(Round { round, pages: 0 }),
                     Some(Msg::EpochAck {
@@ -378,6 +460,107 @@ impl Standby {
             }),
         }
     }
+
+    fn epoch_end(
+        &mut self,
+        epoch: u64,
+        generation: u64,
+        context: Vec<u8>,
+        vm_state: Vec<u8>,
+    ) -> Result<(), StandbyError> {
+        if generation < self.generation {
+            return Err(StandbyError::Stale {
+                theirs: generation,
+                ours: self.generation,
+            });
+        }
+        let Some(session) = self.session else {
+            return Err(StandbyError::Invalid("EPOCH_END before HELLO".into()));
+        };
+        let after = self
+            .committed
+            .as_ref()
+            .filter(|c| c.session == session)
+            .map_or(0, |c| c.epoch)
+            .max(self.last_epoch_in_session);
+        if epoch <= after {
+            return Err(StandbyError::Invalid(format!(
+                "epoch {epoch} after epoch {after}"
+            )));
+        }
+        let staged = std::mem::take(&mut self.staged);
+        self.stats.last_epoch_pages = staged.len() as u64;
+        self.stats.last_epoch_changed = 0;
+        if let Some(img) = self.next.take() {
+            // The session's first checkpoint: its image replaces the old
+            // one whole (nothing was staged: its pages went into it).
+            self.current = Some(img);
+        } else {
+            let img = self
+                .current
+                .as_mut()
+                .ok_or_else(|| StandbyError::Invalid("no standby image".into()))?;
+            match apply(img, &staged) {
+                Ok(changed) => self.stats.last_epoch_changed = changed,
+                Err((e, intact)) => {
+                    if !intact {
+                        // Neither the new epoch nor the old checkpoint:
+                        // nothing left to take over from.
+                        self.committed = None;
+                        self.current = None;
+                        return Err(StandbyError::Invalid(format!(
+                            "epoch {epoch} failed part-way ({e}) and could not be undone: the checkpoint is lost"
+                        )));
+                    }
+                    return Err(StandbyError::Invalid(format!(
+                        "epoch {epoch} refused: {e}; the image was rolled back to the last acknowledged checkpoint"
+                    )));
+                }
+            }
+            self.stats.staged_applied += staged.len() as u64;
+        }
+        self.generation = generation;
+        self.last_epoch_in_session = epoch;
+        self.committed = Some(Checkpoint {
+            session,
+            epoch,
+            generation,
+            context,
+            vm_state,
+        });
+        self.stats.epochs += 1;
+        Ok(())
+    }
+}
+
+/// Writes an epoch's staged pages into `img` with an undo record; returns
+/// how many changed. On a failed write every page already written is put
+/// back; the error says whether that worked (`true`: the image is as it
+/// was).
+fn apply<I: Image>(
+    img: &mut I,
+    staged: &BTreeMap<u64, Box<[u8; PAGE]>>,
+) -> Result<u64, (String, bool)> {
+    let mut undo: Vec<(u64, Box<[u8; PAGE]>)> = Vec::with_capacity(staged.len());
+    let mut changed = 0;
+    for (&index, page) in staged {
+        let mut old = Box::new([0u8; PAGE]);
+        let step = img
+            .read_page(index, &mut old)
+            .and_then(|()| img.write_page(index, page));
+        if let Err(e) = step {
+            let intact = undo
+                .iter()
+                .rev()
+                .all(|(i, old)| img.write_page(*i, old).is_ok());
+            return Err((e, intact));
+        }
+        if *old != **page {
+            changed += 1;
+        }
+        undo.push((index, old));
+    }
+    Ok(changed)
 }
 
 /// What the backup does now.
@@ -456,12 +639,18 @@ pub struct BackupOptions {
     pub vmm_args: Vec<String>,
     /// Silence before takeover.
     pub failover_timeout: Duration,
-    /// Generation to start at.
+    /// Generation to start at (the stored one wins if newer).
     pub generation: u64,
     /// Where the backup's state file goes.
     pub status_dir: PathBuf,
     /// JSON takeover report.
     pub json: bool,
+    /// The pair's pre-shared key file.
+    pub key: PathBuf,
+    /// Largest guest RAM accepted.
+    pub max_ram: u64,
+    /// Connections open at once, at most (more are closed at once).
+    pub max_connections: usize,
 }
 
 /// What a takeover reports.
@@ -502,137 +691,259 @@ impl TakeoverReport {
     }
 }
 
-struct Inner {
-    standby: Standby,
-    image: Option<StandbyRam>,
+/// The steps of a takeover, in the order [`take_over`] runs them.
+pub trait TakeoverSteps {
+    /// Everything that can fail before the VM runs: start the VMM, fill
+    /// its RAM, restore the vGPU context and the VM state (not resumed).
+    fn prepare(&mut self) -> Result<(), String>;
+    /// Stores the new generation durably (written, synced, read back).
+    fn persist(&mut self, generation: u64) -> Result<(), String>;
+    /// Tells every connection of the session the new generation.
+    fn fence(&mut self, generation: u64);
+    /// Resumes the prepared VM.
+    fn resume(&mut self) -> Result<(), String>;
+    /// Ends a prepared VM that will not run.
+    fn abandon(&mut self);
+}
+
+/// Why a takeover did not happen.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum TakeoverError {
+    /// Preparing failed: the primary was not fenced, the checkpoint kept.
+    #[error("the takeover cannot work here ({0}); the primary was not fenced")]
+    Infeasible(String),
+    /// The generation could not be stored: not fenced either.
+    #[error("the new generation could not be stored ({0}); the primary was not fenced")]
+    NotDurable(String),
+    /// The generation is at its end.
+    #[error("generation {0} cannot be raised")]
+    Exhausted(u64),
+    /// Resuming failed after the fence.
+    #[error("the primary was fenced but the VM did not resume here: {0}")]
+    Resume(String),
+}
+
+/// A takeover from generation `generation`: the primary is fenced only
+/// once this host is known able to run the VM and the new generation is
+/// durable (issue 12, items 3 and 9). Returns the new generation.
+pub fn take_over(steps: &mut impl TakeoverSteps, generation: u64) -> Result<u64, TakeoverError> {
+    let next = generation
+        .checked_add(1)
+        .ok_or(TakeoverError::Exhausted(generation))?;
+    if let Err(e) = steps.prepare() {
+        steps.abandon();
+        return Err(TakeoverError::Infeasible(e));
+    }
+    if let Err(e) = steps.persist(next) {
+        steps.abandon();
+        return Err(TakeoverError::NotDurable(e));
+    }
+    steps.fence(next);
+    steps.resume().map_err(TakeoverError::Resume)?;
+    Ok(next)
+}
+
+/// One connection of the session, for fences and heartbeats.
+struct Member {
+    out: Outbox,
+}
+
+/// Liveness and the session's connections: short critical sections only
+/// (applying an epoch happens under [`Backup::standby`], never here).
+struct Live {
+    /// The pairing served (from its HELLO, or a JOIN while none is).
+    session: Option<u128>,
     /// When the primary was last heard from, per path (listen address).
     heard: BTreeMap<String, Instant>,
     hang: Option<String>,
-    /// The primary's control (heartbeat) connection, per path.
-    controls: BTreeMap<String, TcpStream>,
-    data: Option<TcpStream>,
-    session: u64,
+    /// Every connection of the session, by connection number.
+    members: BTreeMap<u64, Member>,
+    /// The data connection's number.
+    data: Option<u64>,
+    next_conn: u64,
     taken_over: bool,
     ended: Option<String>,
+    /// The backup's generation (mirrors the standby's).
+    generation: u64,
+    epoch: u64,
 }
 
-struct Backup {
-    inner: Mutex<Inner>,
-}
-
-impl Backup {
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-impl Inner {
+impl Live {
     fn heard(&mut self, path: &str) {
         self.heard.insert(path.to_owned(), Instant::now());
     }
 
-    /// The primary ended protection (ABORT on any connection).
-    fn ended(&mut self, reason: String) {
-        eprintln!("hagctl: the primary ended protection: {reason}; standby image discarded");
-        self.standby.discard();
-        self.image = None;
+    /// Switches to pairing `session`: connections of any other are closed.
+    fn adopt(&mut self, session: u128) {
+        if self.session == Some(session) {
+            return;
+        }
+        if let Some(old) = self.session {
+            eprintln!(
+                "hagctl: session {} replaces session {}",
+                session_name(session),
+                session_name(old)
+            );
+        }
+        self.session = Some(session);
+        for (_, m) in std::mem::take(&mut self.members) {
+            m.out.close();
+        }
+        self.data = None;
         self.heard.clear();
-        self.ended = Some(reason);
+        self.hang = None;
+    }
+
+    fn member_of(&self, conn: u64) -> bool {
+        self.members.contains_key(&conn)
+    }
+
+    /// Posts `msg` to every connection of the session (never blocking).
+    fn broadcast(&mut self, msg: &Msg) {
+        self.members.retain(|_, m| m.out.post(msg));
     }
 }
 
-fn data_session(b: &Backup, mut stream: TcpStream, first: Msg, from: &str, path: &str) {
-    let session = {
-        let mut g = b.lock();
-        if let Some(old) = g.data.take() {
-            let _ = old.shutdown(Shutdown::Both);
-        }
-        g.session += 1;
-        g.standby.new_session();
-        g.data = stream.try_clone().ok();
-        g.heard(path);
-        g.session
-    };
+struct Backup {
+    opts: Arc<BackupOptions>,
+    live: Mutex<Live>,
+    standby: Mutex<Standby<StandbyRam>>,
+    key: Key,
+    open: std::sync::atomic::AtomicUsize,
+    max_connections: usize,
+    timeout: Duration,
+}
+
+impl Backup {
+    fn live(&self) -> MutexGuard<'_, Live> {
+        self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    fn standby(&self) -> MutexGuard<'_, Standby<StandbyRam>> {
+        self.standby.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The primary ended protection (ABORT on any connection of the
+    /// session): the checkpoint goes, so no takeover can contradict what
+    /// the primary releases next; every connection is told (OK ENDED).
+    fn ended(&self, reason: String) {
+        self.standby().discard();
+        let mut l = self.live();
+        eprintln!("hagctl: the primary ended protection: {reason}; standby image discarded");
+        l.broadcast(&Msg::Ok { phase: ENDED_PHASE });
+        l.heard.clear();
+        l.hang = None;
+        l.ended = Some(reason);
+    }
+}
+
+/// The largest wait for one whole checkpoint-stream message (a trickling
+/// peer is cut off at this, whatever its pace).
+const DATA_MESSAGE_DEADLINE: Duration = Duration::from_secs(120);
+
+fn data_session(
+    b: &Backup,
+    mut r: Reader,
+    out: Outbox,
+    conn: u64,
+    first: Msg,
+    from: &str,
+    path: &str,
+) {
     eprintln!("hagctl: checkpoint stream from {from}");
+    let session = match &first {
+        Msg::Hello { session, .. } => *session,
+        _ => return,
+    };
     let mut msg = first;
+    let mut joined = false;
     loop {
-        let reply = {
-            let mut g = b.lock();
-            if g.session != session {
+        if b.live().taken_over {
+            let why = format!(
+                "this backup took over (generation {}); the primary's VM must stop",
+                b.live().generation
+            );
+            out.send(&Msg::Error { message: why });
+            return;
+        }
+        let is_hello = matches!(msg, Msg::Hello { .. });
+        let result = {
+            let mut st = b.standby();
+            let r = if let Some(busy) = st.busy(session) {
+                Err(busy)
+            } else if !is_hello && st.owner != conn {
+                // A newer connection of the session took the stream over.
                 return;
-            }
-            g.heard(path);
-            if g.taken_over {
-                let why = format!(
-                    "this backup took over (generation {}); the primary's VM must stop",
-                    g.standby.generation
-                );
-                let _ = write_msg(&mut stream, &Msg::Error { message: why });
-                return;
-            }
-            if let Msg::Hello { ram_size, .. } = &msg {
-                let fits = g.image.as_ref().is_some_and(|i| i.size() == *ram_size);
-                if !fits && g.standby.committed.is_none() {
-                    match StandbyRam::new(*ram_size) {
-                        Ok(img) => g.image = Some(img),
-                        Err(e) => {
-                            let _ = write_msg(
-                                &mut stream,
-                                &Msg::Error {
-                                    message: format!("cannot create the standby image: {e}"),
-                                },
-                            );
-                            return;
-                        }
-                    }
+            } else {
+                if is_hello {
+                    st.new_session();
+                    st.owner = conn;
                 }
-            }
-            let Inner { standby, image, .. } = &mut *g;
-            let result = match image {
-                Some(img) => standby.on(msg, img),
-                None => Err(StandbyError::Unexpected {
-                    got: msg.ty().name(),
-                    state: "waiting for HELLO",
-                }),
+                st.on(msg, &mut |size| {
+                    feasible(b.opts.as_ref())?;
+                    StandbyRam::new(size).map_err(|e| e.to_string())
+                })
             };
-            match result {
-                Ok(r) => {
-                    if let Some(Msg::EpochAck { epoch, .. }) = &r {
-                        // Read by qemu-tests/eval: what each epoch really changed.
-                        let st = &g.standby.stats;
-                        eprintln!(
-                            "hagctl: epoch {epoch} applied: {} pages, {} changed",
-                            st.last_epoch_pages, st.last_epoch_changed
-                        );
+            if let Ok(Some(Msg::EpochAck { epoch, .. })) = &r {
+                // Read by qemu-tests/eval: what each epoch really changed.
+                eprintln!(
+                    "hagctl: epoch {epoch} applied: {} pages, {} changed",
+                    st.stats.last_epoch_pages, st.stats.last_epoch_changed
+                );
+            }
+            (
+                r,
+                st.generation,
+                st.committed.as_ref().map_or(0, |c| c.epoch),
+            )
+        };
+        let (result, generation, epoch) = result;
+        {
+            let mut l = b.live();
+            l.generation = generation;
+            l.epoch = epoch;
+            if is_hello && result.is_ok() && !joined {
+                // The pairing is this session now; the data connection
+                // is one of its members.
+                l.adopt(session);
+                if let Some(old) = l.data.replace(conn) {
+                    if let Some(m) = l.members.remove(&old) {
+                        m.out.close();
                     }
-                    r
                 }
-                Err(StandbyError::Ended(reason)) => {
-                    g.ended(reason);
-                    return;
-                }
-                Err(e) => {
-                    eprintln!("hagctl: checkpoint stream from {from}: {e}");
-                    let _ = write_msg(
-                        &mut stream,
-                        &Msg::Error {
-                            message: e.to_string(),
-                        },
-                    );
-                    g.standby.new_session();
-                    return;
-                }
+                l.members.insert(conn, Member { out: out.clone() });
+                joined = true;
+            }
+            if joined && !l.member_of(conn) {
+                // Another pairing took over this backup's session.
+                return;
+            }
+            l.heard(path);
+        }
+        let reply = match result {
+            Ok(reply) => reply,
+            Err(StandbyError::Ended(reason)) => {
+                b.ended(reason);
+                return;
+            }
+            Err(e) => {
+                eprintln!("hagctl: checkpoint stream from {from}: {e}");
+                out.send(&Msg::Error {
+                    message: e.to_string(),
+                });
+                b.standby().new_session();
+                return;
             }
         };
         if let Some(reply) = reply {
-            if write_msg(&mut stream, &reply).is_err() {
+            if !out.send(&reply) {
                 return;
             }
         }
-        msg = match read_msg(&mut stream) {
+        r.set_deadline(Some(Instant::now() + DATA_MESSAGE_DEADLINE));
+        msg = match read_msg(&mut r) {
             Ok((m, _)) => m,
             Err(e) => {
-                if b.lock().session == session {
+                if b.live().member_of(conn) {
                     eprintln!("hagctl: checkpoint stream from {from} ended: {e}");
                 }
                 return;
@@ -641,65 +952,158 @@ fn data_session(b: &Backup, mut stream: TcpStream, first: Msg, from: &str, path:
     }
 }
 
-fn control_session(b: &Backup, mut stream: TcpStream, from: &str, path: &str) {
+fn control_session(
+    b: &Backup,
+    mut r: Reader,
+    out: Outbox,
+    conn: u64,
+    session: u128,
+    from: &str,
+    path: &str,
+) {
     {
-        let mut g = b.lock();
-        if let Ok(c) = stream.try_clone() {
-            g.controls.insert(path.to_owned(), c);
+        let mut l = b.live();
+        let ours = l.session.is_none_or(|s| s == session);
+        if !ours || l.taken_over && l.session != Some(session) {
+            let why = format!(
+                "refused a control connection from {from}: session {} is not this backup's ({})",
+                session_name(session),
+                l.session.map_or("none".into(), session_name)
+            );
+            eprintln!("hagctl: {why}");
+            out.send(&Msg::Error { message: why });
+            return;
         }
-        g.heard(path);
+        if l.session.is_none() {
+            l.adopt(session);
+        }
+        out.post(&Msg::HelloOk {
+            version: VERSION_MAX,
+            generation: l.generation,
+            timeout_ms: b.timeout.as_millis().min(u32::MAX as u128) as u32,
+        });
+        l.members.insert(conn, Member { out });
+        l.heard(path);
     }
-    eprintln!("hagctl: control connection from {from} (path {path})");
+    eprintln!(
+        "hagctl: control connection from {from} (path {path}, session {})",
+        session_name(session)
+    );
     loop {
-        match read_msg(&mut stream) {
-            Ok((Msg::Heartbeat { .. }, _)) => b.lock().heard(path),
-            Ok((Msg::Hang { reason }, _)) => {
-                let mut g = b.lock();
-                g.heard(path);
-                g.hang = Some(reason);
-            }
-            Ok((Msg::Abort { reason }, _)) => {
-                let mut g = b.lock();
-                // Unless the checkpoint stream said so first.
-                if g.ended.is_none() && g.standby.committed.is_some() {
-                    g.ended(reason);
+        r.set_deadline(Some(Instant::now() + b.timeout.max(HEARTBEAT * 5) * 2));
+        let msg = match read_msg(&mut r) {
+            Ok((m, _)) => m,
+            Err(_) => break,
+        };
+        let mut l = b.live();
+        if !l.member_of(conn) {
+            eprintln!(
+                "hagctl: {} from {from} refused: its session {} is no longer this backup's",
+                msg.ty().name(),
+                session_name(session)
+            );
+            break;
+        }
+        match msg {
+            Msg::Heartbeat { generation, .. } => {
+                if generation < l.generation {
+                    // A stale primary: it is not the one protected; it
+                    // hears the fence in every heartbeat it gets.
+                    eprintln!(
+                        "hagctl: heartbeat from {from} at generation {generation}, this backup is at {}: not counted",
+                        l.generation
+                    );
+                } else {
+                    l.heard(path);
                 }
-                return;
             }
-            Ok((other, _)) => {
+            Msg::Hang { reason } => {
+                l.heard(path);
+                l.hang = Some(reason);
+            }
+            Msg::Abort { reason } => {
+                drop(l);
+                let has = b.standby().committed.is_some();
+                if b.live().ended.is_none() && has {
+                    b.ended(reason);
+                } else {
+                    b.live().broadcast(&Msg::Ok { phase: ENDED_PHASE });
+                }
+                break;
+            }
+            other => {
                 eprintln!(
                     "hagctl: control connection from {from}: unexpected {}",
                     other.ty().name()
                 );
-                return;
+                break;
             }
-            Err(_) => return,
         }
+    }
+    if let Some(m) = b.live().members.remove(&conn) {
+        m.out.close();
+    }
+}
+
+/// Counts an open connection; dropping it uncounts.
+struct Slot<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
 /// Serves one listener; `path` (its address) names the heartbeat path.
+/// Every connection authenticates first; only then is anything read.
 fn accept_loop(b: Arc<Backup>, listener: TcpListener, path: String) {
+    use std::sync::atomic::Ordering;
     for conn in listener.incoming() {
-        let Ok(mut stream) = conn else { continue };
+        let Ok(stream) = conn else { continue };
+        let from = stream
+            .peer_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_else(|_| "?".into());
+        if b.open.fetch_add(1, Ordering::SeqCst) >= b.max_connections {
+            b.open.fetch_sub(1, Ordering::SeqCst);
+            eprintln!(
+                "hagctl: refused a connection from {from}: {} open already (the limit)",
+                b.max_connections
+            );
+            continue;
+        }
         let b = b.clone();
         let path = path.clone();
         std::thread::spawn(move || {
+            let _slot = Slot(&b.open);
             tune(&stream);
-            let from = stream
-                .peer_addr()
-                .map(|a| a.to_string())
-                .unwrap_or_else(|_| "?".into());
-            match read_msg(&mut stream) {
-                Ok((m @ Msg::Hello { .. }, _)) => data_session(&b, stream, m, &from, &path),
-                Ok((Msg::Heartbeat { .. }, _)) => control_session(&b, stream, &from, &path),
+            let (mut r, w) = match secure::handshake(stream, &b.key, false) {
+                Ok(rw) => rw,
+                Err(e) => {
+                    eprintln!("hagctl: refused a connection from {from}: {e}");
+                    return;
+                }
+            };
+            let Ok(out) = Outbox::spawn(w) else { return };
+            let conn = {
+                let mut l = b.live();
+                l.next_conn += 1;
+                l.next_conn
+            };
+            r.set_deadline(Some(Instant::now() + secure::HANDSHAKE_TIMEOUT));
+            match read_msg(&mut r) {
+                Ok((m @ Msg::Hello { .. }, _)) => data_session(&b, r, out, conn, m, &from, &path),
+                Ok((Msg::Join { session }, _)) => {
+                    control_session(&b, r, out, conn, session, &from, &path)
+                }
                 Ok((m, _)) => {
-                    let _ = write_msg(
-                        &mut stream,
-                        &Msg::Error {
-                            message: format!("unexpected {} to open a connection", m.ty().name()),
-                        },
+                    eprintln!(
+                        "hagctl: refused a connection from {from}: it opened with {}",
+                        m.ty().name()
                     );
+                    out.send(&Msg::Error {
+                        message: format!("unexpected {} to open a connection", m.ty().name()),
+                    });
                 }
                 Err(e) => eprintln!("hagctl: connection from {from}: {e}"),
             }
@@ -707,15 +1111,18 @@ fn accept_loop(b: Arc<Backup>, listener: TcpListener, path: String) {
     }
 }
 
+/// Heartbeats to every connection of the session, posted, never blocking.
 fn heartbeat_loop(b: Arc<Backup>) {
     loop {
         std::thread::sleep(HEARTBEAT);
-        let mut g = b.lock();
+        let mut l = b.live();
         let msg = Msg::Heartbeat {
-            generation: g.standby.generation,
-            epoch: g.standby.committed.as_ref().map_or(0, |c| c.epoch),
+            generation: l.generation,
+            epoch: l.epoch,
         };
-        g.controls.retain(|_, c| write_msg(c, &msg).is_ok());
+        let data = l.data;
+        l.members
+            .retain(|&c, m| Some(c) == data || m.out.post(&msg));
     }
 }
 
@@ -723,16 +1130,44 @@ fn state_path(dir: &std::path::Path) -> PathBuf {
     dir.join("backup.json")
 }
 
-/// Stores the generation and epoch with the checkpoint (best effort).
-fn store_state(dir: &std::path::Path, value: &serde_json::Value) {
-    let _ = std::fs::create_dir_all(dir);
+/// The generation stored in `dir`, if any.
+pub fn stored_generation(dir: &std::path::Path) -> Option<u64> {
+    let text = std::fs::read_to_string(state_path(dir)).ok()?;
+    serde_json::from_str::<serde_json::Value>(&text)
+        .ok()?
+        .get("generation")?
+        .as_u64()
+}
+
+/// Stores the state durably: written to a temporary file, synced, renamed,
+/// the directory synced, and read back.
+fn store_state(dir: &std::path::Path, value: &serde_json::Value) -> Result<(), String> {
+    let io = |e: std::io::Error| format!("{}: {e}", state_path(dir).display());
+    std::fs::create_dir_all(dir).map_err(io)?;
     let tmp = dir.join(".backup.json.tmp");
-    if std::fs::write(&tmp, value.to_string() + "\n").is_ok() {
-        let _ = std::fs::rename(&tmp, state_path(dir));
+    {
+        let mut f = std::fs::File::create(&tmp).map_err(io)?;
+        f.write_all((value.to_string() + "\n").as_bytes())
+            .map_err(io)?;
+        f.sync_all().map_err(io)?;
     }
+    std::fs::rename(&tmp, state_path(dir)).map_err(io)?;
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io)?;
+    let want = value.get("generation").and_then(|g| g.as_u64());
+    let got = stored_generation(dir);
+    if got != want {
+        return Err(format!(
+            "{} reads back generation {got:?}, not {want:?}",
+            state_path(dir).display()
+        ));
+    }
+    Ok(())
 }
 
 fn start_vm(opts: &BackupOptions, ram_size: u64) -> anyhow::Result<(Child, VmClient)> {
+    use std::os::unix::process::CommandExt;
     let _ = std::fs::remove_file(&opts.control);
     let mut cmd = Command::new(&opts.vmm);
     cmd.arg("serve")
@@ -744,6 +1179,17 @@ fn start_vm(opts: &BackupOptions, ram_size: u64) -> anyhow::Result<(Child, VmCli
         .arg("--ram-mib")
         .arg((ram_size >> 20).to_string())
         .args(&opts.vmm_args);
+    // SAFETY: the closure runs in the child between fork and exec and
+    // calls only prctl(2), which is async-signal-safe; it allocates
+    // nothing and touches no lock.
+    unsafe {
+        cmd.pre_exec(|| {
+            // The VM a takeover started ends with this backup: a VM left
+            // running by a dead controller is an unmanaged second copy.
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+                .map_err(std::io::Error::from)
+        });
+    }
     let mut child = cmd
         .spawn()
         .map_err(|e| anyhow::anyhow!("cannot start {}: {e}", opts.vmm.display()))?;
@@ -754,6 +1200,7 @@ fn start_vm(opts: &BackupOptions, ram_size: u64) -> anyhow::Result<(Child, VmCli
                 if s.state == "incoming" {
                     return Ok((child, vm));
                 }
+                let _ = child.kill();
                 anyhow::bail!(
                     "the VM started for the takeover is {}, not incoming",
                     s.state
@@ -771,71 +1218,153 @@ fn start_vm(opts: &BackupOptions, ram_size: u64) -> anyhow::Result<(Child, VmCli
     }
 }
 
-fn takeover(
-    opts: &BackupOptions,
-    detected: Instant,
-    reason: String,
-    cp: &Checkpoint,
-    image: &StandbyRam,
-) -> anyhow::Result<(TakeoverReport, Child)> {
-    let mut report = TakeoverReport {
-        reason,
-        generation: cp.generation,
-        epoch: cp.epoch,
-        ..TakeoverReport::default()
+/// Whether a takeover could run here: the vGPU exists and the VMM is
+/// there (checked when a primary pairs, and again at takeover).
+fn feasible(opts: &BackupOptions) -> Result<(), String> {
+    let mdev = std::path::Path::new("/sys/bus/mdev/devices").join(&opts.mdev);
+    if !mdev.exists() {
+        return Err(format!("this host has no mdev {}", opts.mdev));
+    }
+    let vmm_found = if opts.vmm.components().count() > 1 {
+        opts.vmm.exists()
+    } else {
+        std::env::var_os("PATH")
+            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(&opts.vmm).exists()))
     };
-    let (child, mut vm) = start_vm(opts, image.size())?;
-    report.start_vm_ms = detected.elapsed().as_secs_f64() * 1e3;
-    let t = Instant::now();
-    let ram = vm.ram()?;
-    anyhow::ensure!(
-        ram.size() == image.size(),
-        "the VM has {} bytes of RAM, the image {}",
-        ram.size(),
-        image.size()
-    );
-    // The incoming VM's RAM is zero: copy the pages the image ever had
-    // written (and are not zero now).
-    let mut page = [0u8; PAGE];
-    for p in image.written() {
-        image.read_at(p * PAGE_SIZE, &mut page)?;
-        if page.iter().any(|&b| b != 0) {
-            ram.write(p * PAGE_SIZE, &page)?;
-            report.pages += 1;
+    if !vmm_found {
+        return Err(format!("no VMM {} here", opts.vmm.display()));
+    }
+    Ok(())
+}
+
+/// The real takeover: hag-vmm started here, the image copied in.
+struct Takeover<'a> {
+    opts: &'a BackupOptions,
+    b: &'a Backup,
+    cp: &'a Checkpoint,
+    image: &'a StandbyRam,
+    detected: Instant,
+    report: TakeoverReport,
+    child: Option<Child>,
+    incoming: Option<IncomingVm>,
+}
+
+impl TakeoverSteps for Takeover<'_> {
+    fn prepare(&mut self) -> Result<(), String> {
+        feasible(self.opts)?;
+        let (child, mut vm) = start_vm(self.opts, self.image.size()).map_err(|e| e.to_string())?;
+        self.child = Some(child);
+        self.report.start_vm_ms = self.detected.elapsed().as_secs_f64() * 1e3;
+        let t = Instant::now();
+        let ram = vm.ram().map_err(|e| e.to_string())?;
+        if ram.size() != self.image.size() {
+            return Err(format!(
+                "the VM has {} bytes of RAM, the image {}",
+                ram.size(),
+                self.image.size()
+            ));
+        }
+        // The incoming VM's RAM is zero: copy the pages the image ever had
+        // written (and are not zero now).
+        let mut page = [0u8; PAGE];
+        for p in self.image.written() {
+            self.image
+                .read_at(p * PAGE_SIZE, &mut page)
+                .map_err(|e| e.to_string())?;
+            if page.iter().any(|&b| b != 0) {
+                ram.write(p * PAGE_SIZE, &page).map_err(|e| e.to_string())?;
+                self.report.pages += 1;
+            }
+        }
+        self.report.fill_ms = t.elapsed().as_secs_f64() * 1e3;
+        let t = Instant::now();
+        let mut incoming = IncomingVm::open(vm, ram).map_err(|e| e.to_string())?;
+        incoming
+            .prepare(&self.cp.context, &self.cp.vm_state)
+            .map_err(|e| format!("restoring epoch {}: {e}", self.cp.epoch))?;
+        self.report.restore_ms = t.elapsed().as_secs_f64() * 1e3;
+        self.incoming = Some(incoming);
+        Ok(())
+    }
+    fn persist(&mut self, generation: u64) -> Result<(), String> {
+        store_state(
+            &self.opts.status_dir,
+            &serde_json::json!({
+                "pid": std::process::id(),
+                "state": "took-over",
+                "listen": self.opts.listen,
+                "generation": generation,
+                "epoch": self.cp.epoch,
+                "reason": self.report.reason,
+            }),
+        )
+    }
+    fn fence(&mut self, generation: u64) {
+        let mut l = self.b.live();
+        l.generation = generation;
+        // Every connection of the session, the data link's too.
+        l.broadcast(&Msg::Heartbeat {
+            generation,
+            epoch: self.cp.epoch,
+        });
+    }
+    fn resume(&mut self) -> Result<(), String> {
+        let t = Instant::now();
+        let incoming = self
+            .incoming
+            .as_mut()
+            .ok_or_else(|| "nothing prepared".to_owned())?;
+        incoming.resume()?;
+        self.report.restore_ms += t.elapsed().as_secs_f64() * 1e3;
+        self.report.takeover_ms = self.detected.elapsed().as_secs_f64() * 1e3;
+        Ok(())
+    }
+    fn abandon(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
         }
     }
-    report.fill_ms = t.elapsed().as_secs_f64() * 1e3;
-    let t = Instant::now();
-    let mut incoming = IncomingVm::open(vm, ram)?;
-    incoming
-        .commit(&cp.context, &cp.vm_state)
-        .map_err(|e| anyhow::anyhow!("resuming the VM from epoch {}: {e}", cp.epoch))?;
-    report.restore_ms = t.elapsed().as_secs_f64() * 1e3;
-    report.takeover_ms = detected.elapsed().as_secs_f64() * 1e3;
-    Ok((report, child))
 }
 
 /// `hagctl backup`: returns the VM's exit status once it ends after a
 /// takeover, or `None` when the primary ended protection.
 pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
+    let key = Key::load(&opts.key)?;
+    feasible(opts).map_err(|e| anyhow::anyhow!("cannot stand by: {e}"))?;
+    // The generation survives a restart: never go back below a takeover.
+    let generation = opts
+        .generation
+        .max(stored_generation(&opts.status_dir).unwrap_or(0));
     let mut listeners = Vec::new();
     for addr in std::iter::once(&opts.listen).chain(&opts.heartbeat_listen) {
         let l =
             TcpListener::bind(addr).map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
         listeners.push((l, addr.clone()));
     }
+    let limits = Limits {
+        max_ram: opts.max_ram,
+        timeout_ms: opts.failover_timeout.as_millis().min(u32::MAX as u128) as u32,
+    };
     let b = Arc::new(Backup {
-        inner: Mutex::new(Inner {
-            standby: Standby::new(opts.generation),
-            image: None,
+        opts: Arc::new(opts.clone()),
+        live: Mutex::new(Live {
+            session: None,
             heard: BTreeMap::new(),
             hang: None,
-            controls: BTreeMap::new(),
+            members: BTreeMap::new(),
             data: None,
-            session: 0,
+            next_conn: 0,
             taken_over: false,
             ended: None,
+            generation,
+            epoch: 0,
         }),
+        standby: Mutex::new(Standby::new(generation, limits)),
+        key,
+        open: std::sync::atomic::AtomicUsize::new(0),
+        max_connections: opts.max_connections,
+        timeout: opts.failover_timeout,
     });
     for (listener, path) in listeners {
         let b = b.clone();
@@ -854,41 +1383,40 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
             .collect::<String>(),
         opts.mdev,
         opts.failover_timeout.as_secs_f64(),
-        opts.generation
+        generation
     );
     let mut last_stored = 0u64;
     let mut holding = false;
     loop {
         std::thread::sleep(Duration::from_millis(20));
-        let mut g = b.lock();
-        if let Some(reason) = g.ended.take() {
-            if g.standby.committed.is_none() && g.hang.is_none() {
+        let has_checkpoint = b.standby().committed.is_some();
+        let mut l = b.live();
+        if let Some(reason) = l.ended.take() {
+            if !has_checkpoint && l.hang.is_none() {
                 eprintln!("hagctl: backup done: {reason}");
                 return Ok(None);
             }
         }
-        if let Some(c) = &g.standby.committed {
-            if c.epoch != last_stored {
-                last_stored = c.epoch;
-                store_state(
-                    &opts.status_dir,
-                    &serde_json::json!({
-                        "pid": std::process::id(),
-                        "state": "standby",
-                        "listen": opts.listen,
-                        "generation": g.standby.generation,
-                        "epoch": c.epoch,
-                    }),
-                );
+        if has_checkpoint && l.epoch != last_stored {
+            last_stored = l.epoch;
+            let state = serde_json::json!({
+                "pid": std::process::id(),
+                "state": "standby",
+                "listen": opts.listen,
+                "generation": l.generation,
+                "epoch": l.epoch,
+            });
+            if let Err(e) = store_state(&opts.status_dir, &state) {
+                eprintln!("hagctl: warning: {e}");
             }
         }
         let paths: Vec<(&str, Option<Duration>)> = std::iter::once(&opts.listen)
             .chain(&opts.heartbeat_listen)
-            .map(|a| (a.as_str(), g.heard.get(a).map(Instant::elapsed)))
+            .map(|a| (a.as_str(), l.heard.get(a).map(Instant::elapsed)))
             .collect();
         let decision = decide(
-            g.standby.committed.is_some(),
-            g.hang.as_deref(),
+            has_checkpoint,
+            l.hang.as_deref(),
             &paths,
             opts.failover_timeout,
         );
@@ -901,60 +1429,46 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
             }
             Decision::Forget(why) => {
                 eprintln!("hagctl: {why}");
-                g.hang = None;
-                g.heard.clear();
-                g.standby.discard();
-                if let Some(d) = g.data.take() {
-                    let _ = d.shutdown(Shutdown::Both);
-                }
+                l.hang = None;
+                l.heard.clear();
+                drop(l);
+                b.standby().discard();
                 continue;
             }
             Decision::Takeover(reason) => {
                 let detected = Instant::now();
-                g.taken_over = true;
-                g.standby.generation += 1;
-                let generation = g.standby.generation;
-                if let Some(d) = g.data.take() {
-                    let _ = d.shutdown(Shutdown::Both);
-                }
-                let mut cp = g
-                    .standby
-                    .committed
-                    .clone()
-                    .ok_or_else(|| anyhow::anyhow!("no checkpoint"))?;
-                cp.generation = generation;
-                // Tell the primary at once (if it still listens): it must
-                // stop its VM.
-                for c in g.controls.values_mut() {
-                    let _ = write_msg(
-                        c,
-                        &Msg::Heartbeat {
-                            generation,
-                            epoch: cp.epoch,
-                        },
-                    );
-                }
-                let image = g
-                    .image
+                // From now on no epoch is applied or acknowledged.
+                l.taken_over = true;
+                drop(l);
+                let (cp, image) = b
+                    .standby()
                     .take()
-                    .ok_or_else(|| anyhow::anyhow!("no standby image"))?;
-                drop(g);
-                store_state(
-                    &opts.status_dir,
-                    &serde_json::json!({
-                        "pid": std::process::id(),
-                        "state": "took-over",
-                        "listen": opts.listen,
-                        "generation": generation,
-                        "epoch": cp.epoch,
-                        "reason": reason,
-                    }),
-                );
+                    .ok_or_else(|| anyhow::anyhow!("no checkpoint"))?;
                 eprintln!(
-                    "hagctl: taking over from epoch {} (generation {generation}): {reason}",
-                    cp.epoch
+                    "hagctl: taking over from epoch {} (generation {} → {}): {reason}",
+                    cp.epoch,
+                    cp.generation,
+                    cp.generation.max(generation) + 1
                 );
-                let (report, mut child) = takeover(opts, detected, reason, &cp, &image)?;
+                let mut t = Takeover {
+                    opts,
+                    b: &b,
+                    cp: &cp,
+                    image: &image,
+                    detected,
+                    report: TakeoverReport {
+                        reason,
+                        epoch: cp.epoch,
+                        ..TakeoverReport::default()
+                    },
+                    child: None,
+                    incoming: None,
+                };
+                let from = b.live().generation;
+                let new = take_over(&mut t, from)?;
+                t.report.generation = new;
+                let report = t.report.clone();
+                let mut child = t.child.take().ok_or_else(|| anyhow::anyhow!("no VM"))?;
                 let line = if opts.json {
                     serde_json::to_string(&report)? + "\n"
                 } else {
@@ -977,16 +1491,52 @@ mod tests {
     use super::*;
     use crate::wire::tests::snapshot;
 
-    struct Ram(Vec<[u8; PAGE]>);
+    /// Plain memory; after `fail_after` writes every write fails, and
+    /// write number `fail_once` fails (a full disk, a failing device).
+    struct Ram {
+        pages: Vec<[u8; PAGE]>,
+        fail_after: Option<usize>,
+        fail_once: Option<usize>,
+        writes: usize,
+    }
 
     impl Image for Ram {
         fn ram_size(&self) -> u64 {
-            (self.0.len() * PAGE) as u64
+            (self.pages.len() * PAGE) as u64
         }
         fn write_page(&mut self, index: u64, bytes: &[u8; PAGE]) -> Result<(), String> {
-            self.0[index as usize] = *bytes;
+            self.writes += 1;
+            if self.fail_after.is_some_and(|n| self.writes > n)
+                || self.fail_once == Some(self.writes)
+            {
+                return Err("injected write failure".into());
+            }
+            self.pages[index as usize] = *bytes;
             Ok(())
         }
+        fn read_page(&self, index: u64, out: &mut [u8; PAGE]) -> Result<(), String> {
+            *out = self.pages[index as usize];
+            Ok(())
+        }
+    }
+
+    const SESSION: u128 = 0x5e55;
+    const LIMITS: Limits = Limits {
+        max_ram: 1 << 20,
+        timeout_ms: 3000,
+    };
+
+    fn standby(generation: u64) -> Standby<Ram> {
+        Standby::new(generation, LIMITS)
+    }
+
+    fn fresh(size: u64) -> Result<Ram, String> {
+        Ok(Ram {
+            pages: vec![[0; PAGE]; (size / PAGE as u64) as usize],
+            fail_after: None,
+            fail_once: None,
+            writes: 0,
+        })
     }
 
     fn pages(round: u32, list: &[(u64, u8)]) -> Msg {
@@ -1012,36 +1562,48 @@ mod tests {
         ]
     }
 
-    fn feed(s: &mut Standby, img: &mut Ram, msgs: Vec<Msg>) -> Result<Vec<Msg>, StandbyError> {
+    fn feed(s: &mut Standby<Ram>, msgs: Vec<Msg>) -> Result<Vec<Msg>, StandbyError> {
         let mut replies = Vec::new();
         for m in msgs {
-            if let Some(r) = s.on(m, img)? {
+            if let Some(r) = s.on(m, &mut fresh)? {
                 replies.push(r);
             }
         }
         Ok(replies)
     }
 
-    fn hello() -> Msg {
+    fn hello_of(session: u128) -> Msg {
         Msg::Hello {
-            min: 1,
-            max: 1,
+            min: 2,
+            max: 2,
             ram_size: 8 * PAGE as u64,
+            session,
         }
+    }
+
+    fn hello() -> Msg {
+        hello_of(SESSION)
+    }
+
+    fn img(s: &Standby<Ram>) -> &Ram {
+        s.current.as_ref().unwrap()
     }
 
     #[test]
     fn precopy_then_epochs_are_applied_and_acknowledged() {
-        let mut s = Standby::new(0);
-        let mut img = Ram(vec![[0; PAGE]; 8]);
+        let mut s = standby(0);
         let mut msgs = vec![hello(), pages(0, &[(1, 1), (2, 2)])];
         msgs.push(Msg::RoundEnd { round: 0, pages: 2 });
         msgs.extend(epoch(1, &[(2, 3)], 1, 0));
-        let r = feed(&mut s, &mut img, msgs).unwrap();
+        let r = feed(&mut s, msgs).unwrap();
         assert_eq!(
             r,
             vec![
-                Msg::HelloOk { version: 1 },
+                Msg::HelloOk {
+                    version: 2,
+                    generation: 0,
+                    timeout_ms: 3000
+                },
                 Msg::Ok { phase: 0 },
                 Msg::Ok { phase: 1 },
                 Msg::EpochAck {
@@ -1050,12 +1612,13 @@ mod tests {
                 }
             ]
         );
-        assert_eq!(img.0[1][0], 1);
-        assert_eq!(img.0[2][0], 3);
+        assert_eq!(img(&s).pages[1][0], 1);
+        assert_eq!(img(&s).pages[2][0], 3);
         let cp = s.committed.clone().unwrap();
         assert_eq!((cp.epoch, cp.vm_state.as_slice()), (1, &b"state 1"[..]));
+        assert_eq!(cp.session, SESSION);
         // Epoch 2 in the next round.
-        let r = feed(&mut s, &mut img, epoch(2, &[(3, 9)], 2, 0)).unwrap();
+        let r = feed(&mut s, epoch(2, &[(3, 9)], 2, 0)).unwrap();
         assert_eq!(
             r.last(),
             Some(&Msg::EpochAck {
@@ -1063,50 +1626,158 @@ mod tests {
                 generation: 0
             })
         );
-        assert_eq!(img.0[3][0], 9);
+        assert_eq!(img(&s).pages[3][0], 9);
         assert_eq!(s.stats.epochs, 2);
     }
 
     #[test]
     fn an_unfinished_epoch_never_touches_the_checkpoint() {
-        let mut s = Standby::new(0);
-        let mut img = Ram(vec![[0; PAGE]; 8]);
+        let mut s = standby(0);
         let mut msgs = vec![hello()];
         msgs.extend(epoch(0, &[(1, 1)], 1, 0));
-        feed(&mut s, &mut img, msgs).unwrap();
+        feed(&mut s, msgs).unwrap();
         // Epoch 2 breaks off after its pages and ROUND_END.
         let partial = epoch(1, &[(1, 7), (4, 7)], 2, 0);
-        feed(&mut s, &mut img, partial[..2].to_vec()).unwrap();
-        assert_eq!(img.0[1][0], 1, "staged, not applied");
-        assert_eq!(img.0[4][0], 0);
+        feed(&mut s, partial[..2].to_vec()).unwrap();
+        assert_eq!(img(&s).pages[1][0], 1, "staged, not applied");
+        assert_eq!(img(&s).pages[4][0], 0);
         assert_eq!(s.committed.as_ref().unwrap().epoch, 1);
         // The primary reconnects: a new session resends everything; the
         // old checkpoint stays valid until the new epoch ends.
         s.new_session();
         let mut msgs = vec![hello(), pages(0, &[(1, 5)])];
         msgs.push(Msg::RoundEnd { round: 0, pages: 1 });
-        feed(&mut s, &mut img, msgs).unwrap();
-        assert_eq!(img.0[1][0], 1);
-        img.0[6] = [8; PAGE];
-        feed(&mut s, &mut img, epoch(1, &[(4, 6)], 1, 0)).unwrap();
-        assert_eq!((img.0[1][0], img.0[4][0]), (5, 6));
-        assert_eq!(img.0[6][0], 0, "a page not resent is zero now");
+        feed(&mut s, msgs).unwrap();
+        assert_eq!(img(&s).pages[1][0], 1);
+        s.current.as_mut().unwrap().pages[6] = [8; PAGE];
+        feed(&mut s, epoch(1, &[(4, 6)], 3, 0)).unwrap();
+        assert_eq!((img(&s).pages[1][0], img(&s).pages[4][0]), (5, 6));
+        assert_eq!(img(&s).pages[6][0], 0, "a page not resent is zero now");
+    }
+
+    /// Issue 12, item 1: an aborted first sync leaves pages in an image;
+    /// the next session's checkpoint must not contain them (round 0 skips
+    /// zero pages, so they would never be overwritten).
+    #[test]
+    fn an_aborted_sync_leaves_nothing_in_the_next_checkpoint() {
+        let mut s = standby(0);
+        let msgs = vec![hello(), pages(0, &[(3, 0xaa)])];
+        feed(&mut s, msgs).unwrap();
+        // The link fails; the primary (page 3 now zero there) syncs again.
+        s.new_session();
+        let mut msgs = vec![hello(), pages(0, &[(1, 1)])];
+        msgs.push(Msg::RoundEnd { round: 0, pages: 1 });
+        msgs.extend(epoch(1, &[], 1, 0));
+        feed(&mut s, msgs).unwrap();
+        assert_eq!(img(&s).pages[3], [0; PAGE], "a page no checkpoint held");
+        assert_eq!(img(&s).pages[1][0], 1);
+    }
+
+    /// Issue 12, item 7: a write failing part-way through an epoch leaves
+    /// the image and the checkpoint as they were.
+    #[test]
+    fn a_failing_apply_rolls_back_to_the_last_checkpoint() {
+        let mut s = standby(0);
+        let mut msgs = vec![hello()];
+        msgs.extend(epoch(0, &[(1, 1), (2, 2), (3, 3)], 1, 0));
+        feed(&mut s, msgs).unwrap();
+        let before = img(&s).pages.clone();
+        // The second of three writes fails; the undo of the first works.
+        let writes = img(&s).writes;
+        s.current.as_mut().unwrap().fail_once = Some(writes + 2);
+        let err = feed(&mut s, epoch(1, &[(1, 9), (2, 9), (3, 9)], 2, 0)).unwrap_err();
+        assert!(err.to_string().contains("rolled back"), "{err}");
+        assert_eq!(s.committed.as_ref().unwrap().epoch, 1);
+        assert_eq!(img(&s).pages, before);
+    }
+
+    /// Item 7: an undo that fails too drops the checkpoint rather than
+    /// keep a mixed image under it.
+    #[test]
+    fn a_failed_undo_drops_the_checkpoint() {
+        let mut s = standby(0);
+        let mut msgs = vec![hello()];
+        msgs.extend(epoch(0, &[(1, 1), (2, 2)], 1, 0));
+        feed(&mut s, msgs).unwrap();
+        let writes = img(&s).writes;
+        s.current.as_mut().unwrap().fail_after = Some(writes + 1);
+        let err = feed(&mut s, epoch(1, &[(1, 9), (2, 9)], 2, 0)).unwrap_err();
+        assert!(err.to_string().contains("checkpoint is lost"), "{err}");
+        assert!(s.committed.is_none() && s.current.is_none());
+    }
+
+    /// Issue 12, item 8: a HELLO asking for more RAM than the limit (or
+    /// not whole pages) is refused before anything is allocated.
+    #[test]
+    fn oversized_hellos_are_refused_before_allocation() {
+        let mut s = standby(0);
+        let mut made = 0;
+        for ram_size in [1u64 << 62, (1 << 20) + PAGE as u64, 0, 100] {
+            let err = s
+                .on(
+                    Msg::Hello {
+                        min: 2,
+                        max: 2,
+                        ram_size,
+                        session: 1,
+                    },
+                    &mut |n| {
+                        made += 1;
+                        fresh(n)
+                    },
+                )
+                .unwrap_err();
+            assert!(matches!(err, StandbyError::Invalid(_)), "{err}");
+            s.new_session();
+        }
+        assert_eq!(made, 0);
+        let err = s.on(hello(), &mut |_| Err("ENOMEM".into())).unwrap_err();
+        assert!(err.to_string().contains("cannot hold 0 MiB"), "{err}");
+    }
+
+    /// Issue 12, items 2 and 9: a checkpoint belongs to its pairing; a
+    /// HELLO of another session is refused without touching it; a resync
+    /// (the same session) writes into an image of its own, never stages a
+    /// second copy of RAM in memory.
+    #[test]
+    fn another_pairing_is_refused_and_a_resync_stages_nothing() {
+        let mut s = standby(0);
+        let mut msgs = vec![hello()];
+        msgs.extend(epoch(0, &[(1, 1)], 1, 0));
+        feed(&mut s, msgs).unwrap();
+        assert!(matches!(
+            s.busy(99),
+            Some(StandbyError::Busy { epoch: 1, .. })
+        ));
+        s.new_session();
+        let err = feed(&mut s, vec![hello_of(99)]).unwrap_err();
+        assert!(err.to_string().contains("must wait"), "{err}");
+        assert_eq!(s.committed.as_ref().unwrap().epoch, 1);
+        // The resync: every page of round 0 goes to the new image.
+        s.new_session();
+        feed(&mut s, vec![hello(), pages(0, &[(1, 2), (2, 2), (3, 2)])]).unwrap();
+        assert!(s.staged.is_empty());
+        assert_eq!(s.next.as_ref().unwrap().pages[2][0], 2);
+        assert_eq!(
+            img(&s).pages[2][0],
+            0,
+            "the checkpoint's image is untouched"
+        );
     }
 
     #[test]
     fn stale_generations_and_bad_streams_are_refused() {
-        let mut s = Standby::new(2);
-        let mut img = Ram(vec![[0; PAGE]; 8]);
+        let mut s = standby(2);
         let mut msgs = vec![hello()];
         msgs.extend(epoch(0, &[(1, 1)], 1, 1));
-        let err = feed(&mut s, &mut img, msgs).unwrap_err();
+        let err = feed(&mut s, msgs).unwrap_err();
         assert_eq!(err, StandbyError::Stale { theirs: 1, ours: 2 });
         assert!(s.committed.is_none());
         // A newer generation is adopted.
         s.new_session();
         let mut msgs = vec![hello()];
         msgs.extend(epoch(0, &[(1, 1)], 1, 3));
-        let r = feed(&mut s, &mut img, msgs).unwrap();
+        let r = feed(&mut s, msgs).unwrap();
         assert_eq!(
             r.last(),
             Some(&Msg::EpochAck {
@@ -1116,23 +1787,24 @@ mod tests {
         );
         assert_eq!(s.generation, 3);
         // Out of turn, epochs going backwards, RAM size mismatch, ABORT.
-        let err = s.on(Msg::Commit, &mut img).unwrap_err();
+        let err = s.on(Msg::Commit, &mut fresh).unwrap_err();
         assert!(err.to_string().starts_with("unexpected COMMIT"), "{err}");
         s.new_session();
         let mut msgs = vec![hello()];
         msgs.extend(epoch(0, &[], 5, 3));
         msgs.extend(epoch(1, &[], 5, 3));
-        let err = feed(&mut s, &mut img, msgs).unwrap_err();
+        let err = feed(&mut s, msgs).unwrap_err();
         assert!(err.to_string().contains("epoch 5 after epoch 5"), "{err}");
         s.new_session();
         let err = s
             .on(
                 Msg::Hello {
-                    min: 1,
-                    max: 1,
+                    min: 2,
+                    max: 2,
                     ram_size: 4 * PAGE as u64,
+                    session: SESSION,
                 },
-                &mut img,
+                &mut fresh,
             )
             .unwrap_err();
         assert!(err.to_string().contains("guest RAM"), "{err}");
@@ -1142,10 +1814,84 @@ mod tests {
                 Msg::Abort {
                     reason: "the VM finished".into(),
                 },
-                &mut img,
+                &mut fresh,
             )
             .unwrap_err();
         assert_eq!(err, StandbyError::Ended("the VM finished".into()));
+    }
+
+    /// The order of a takeover, recorded.
+    #[derive(Default)]
+    struct Steps {
+        log: Vec<String>,
+        fail: Option<&'static str>,
+    }
+
+    impl TakeoverSteps for Steps {
+        fn prepare(&mut self) -> Result<(), String> {
+            self.log.push("prepare".into());
+            if self.fail == Some("prepare") {
+                return Err("no vGPU".into());
+            }
+            Ok(())
+        }
+        fn persist(&mut self, g: u64) -> Result<(), String> {
+            self.log.push(format!("persist {g}"));
+            if self.fail == Some("persist") {
+                return Err("read back 0".into());
+            }
+            Ok(())
+        }
+        fn fence(&mut self, g: u64) {
+            self.log.push(format!("fence {g}"));
+        }
+        fn resume(&mut self) -> Result<(), String> {
+            self.log.push("resume".into());
+            Ok(())
+        }
+        fn abandon(&mut self) {
+            self.log.push("abandon".into());
+        }
+    }
+
+    /// Issue 12, items 3 and 9: the primary is fenced only once the VM is
+    /// ready here and the new generation is durable; a generation never
+    /// wraps.
+    #[test]
+    fn takeover_fences_only_after_it_is_known_to_work() {
+        let mut ok = Steps::default();
+        assert_eq!(take_over(&mut ok, 4), Ok(5));
+        assert_eq!(ok.log, ["prepare", "persist 5", "fence 5", "resume"]);
+        for fail in ["prepare", "persist"] {
+            let mut s = Steps {
+                fail: Some(fail),
+                ..Steps::default()
+            };
+            assert!(take_over(&mut s, 4).is_err());
+            assert!(!s.log.iter().any(|l| l.starts_with("fence")), "{:?}", s.log);
+            assert_eq!(s.log.last().map(String::as_str), Some("abandon"));
+        }
+        let mut s = Steps::default();
+        assert_eq!(
+            take_over(&mut s, u64::MAX),
+            Err(TakeoverError::Exhausted(u64::MAX))
+        );
+        assert!(s.log.is_empty());
+    }
+
+    /// Issue 12, item 9: the generation is stored durably and read back.
+    #[test]
+    fn the_generation_is_read_back() {
+        let dir = std::env::temp_dir().join(format!("hag-backup-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(stored_generation(&dir), None);
+        store_state(
+            &dir,
+            &serde_json::json!({"generation": 7, "state": "took-over"}),
+        )
+        .unwrap();
+        assert_eq!(stored_generation(&dir), Some(7));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -36,6 +36,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Shutdown, TcpStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -49,8 +50,12 @@ use crate::migrate::{
     MigrationReport, Source,
 };
 use crate::pagehash::PageHashes;
+use crate::primary::{Action, Event, Policy, State};
+use crate::secure::{self, Key, Outbox};
 use crate::vmm::Vmm;
-use crate::wire::{read_msg, write_msg, Msg, PageData, PAGE, PAGES_PER_FRAME};
+use crate::wire::{
+    read_msg, session_name, write_msg, Msg, PageData, ENDED_PHASE, PAGE, PAGES_PER_FRAME,
+};
 
 /// Options of `hagctl checkpoint`.
 #[derive(Clone, Debug)]
@@ -81,6 +86,8 @@ pub struct CheckpointOptions {
     pub connect_timeout: Duration,
     /// Where the status file goes.
     pub status_dir: PathBuf,
+    /// The pair's pre-shared key file.
+    pub key: PathBuf,
 }
 
 /// One epoch.
@@ -183,35 +190,35 @@ impl CheckpointReport {
     }
 }
 
-/// What the threads share.
+/// What the threads share: the policy and the session's connections.
 struct Shared {
-    /// The vGPU hung (reason).
-    hung: Option<String>,
-    /// The VM was stopped (after a hang or a newer generation).
-    vm_stopped: bool,
-    /// A newer generation seen from the backup.
-    newer: Option<u64>,
-    /// Last heartbeat from the backup on the data link.
+    policy: Policy,
+    /// Last heartbeat from the backup on the data link's control
+    /// connection.
     heard: Instant,
-    /// Last heartbeat from the backup on any path.
+    /// Last heartbeat from the backup on any connection of the session.
     heard_any: Instant,
-    /// Connected to the backup.
+    /// The data link is up (a sync succeeded and nothing cut it since).
     connected: bool,
-    /// Why the link was cut by the heartbeat thread.
+    /// Why the link was cut by another thread.
     lost: Option<String>,
-    control: Option<TcpStream>,
+    /// The data connection's socket (to cut it from another thread).
     data: Option<TcpStream>,
-    /// Last acknowledged epoch.
-    acked: u64,
-    /// The extra heartbeat paths' connections, by address.
-    paths: BTreeMap<String, TcpStream>,
+    /// Every control connection of the session: the data link's
+    /// (`"control"`) and each heartbeat path's (by address).
+    outs: BTreeMap<String, Outbox>,
+    /// The backup confirmed the end of protection.
+    end_confirmed: bool,
+    /// An outcome a thread reached (a fence, a failed stop).
+    exit: Option<(&'static str, String)>,
 }
 
 struct Link {
     shared: Mutex<Shared>,
     vm_path: PathBuf,
     generation: u64,
-    timeout: Duration,
+    session: u128,
+    key: Key,
 }
 
 impl Link {
@@ -219,64 +226,139 @@ impl Link {
         self.shared.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn hung(&self) -> Option<String> {
-        self.lock().hung.clone()
-    }
-
-    fn newer(&self) -> Option<u64> {
-        self.lock().newer
-    }
-
-    /// Stops the VM (once), from any thread, on its own connection.
-    fn stop_vm(&self, why: &str) {
-        if std::mem::replace(&mut self.lock().vm_stopped, true) {
-            return;
+    /// Feeds the policy from any thread and carries out what it says
+    /// (releasing output is the main thread's: it alone gets acks).
+    fn event(&self, ev: Event) -> Vec<Action> {
+        let actions = self.lock().policy.on(ev);
+        let mut rest = Vec::new();
+        for a in actions {
+            match a {
+                Action::StopVm(why) => self.stop_vm(&why),
+                Action::SendHang(reason) => {
+                    let g = self.lock();
+                    let sent = g
+                        .outs
+                        .values()
+                        .filter(|o| {
+                            o.post(&Msg::Hang {
+                                reason: reason.clone(),
+                            })
+                        })
+                        .count();
+                    drop(g);
+                    if sent > 0 {
+                        eprintln!(
+                            "hagctl: told the backup to take over (HANG, {sent} connection(s))"
+                        );
+                    } else {
+                        eprintln!("hagctl: cannot reach the backup to report the hang; it takes over when the failover timeout passes");
+                    }
+                }
+                Action::SendAbort(reason) => {
+                    for o in self.lock().outs.values() {
+                        o.post(&Msg::Abort {
+                            reason: reason.clone(),
+                        });
+                    }
+                    rest.push(Action::SendAbort(reason));
+                }
+                Action::Cut => Link::cut(&mut self.lock()),
+                Action::Exit(outcome, detail) => {
+                    let mut g = self.lock();
+                    if g.exit.is_none() {
+                        g.exit = Some((outcome, detail));
+                    }
+                }
+                other => rest.push(other),
+            }
         }
+        rest
+    }
+
+    /// Stops the VM on its own connection; a failure goes back to the
+    /// policy (which retries, output held).
+    fn stop_vm(&self, why: &str) {
         eprintln!("hagctl: stopping the VM: {why}");
         match VmClient::connect(&self.vm_path).and_then(|mut vm| vm.quit()) {
-            Ok(()) => eprintln!("hagctl: the VM is stopped"),
-            Err(e) => eprintln!("hagctl: stopping the VM: {e}"),
+            Ok(()) => {
+                eprintln!("hagctl: the VM is stopped");
+                self.lock().policy.on(Event::Stopped);
+            }
+            Err(e) => {
+                eprintln!("hagctl: stopping the VM failed: {e}");
+                std::thread::sleep(Duration::from_millis(200));
+                self.event(Event::StopFailed(e.to_string()));
+            }
         }
     }
 
     fn cut(g: &mut Shared) {
-        for s in [g.control.take(), g.data.take()].into_iter().flatten() {
+        if let Some(s) = g.data.take() {
             let _ = s.shutdown(Shutdown::Both);
+        }
+        if let Some(o) = g.outs.remove("control") {
+            o.close();
         }
         g.connected = false;
     }
 
-    /// A hang of our vGPU: stop the VM first (it must never run twice),
-    /// then tell the backup to take over.
+    fn hung(&self) -> bool {
+        matches!(self.lock().policy.state, State::HandedOver(_))
+    }
+
+    fn exit(&self) -> Option<(&'static str, String)> {
+        self.lock().exit.clone()
+    }
+
+    /// A hang of our vGPU.
     fn hang(&self, reason: String) {
-        {
-            let mut g = self.lock();
-            if g.hung.is_some() {
-                return;
-            }
-            g.hung = Some(reason.clone());
+        if self.hung() {
+            return;
         }
         eprintln!("hagctl: {reason}");
-        self.stop_vm("its vGPU hung");
-        let mut g = self.lock();
-        let sent = match g.control.as_mut() {
-            Some(c) => write_msg(
-                c,
-                &Msg::Hang {
-                    reason: reason.clone(),
-                },
-            )
-            .is_ok(),
-            None => false,
-        };
-        if sent {
-            eprintln!("hagctl: told the backup to take over (HANG)");
-        } else {
-            eprintln!("hagctl: cannot reach the backup to report the hang; it takes over when the failover timeout passes");
-        }
-        if let Some(d) = g.data.take() {
+        self.event(Event::Hung(reason));
+        if let Some(d) = self.lock().data.take() {
             let _ = d.shutdown(Shutdown::Both);
         }
+    }
+
+    /// A control connection to `addr` for this session: authenticated,
+    /// joined, its sending half behind an outbox and a reader thread
+    /// feeding the policy.
+    fn join(self: &Arc<Self>, addr: &str, name: &str, data_link: bool) -> Result<(), String> {
+        let stream = connect(addr, Duration::ZERO).map_err(|e| e.to_string())?;
+        tune(&stream);
+        let (mut r, w) = secure::handshake(stream, &self.key, true).map_err(|e| e.to_string())?;
+        let out = Outbox::spawn(w).map_err(|e| e.to_string())?;
+        out.send(&Msg::Join {
+            session: self.session,
+        });
+        r.set_deadline(Some(Instant::now() + secure::HANDSHAKE_TIMEOUT));
+        match read_msg(&mut r) {
+            Ok((Msg::HelloOk { generation, .. }, _)) => {
+                self.event(Event::Heard { generation });
+            }
+            Ok((Msg::Error { message }, _)) => {
+                return Err(format!("the backup refused: {message}"))
+            }
+            Ok((m, _)) => return Err(format!("the backup answered {}", m.ty().name())),
+            Err(e) => return Err(e.to_string()),
+        }
+        r.set_deadline(None);
+        {
+            let mut g = self.lock();
+            if data_link {
+                g.heard = Instant::now();
+            }
+            g.heard_any = Instant::now();
+            if let Some(old) = g.outs.insert(name.to_owned(), out) {
+                old.close();
+            }
+        }
+        let link = self.clone();
+        let name = name.to_owned();
+        std::thread::spawn(move || control_reader(link, r, name, data_link));
+        Ok(())
     }
 }
 
@@ -306,117 +388,105 @@ fn events_thread(link: Arc<Link>, vgpu_id: u32) {
     }
 }
 
+/// Heartbeats on every control connection of the session, and the data
+/// link's silence check. Posting never blocks: a connection whose peer
+/// does not take its heartbeats is closed.
 fn heartbeat_thread(link: Arc<Link>) {
     loop {
         std::thread::sleep(HEARTBEAT);
         let mut g = link.lock();
+        let msg = Msg::Heartbeat {
+            generation: link.generation,
+            epoch: g.policy.acked(),
+        };
+        g.outs.retain(|_, o| o.post(&msg));
         if !g.connected {
             continue;
         }
-        let msg = Msg::Heartbeat {
-            generation: link.generation,
-            epoch: g.acked,
-        };
-        let ok = g
-            .control
-            .as_mut()
-            .is_some_and(|c| write_msg(c, &msg).is_ok());
         let silent = g.heard.elapsed();
-        if !ok || silent > link.timeout {
-            let why = if ok {
-                format!(
-                    "no heartbeat from the backup for {:.1} s",
-                    silent.as_secs_f64()
-                )
-            } else {
-                "the control connection failed".to_owned()
-            };
+        let timeout = g.policy.timeout();
+        let why = if !g.outs.contains_key("control") {
+            Some("the control connection failed".to_owned())
+        } else if silent > timeout {
+            Some(format!(
+                "no heartbeat from the backup for {:.1} s",
+                silent.as_secs_f64()
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = why {
             g.lost = Some(why);
             Link::cut(&mut g);
         }
     }
 }
 
-/// Reads the backup's heartbeats on a control connection: on the data
-/// link's (`data_link`) they keep the link alive; on every path, a newer
-/// generation stops the VM.
-fn control_reader(link: Arc<Link>, mut stream: TcpStream, data_link: bool) {
+/// Reads the backup's messages on a control connection: heartbeats keep
+/// the link alive (on the data link's) and carry the backup's generation
+/// to the policy (a newer one stops the VM); an OK to ABORT confirms the
+/// end of protection.
+fn control_reader(link: Arc<Link>, mut r: secure::Reader, name: String, data_link: bool) {
     loop {
-        match read_msg(&mut stream) {
+        // Heartbeats come every 200 ms: a connection silent for longer
+        // than the timeout is dead whatever TCP says.
+        let timeout = link.lock().policy.timeout();
+        r.set_deadline(Some(Instant::now() + timeout.max(HEARTBEAT * 5)));
+        match read_msg(&mut r) {
             Ok((Msg::Heartbeat { generation, .. }, _)) => {
-                let newer = {
+                {
                     let mut g = link.lock();
                     if data_link {
                         g.heard = Instant::now();
                     }
                     g.heard_any = Instant::now();
-                    if generation > link.generation && g.newer.is_none() {
-                        g.newer = Some(generation);
-                        true
-                    } else {
-                        false
-                    }
-                };
-                if newer && link.lock().hung.is_none() {
-                    link.stop_vm(&format!(
-                        "the backup took over (generation {generation}, this primary is at {}): only one copy may run",
-                        link.generation
-                    ));
-                    Link::cut(&mut link.lock());
                 }
+                link.event(Event::Heard { generation });
             }
-            Ok(_) => {}
-            Err(_) => return,
+            Ok((Msg::Ok { phase: ENDED_PHASE }, _)) => link.lock().end_confirmed = true,
+            Ok((m, _)) => {
+                eprintln!(
+                    "hagctl: control connection {name}: unexpected {} from the backup: closed",
+                    m.ty().name()
+                );
+                break;
+            }
+            Err(_) => break,
         }
+    }
+    let mut g = link.lock();
+    if let Some(o) = g.outs.remove(&name) {
+        o.close();
     }
 }
 
-/// An extra heartbeat path to the backup at `addr`: connected (and
-/// reconnected) for as long as the primary runs, whatever the data link
-/// does. It carries heartbeats, or HANG once the vGPU hung.
+/// An extra heartbeat path to the backup at `addr`: joined to the session
+/// (and rejoined) for as long as the primary runs, whatever the data link
+/// does.
 fn heartbeat_path(link: Arc<Link>, addr: String) {
+    let mut up = false;
+    let mut last_refusal = String::new();
     loop {
-        let stream = match connect(&addr, Duration::ZERO) {
-            Ok(s) => s,
-            Err(_) => {
-                std::thread::sleep(HEARTBEAT);
-                continue;
+        let present = link.lock().outs.contains_key(&addr);
+        if !present {
+            if up {
+                eprintln!("hagctl: heartbeat path to {addr} down, reconnecting");
+                up = false;
             }
-        };
-        tune(&stream);
-        let Ok(reader) = stream.try_clone() else {
-            continue;
-        };
-        {
-            let link = link.clone();
-            std::thread::spawn(move || control_reader(link, reader, false));
-        }
-        eprintln!("hagctl: heartbeat path to {addr} up");
-        link.lock().paths.insert(addr.clone(), stream);
-        loop {
-            let mut g = link.lock();
-            let msg = match &g.hung {
-                Some(reason) => Msg::Hang {
-                    reason: reason.clone(),
-                },
-                None => Msg::Heartbeat {
-                    generation: link.generation,
-                    epoch: g.acked,
-                },
-            };
-            let Some(s) = g.paths.get_mut(&addr) else {
-                break;
-            };
-            if write_msg(s, &msg).is_err() {
-                if let Some(s) = g.paths.remove(&addr) {
-                    let _ = s.shutdown(Shutdown::Both);
+            match link.join(&addr, &addr, false) {
+                Ok(()) => {
+                    eprintln!("hagctl: heartbeat path to {addr} up");
+                    up = true;
                 }
-                break;
+                Err(e) if e.contains("refused:") || e.contains("authenticated") => {
+                    if e != last_refusal {
+                        eprintln!("hagctl: heartbeat path to {addr}: {e}");
+                        last_refusal = e;
+                    }
+                }
+                Err(_) => {}
             }
-            drop(g);
-            std::thread::sleep(HEARTBEAT);
         }
-        eprintln!("hagctl: heartbeat path to {addr} down, reconnecting");
         std::thread::sleep(HEARTBEAT);
     }
 }
@@ -538,13 +608,15 @@ pub fn protection_lines(dir: &Path) -> Vec<(StatusFile, String)> {
 }
 
 /// Why an epoch failed.
-enum EpochError {
+pub(crate) enum EpochError {
     /// The backup link failed: run unprotected.
     Link(String),
     /// The vGPU hung.
     Hung(String),
-    /// The backup is of a newer generation.
-    Newer(u64),
+    /// The policy reached an outcome (a fence, a failed stop).
+    Exit(&'static str, String),
+    /// The VM finished and its last epoch was acknowledged.
+    Finished,
     /// The VM finished with a failure, stopped, or its control failed.
     Vm(String),
     /// Capturing failed (the VM was resumed); try again next interval.
@@ -596,8 +668,15 @@ struct Primary {
     carry: BTreeSet<u64>,
     round: u32,
     epoch: u64,
-    /// The first data connection, made at start.
-    first: Option<TcpStream>,
+    /// The first data connection, made at start, is not used yet.
+    first: bool,
+    /// A backup accepted this pairing once (from then on it may hold a
+    /// checkpoint of this VM).
+    paired: bool,
+    /// Lines the last release let out.
+    released: u64,
+    /// SIGINT or SIGTERM arrived.
+    stop: Arc<AtomicBool>,
     status: StatusFile,
     report: CheckpointReport,
 }
@@ -612,37 +691,20 @@ impl Primary {
         write_status(&self.opts.status_dir, &self.status);
     }
 
-    /// Connects both connections and runs the first checkpoint: pre-copy
-    /// rounds, then an epoch.
+    /// Connects the data link (authenticated, HELLO naming the session),
+    /// joins its control connection to the session and runs the first
+    /// checkpoint: pre-copy rounds, then an epoch.
     fn sync(&mut self) -> Result<(), EpochError> {
-        let stream = match self.first.take() {
-            Some(s) => s,
-            None => connect(&self.opts.backup, Duration::from_secs(1))?,
-        };
-        tune(&stream);
-        let mut control = connect(&self.opts.backup, Duration::from_secs(1))?;
-        tune(&control);
-        write_msg(
-            &mut control,
-            &Msg::Heartbeat {
-                generation: self.opts.generation,
-                epoch: 0,
-            },
-        )
-        .map_err(|e| EpochError::Link(format!("control connection: {e}")))?;
+        // The first data connection was made at start.
+        if !std::mem::take(&mut self.first) {
+            self.src.stream =
+                secure_connect(&self.opts.backup, Duration::from_secs(1), &self.link.key)?;
+        }
         {
             let mut g = self.link.lock();
-            g.heard = Instant::now();
             g.lost = None;
-            g.data = stream.try_clone().ok();
-            g.control = control.try_clone().ok();
-            g.connected = true;
+            g.data = self.src.stream.r.socket().ok();
         }
-        {
-            let link = self.link.clone();
-            std::thread::spawn(move || control_reader(link, control, true));
-        }
-        self.src.stream = stream;
         self.save_status("syncing", "");
         self.src
             .vm
@@ -650,10 +712,28 @@ impl Primary {
             .hold_output(true)
             .map_err(|e| EpochError::Vm(e.to_string()))?;
         eprintln!(
-            "hagctl: synchronising with the backup {} (pre-copy while the VM runs)",
-            self.opts.backup
+            "hagctl: synchronising with the backup {} (session {}, pre-copy while the VM runs)",
+            self.opts.backup,
+            session_name(self.link.session)
         );
         self.src.handshake()?;
+        self.paired = true;
+        let peer = self.src.peer;
+        self.link.event(Event::Paired {
+            generation: peer.generation,
+            timeout: peer.timeout,
+        });
+        if let Some((outcome, detail)) = self.link.exit() {
+            return Err(EpochError::Exit(outcome, detail));
+        }
+        self.link
+            .join(&self.opts.backup, "control", true)
+            .map_err(|e| EpochError::Link(format!("control connection: {e}")))?;
+        {
+            let mut g = self.link.lock();
+            g.heard = Instant::now();
+            g.connected = true;
+        }
         if self.src.hashes.is_some() {
             // A new session replaces the backup's image: it starts from zero.
             self.src.hashes = Some(PageHashes::new(self.src.ram.pages()));
@@ -812,8 +892,9 @@ impl Primary {
         Ok((pages, raw, context, vm_state))
     }
 
-    /// Streams a captured epoch and waits for its acknowledgement.
-    fn send(&mut self, cap: &mut Captured) -> Result<(), EpochError> {
+    /// Streams a captured epoch and waits for its acknowledgement;
+    /// returns the backup's generation in it.
+    fn send(&mut self, cap: &mut Captured) -> Result<u64, EpochError> {
         let round = self.round;
         let epoch = self.epoch + 1;
         let mut bytes = 0u64;
@@ -854,15 +935,15 @@ impl Primary {
         let (reply, _) = read_msg(&mut self.src.stream)
             .map_err(|e| EpochError::Link(format!("waiting for EPOCH_ACK {epoch}: {e}")))?;
         match reply {
-            Msg::EpochAck { generation, .. } if generation > self.opts.generation => {
-                Err(EpochError::Newer(generation))
-            }
-            Msg::EpochAck { epoch: e, .. } if e == epoch => {
+            Msg::EpochAck {
+                epoch: e,
+                generation,
+            } if e == epoch => {
                 cap.report.pages = cap.pages.len() as u64;
                 cap.report.raw_bytes = cap.report.pages * PAGE as u64;
                 cap.report.bytes = bytes;
                 cap.report.ack_ms = cap.resumed_at.elapsed().as_secs_f64() * 1e3;
-                Ok(())
+                Ok(generation)
             }
             Msg::Error { message } => Err(EpochError::Link(format!(
                 "the backup refused epoch {epoch}: {message}"
@@ -874,23 +955,49 @@ impl Primary {
         }
     }
 
-    /// One epoch: capture, stream, ack, release output. Returns whether
-    /// the VM had finished (its result line is now released).
+    /// Carries out what the policy answered to an event of the main
+    /// thread (the threads' own actions are done in [`Link::event`]).
+    fn event(&mut self, ev: Event) -> Result<(), EpochError> {
+        for a in self.link.event(ev) {
+            match a {
+                Action::Release(epoch) => {
+                    self.released = self
+                        .src
+                        .vm
+                        .client()
+                        .release_output(epoch)
+                        .map_err(|e| EpochError::Vm(e.to_string()))?;
+                }
+                Action::ReleaseAll => {
+                    let _ = self.src.vm.client().hold_output(false);
+                }
+                Action::SendAbort(reason) => {
+                    let _ = write_msg(&mut self.src.stream, &Msg::Abort { reason });
+                }
+                _ => {}
+            }
+        }
+        match self.link.exit() {
+            Some((outcome, detail)) => Err(EpochError::Exit(outcome, detail)),
+            None => Ok(()),
+        }
+    }
+
+    /// One epoch: capture, stream, ack, release output.
     fn epoch_once(&mut self) -> Result<(), EpochError> {
         let mut cap = self.capture()?;
-        if let Some(h) = self.link.hung() {
-            return Err(EpochError::Hung(h));
+        if self.link.hung() {
+            return Err(EpochError::Hung(String::new()));
         }
-        self.send(&mut cap)?;
+        let generation = self.send(&mut cap)?;
         self.epoch += 1;
         self.carry.clear();
-        self.link.lock().acked = self.epoch;
-        cap.report.released = self
-            .src
-            .vm
-            .client()
-            .release_output(self.epoch)
-            .map_err(|e| EpochError::Vm(e.to_string()))?;
+        self.released = 0;
+        self.event(Event::Acked {
+            epoch: self.epoch,
+            generation,
+        })?;
+        cap.report.released = self.released;
         let r = &cap.report;
         eprintln!(
             "epoch {}: pause {:.1} ms (quiesce {:.1}), {} pages (cpu {}, gpu {}), {:.2} MiB, acked in {:.1} ms{}",
@@ -912,68 +1019,88 @@ impl Primary {
         self.report.per_epoch.push(cap.report);
         self.save_status("protected", "");
         if cap.finished {
-            return Err(EpochError::Vm("finished".into()));
+            return Err(EpochError::Finished);
         }
         Ok(())
     }
 
-    fn unprotected(&mut self, why: &str) {
-        Link::cut(&mut self.link.lock());
+    fn unprotected(&mut self, why: &str) -> Result<(), EpochError> {
         if self.status.state != "unprotected" {
             eprintln!(
-                "hagctl: unprotected: backup {} unreachable ({why}); the VM keeps running, retrying every {:.1} s",
+                "hagctl: unprotected: backup {} unreachable ({why}); the VM keeps running, its output held since epoch {}, retrying every {:.1} s",
                 self.opts.backup,
+                self.epoch,
                 self.opts.interval.as_secs_f64()
             );
         }
-        // A backup still heard on another path holds an older checkpoint and
-        // would take over from it if this host died before the resync:
-        // output released now could be contradicted, so it stays held until
-        // an epoch is acknowledged again. With the backup gone on every
-        // path, nobody can contradict it: let it out.
-        let backup_alive = self.link.lock().heard_any.elapsed() <= self.link.timeout;
-        if !backup_alive {
-            let _ = self.src.vm.client().hold_output(false);
-        }
-        self.save_status("unprotected", why);
+        self.save_status(
+            "unprotected",
+            &format!("{why}; output held since epoch {}", self.epoch),
+        );
+        // The backup may still hear us, or take over from its last
+        // checkpoint: nothing after it goes out (docs/ha.md).
+        self.event(Event::LinkLost(why.to_owned()))
     }
 
     fn end(&mut self, outcome: &str, detail: String) -> CheckpointReport {
+        eprintln!("hagctl: {outcome}: {detail}");
         self.report.outcome = outcome.to_owned();
         self.report.detail = detail.clone();
+        self.report.generation = match self.link.lock().policy.state {
+            State::Fenced(g) => g,
+            _ => self.opts.generation,
+        };
         self.report.finish();
         self.save_status(outcome, &detail);
+        if matches!(outcome, "finished" | "ended" | "vm-stopped") {
+            let _ = std::fs::remove_file(status_path(&self.opts.status_dir, self.src.vgpu_id));
+        }
         std::mem::take(&mut self.report)
     }
 
-    /// Ends without a takeover: the status file goes, and the backup
-    /// (also if only heard on another path) learns that protection ends.
-    fn close(&mut self, outcome: &str, detail: String) -> CheckpointReport {
-        let abort = Msg::Abort {
-            reason: format!("protection ends: {outcome}"),
-        };
-        for s in self.link.lock().paths.values_mut() {
-            let _ = write_msg(s, &abort);
+    /// A signal: end protection, and wait for the backup to confirm that
+    /// it discarded its checkpoint.
+    fn end_protection(&mut self, why: &str) -> CheckpointReport {
+        let _ = self.event(Event::Signal(why.to_owned()));
+        let deadline = Instant::now() + self.link.lock().policy.timeout();
+        let mut confirmed = self.link.lock().end_confirmed;
+        if !confirmed && self.link.lock().connected {
+            // The data link's own answer.
+            self.src.stream.r.set_deadline(Some(deadline));
+            while let Ok((m, _)) = read_msg(&mut self.src.stream) {
+                if m == (Msg::Ok { phase: ENDED_PHASE }) {
+                    confirmed = true;
+                    break;
+                }
+            }
         }
-        let r = self.end(outcome, detail);
-        let _ = std::fs::remove_file(status_path(&self.opts.status_dir, self.src.vgpu_id));
-        r
+        while !confirmed && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            confirmed = self.link.lock().end_confirmed;
+        }
+        let ev = if confirmed {
+            Event::EndConfirmed
+        } else {
+            Event::EndUnconfirmed
+        };
+        let outcome = match self.event(ev) {
+            Err(EpochError::Exit(o, d)) => (o, d),
+            _ => ("vm-stopped", format!("{why}: protection ended")),
+        };
+        self.end(outcome.0, outcome.1)
     }
 
-    /// After a hang: the backup confirms with a newer generation.
-    fn hand_over(&mut self, why: String) -> CheckpointReport {
-        self.link.hang(why.clone());
-        let deadline = Instant::now() + self.opts.failover_timeout + Duration::from_secs(5);
+    /// After a hang: the VM is stopped and the backup told; it confirms
+    /// with a newer generation.
+    fn hand_over(&mut self) -> CheckpointReport {
+        let why = match &self.link.lock().policy.state {
+            State::HandedOver(why) => why.clone(),
+            _ => "the vGPU hung".into(),
+        };
+        let deadline = Instant::now() + self.link.lock().policy.timeout() + Duration::from_secs(5);
         while Instant::now() < deadline {
-            if let Some(g) = self.link.newer() {
-                self.report.generation = g;
-                return self.end(
-                    "handed-over",
-                    format!(
-                        "{why}; the backup took over from epoch {} at generation {g}",
-                        self.epoch
-                    ),
-                );
+            if let Some((outcome, detail)) = self.link.exit() {
+                return self.end(outcome, format!("{why}; {detail}"));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -987,12 +1114,16 @@ impl Primary {
         let mut first = true;
         let mut next = Instant::now();
         loop {
+            if self.stop.load(Ordering::SeqCst) {
+                return Ok(self.end_protection("a signal"));
+            }
             let result = if self.link.lock().connected {
                 self.epoch_once()
             } else if first || Instant::now() >= next {
                 let r = self.sync();
-                if first {
+                if first && !self.paired {
                     if let Err(EpochError::Link(why)) = &r {
+                        // Not paired: no backup holds anything of this VM.
                         let _ = self.src.vm.client().hold_output(false);
                         anyhow::bail!("cannot protect the VM: backup {}: {why}", self.opts.backup);
                     }
@@ -1002,115 +1133,140 @@ impl Primary {
             } else {
                 Ok(())
             };
-            match result {
-                Ok(()) => {}
-                Err(EpochError::Link(why)) => {
-                    let why = self.link.lock().lost.take().unwrap_or(why);
-                    if let Some(h) = self.link.hung() {
-                        return Ok(self.hand_over(h));
-                    }
-                    if let Some(g) = self.link.newer() {
-                        return self.fenced(g);
-                    }
-                    self.unprotected(&why);
-                }
-                Err(EpochError::Retry(why)) => eprintln!("hagctl: epoch skipped: {why}"),
-                Err(EpochError::Hung(why)) => return Ok(self.hand_over(why)),
-                Err(EpochError::Newer(g)) => return self.fenced(g),
-                Err(EpochError::Vm(why)) => {
-                    if let Some(h) = self.link.hung() {
-                        return Ok(self.hand_over(h));
-                    }
-                    if let Some(g) = self.link.newer() {
-                        return self.fenced(g);
-                    }
-                    let _ = write_msg(
-                        &mut self.src.stream,
-                        &Msg::Abort {
-                            reason: format!("protection ends: {why}"),
-                        },
-                    );
-                    Link::cut(&mut self.link.lock());
-                    let _ = self.src.vm.client().hold_output(false);
-                    if why == "finished" {
-                        return Ok(self.close(
-                            "finished",
-                            "the VM finished; its last epoch was acknowledged and its output released".into(),
-                        ));
-                    }
-                    return Ok(self.close("vm-stopped", why));
-                }
+            if let Some(exit) = self.outcome(result) {
+                return Ok(exit);
             }
-            // Wait for the next epoch, watching for a hang or a takeover.
+            // Wait for the next epoch, watching for a hang, a fence, a
+            // signal, a lost link.
             next = Instant::now() + self.opts.interval;
             while Instant::now() < next {
-                if let Some(h) = self.link.hung() {
-                    return Ok(self.hand_over(h));
+                if self.stop.load(Ordering::SeqCst) {
+                    return Ok(self.end_protection("a signal"));
                 }
-                if let Some(g) = self.link.newer() {
-                    return self.fenced(g);
+                if self.link.hung() {
+                    return Ok(self.hand_over());
+                }
+                if let Some((outcome, detail)) = self.link.exit() {
+                    return Ok(self.end(outcome, detail));
                 }
                 let lost = self.link.lock().lost.take();
                 if let Some(why) = lost {
-                    self.unprotected(&why);
-                }
-                if !self.link.lock().connected && self.status.state == "unprotected" {
-                    // Unprotected: a finished VM just ends.
-                    if let Ok(st) = self.src.vm.client().status() {
-                        if st.state == "finished" || st.state == "stopped" {
-                            return Ok(self.close(
-                                "vm-stopped",
-                                format!("the VM is {} (unprotected)", st.state),
-                            ));
-                        }
-                    } else {
-                        return Ok(self.close("vm-stopped", "the VM is gone (unprotected)".into()));
+                    let r = self.unprotected(&why);
+                    if let Some(exit) = self.outcome(r) {
+                        return Ok(exit);
                     }
+                }
+                if !self.link.lock().connected && self.src.vm.client().status().is_err() {
+                    let _ = self.event(Event::VmGone("the VM is gone (unprotected)".into()));
+                    return Ok(self.end("vm-stopped", "the VM is gone (unprotected); its output since the last acknowledged epoch was never released".into()));
                 }
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
     }
 
-    fn fenced(&mut self, generation: u64) -> anyhow::Result<CheckpointReport> {
-        self.link.stop_vm(&format!(
-            "the backup took over at generation {generation} (this primary: {})",
-            self.opts.generation
-        ));
-        self.report.generation = generation;
-        let r = self.end(
-            "fenced",
-            format!(
-                "the backup runs the VM at generation {generation}, newer than this primary's {}: this VM was stopped so it never runs twice",
-                self.opts.generation
-            ),
-        );
-        Ok(r)
+    /// What an epoch's or a sync's result means: `Some` to end.
+    fn outcome(&mut self, result: Result<(), EpochError>) -> Option<CheckpointReport> {
+        let err = match result {
+            Ok(()) => return None,
+            Err(e) => e,
+        };
+        if self.link.hung() {
+            return Some(self.hand_over());
+        }
+        if let Some((outcome, detail)) = self.link.exit() {
+            return Some(self.end(outcome, detail));
+        }
+        match err {
+            EpochError::Link(why) => {
+                let why = self.link.lock().lost.take().unwrap_or(why);
+                match self.unprotected(&why) {
+                    Err(EpochError::Exit(o, d)) => Some(self.end(o, d)),
+                    _ => None,
+                }
+            }
+            EpochError::Retry(why) => {
+                eprintln!("hagctl: epoch skipped: {why}");
+                None
+            }
+            EpochError::Hung(why) => {
+                self.link.hang(why);
+                Some(self.hand_over())
+            }
+            EpochError::Exit(outcome, detail) => Some(self.end(outcome, detail)),
+            EpochError::Finished => match self.event(Event::Finished) {
+                Err(EpochError::Exit(o, d)) => Some(self.end(o, d)),
+                _ => Some(self.end("finished", "the VM finished".into())),
+            },
+            EpochError::Vm(why) => {
+                // The VM failed or went away by itself: its unacknowledged
+                // output stays held (the backup may resume from the last
+                // acknowledged epoch); protection ends.
+                let _ = write_msg(
+                    &mut self.src.stream,
+                    &Msg::Abort {
+                        reason: format!("protection ends: {why}"),
+                    },
+                );
+                let _ = self.event(Event::VmGone(why.clone()));
+                Some(self.end("vm-stopped", why))
+            }
+        }
     }
 }
 
+/// Connects to `addr` and authenticates.
+pub(crate) fn secure_connect(
+    addr: &str,
+    timeout: Duration,
+    key: &Key,
+) -> Result<secure::Conn, EpochError> {
+    let stream = connect(addr, timeout)?;
+    tune(&stream);
+    let (r, w) = secure::handshake(stream, key, true)
+        .map_err(|e| EpochError::Link(format!("{addr}: {e}")))?;
+    Ok(secure::Conn { r, w })
+}
+
 /// `hagctl checkpoint`.
-pub fn checkpoint(opts: &CheckpointOptions) -> anyhow::Result<CheckpointReport> {
+pub fn checkpoint(
+    opts: &CheckpointOptions,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<CheckpointReport> {
+    let key = Key::load(&opts.key)?;
     let (vm, ram, dev, vgpu_id) = open_running(&opts.vm)?;
     let stats0 = dev.vgpu_stats(vgpu_id)?;
+    let mopts = MigrateOptions {
+        vm: opts.vm.clone(),
+        to: opts.backup.clone(),
+        max_rounds: opts.max_rounds,
+        threshold_pages: opts.threshold_pages,
+        quiesce_timeout_ms: opts.quiesce_timeout_ms,
+        gpu_dirty: opts.gpu_dirty,
+        compress: opts.compress,
+        connect_timeout: opts.connect_timeout,
+        inject_fault: None,
+        key: opts.key.clone(),
+    };
+    // The first connection may take a while (the backup starting).
+    let mut src = Source::connect(vm, ram, dev, vgpu_id, mopts, &key)?;
     // Until the backup is reached, nothing holds the VM's output.
     let link = Arc::new(Link {
         shared: Mutex::new(Shared {
-            hung: None,
-            vm_stopped: false,
-            newer: None,
+            policy: Policy::new(opts.generation, opts.failover_timeout),
             heard: Instant::now(),
             heard_any: Instant::now(),
             connected: false,
             lost: None,
-            control: None,
             data: None,
-            acked: 0,
-            paths: BTreeMap::new(),
+            outs: BTreeMap::new(),
+            end_confirmed: false,
+            exit: None,
         }),
         vm_path: opts.vm.clone(),
         generation: opts.generation,
-        timeout: opts.failover_timeout,
+        session: src.session,
+        key,
     });
     {
         let link = link.clone();
@@ -1124,23 +1280,9 @@ pub fn checkpoint(opts: &CheckpointOptions) -> anyhow::Result<CheckpointReport> 
         let (link, addr) = (link.clone(), addr.clone());
         std::thread::spawn(move || heartbeat_path(link, addr));
     }
-    let mopts = MigrateOptions {
-        vm: opts.vm.clone(),
-        to: opts.backup.clone(),
-        max_rounds: opts.max_rounds,
-        threshold_pages: opts.threshold_pages,
-        quiesce_timeout_ms: opts.quiesce_timeout_ms,
-        gpu_dirty: opts.gpu_dirty,
-        compress: opts.compress,
-        connect_timeout: opts.connect_timeout,
-        inject_fault: None,
-    };
-    // The first connection may take a while (the backup starting).
-    let mut src = Source::connect(vm, ram, dev, vgpu_id, mopts)?;
     if opts.gpu_dirty == GpuDirty::Audit {
         src.start_gpu_log()?;
     }
-    let first = src.stream.try_clone()?;
     let mut p = Primary {
         src,
         link,
@@ -1150,7 +1292,10 @@ pub fn checkpoint(opts: &CheckpointOptions) -> anyhow::Result<CheckpointReport> 
         carry: BTreeSet::new(),
         round: 0,
         epoch: 0,
-        first: Some(first),
+        first: true,
+        paired: false,
+        released: 0,
+        stop,
         status: StatusFile {
             pid: std::process::id(),
             vgpu_id,

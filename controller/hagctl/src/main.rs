@@ -41,6 +41,8 @@ mod events;
 mod migrate;
 mod output;
 mod pagehash;
+mod primary;
+mod secure;
 // The VMM interface is whole; today's commands use only part of it (the
 // QEMU checkpointing work is to use save_device_state; hag-vmm's pause is
 // called through its client, for the workload's iteration).
@@ -51,6 +53,9 @@ mod wire;
 
 use std::process::ExitCode;
 use std::time::Duration;
+
+/// Where the pre-shared key of a pair of hosts is, unless --key says.
+const KEY_DEFAULT: &str = "/etc/hag/pair.key";
 
 use clap::{ArgGroup, CommandFactory, FromArgMatches, Parser, Subcommand};
 use hag_abi::abi;
@@ -328,6 +333,10 @@ Every line of stdout is flushed as soon as it is printed.")]
             conflicts_with = "qmp"
         )]
         inject_fault: Option<migrate::Fault>,
+        /// --vm: the pre-shared key file this host and the target hold
+        /// (hagctl keygen makes one)
+        #[arg(long, value_name = "FILE", default_value = KEY_DEFAULT, conflicts_with = "qmp")]
+        key: std::path::PathBuf,
         /// Keep trying to reach the target for SECONDS (--qmp: retry while
         /// the target refuses the connection)
         #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = parse_seconds)]
@@ -439,6 +448,9 @@ gpu_bytes_written is what the vGPU's engine wrote since the last epoch
         /// Directory of the status file
         #[arg(long, value_name = "DIR", default_value = "/run/hag")]
         status_dir: std::path::PathBuf,
+        /// The pre-shared key file this host and the backup hold
+        #[arg(long, value_name = "FILE", default_value = KEY_DEFAULT)]
+        key: std::path::PathBuf,
         /// Print one JSON object instead of text
         #[arg(long)]
         json: bool,
@@ -485,12 +497,31 @@ the VM's status. If the primary ends protection (its VM finished), it exits
         /// Generation to start at
         #[arg(long, value_name = "N", default_value_t = 0)]
         generation: u64,
-        /// Directory of the state file
+        /// Directory of the state file (its generation is read back at
+        /// start: a restarted backup never goes below a takeover)
         #[arg(long, value_name = "DIR", default_value = "/run/hag")]
         status_dir: std::path::PathBuf,
+        /// The pre-shared key file this host and the primary hold
+        #[arg(long, value_name = "FILE", default_value = KEY_DEFAULT)]
+        key: std::path::PathBuf,
+        /// Largest guest RAM a primary may ask for (a resync holds two
+        /// images of it for a while): 16GiB, 512MiB, 4096 (MiB)
+        #[arg(long, value_name = "SIZE", default_value = "16GiB", value_parser = vmm_migrate::parse_bandwidth)]
+        max_ram: u64,
+        /// Connections open at once, at most (more are closed at once)
+        #[arg(long, value_name = "N", default_value_t = 16,
+              value_parser = clap::value_parser!(u64).range(2..=1024))]
+        max_connections: u64,
         /// Print the takeover report as JSON
         #[arg(long)]
         json: bool,
+    },
+    /// Write a new pre-shared key for a pair of hosts (mode 0600; copy it
+    /// to the other host by a trusted way)
+    Keygen {
+        /// The file to create (never overwritten)
+        #[arg(value_name = "FILE")]
+        file: std::path::PathBuf,
     },
     /// For tests: declare a vGPU hung (module loaded with allow_hang_injection=1)
     #[command(hide = true)]
@@ -515,6 +546,9 @@ the VM's status. If the primary ends protection (its VM finished), it exits
         /// QMP socket of the incoming QEMU (started with -incoming defer)
         #[arg(long, value_name = "SOCKET")]
         qmp: Option<std::path::PathBuf>,
+        /// --vm: the pre-shared key file this host and the source hold
+        #[arg(long, value_name = "FILE", default_value = KEY_DEFAULT, conflicts_with = "qmp")]
+        key: std::path::PathBuf,
         /// --qmp: give up after SECONDS without a completed migration and a
         /// running VM (default: wait as long as it takes)
         #[arg(long, value_name = "SECONDS", conflicts_with = "vm", value_parser = parse_seconds)]
@@ -620,6 +654,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             gpu_full_copy,
             no_compress,
             inject_fault,
+            key,
             connect_timeout,
             max_downtime,
             bandwidth,
@@ -668,6 +703,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     compress: !no_compress,
                     connect_timeout,
                     inject_fault,
+                    key,
                 })?;
                 print_report(json, &report, report.text())?;
             }
@@ -687,25 +723,32 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             no_compress,
             connect_timeout,
             status_dir,
+            key,
             json,
         } => {
-            let report = checkpoint::checkpoint(&checkpoint::CheckpointOptions {
-                gpu_dirty,
-                compress: !no_compress,
-                vm,
-                backup,
-                heartbeat_addrs: heartbeat_addr,
-                interval,
-                failover_timeout,
-                generation,
-                quiesce_timeout_ms,
-                max_rounds,
-                threshold_pages,
-                connect_timeout,
-                status_dir,
-            })?;
+            // Before any other thread: they all inherit the mask.
+            let stop = vmm_migrate::watch_stop_signals_for("ending protection")?;
+            let report = checkpoint::checkpoint(
+                &checkpoint::CheckpointOptions {
+                    gpu_dirty,
+                    compress: !no_compress,
+                    vm,
+                    backup,
+                    heartbeat_addrs: heartbeat_addr,
+                    interval,
+                    failover_timeout,
+                    generation,
+                    quiesce_timeout_ms,
+                    max_rounds,
+                    threshold_pages,
+                    connect_timeout,
+                    status_dir,
+                    key,
+                },
+                stop,
+            )?;
             print_report(json, &report, report.text())?;
-            if report.outcome == "fenced" {
+            if matches!(report.outcome.as_str(), "fenced" | "stop-failed") {
                 anyhow::bail!("{}", report.detail);
             }
         }
@@ -719,6 +762,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             failover_timeout,
             generation,
             status_dir,
+            key,
+            max_ram,
+            max_connections,
             json,
         } => {
             let status = backup::backup(&backup::BackupOptions {
@@ -732,12 +778,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 generation,
                 status_dir,
                 json,
+                key,
+                max_ram,
+                max_connections: max_connections as usize,
             })?;
             if let Some(status) = status {
                 if !status.success() {
                     anyhow::bail!("the VM resumed here ended with {status}");
                 }
             }
+        }
+        Command::Keygen { file } => {
+            secure::Key::generate()
+                .and_then(|k| k.write_new(&file))
+                .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", file.display()))?;
+            eprintln!("hagctl: wrote a new key to {}", file.display());
         }
         Command::InjectHang { vgpu, mdev } => {
             let dev = hag_dev::Device::open()?;
@@ -759,6 +814,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             capability,
             parameter,
             keep_failed,
+            key,
             json,
         } => match (vm, qmp) {
             (_, Some(qmp)) => {
@@ -779,7 +835,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 print_report(json, &report, report.text())?;
             }
             (Some(vm), None) => {
-                let report = migrate::receive(&migrate::ReceiveOptions { listen, vm })?;
+                let report = migrate::receive(&migrate::ReceiveOptions { listen, vm, key })?;
                 print_report(json, &report, report.text())?;
             }
             (None, None) => anyhow::bail!("--vm or --qmp is needed"),

@@ -30,6 +30,7 @@ use hag_vmm::control::VmClient;
 use hag_vmm::ram::{GuestRam, PAGE_SIZE};
 
 use crate::pagehash::{PageHashes, Scan};
+use crate::secure::{self, Key};
 use crate::vmm::hagvmm::HagVmm;
 use crate::vmm::{RunKind, Vmm, VmmError};
 use crate::wire::{
@@ -58,6 +59,8 @@ pub struct MigrateOptions {
     pub connect_timeout: Duration,
     /// Damage the stream on purpose (tests).
     pub inject_fault: Option<Fault>,
+    /// The pre-shared key file both hosts hold.
+    pub key: PathBuf,
 }
 
 /// How the source learns which guest pages the GPU wrote.
@@ -350,7 +353,7 @@ pub(crate) struct Source {
     pub(crate) ram: GuestRam,
     pub(crate) dev: Device,
     pub(crate) vgpu_id: u32,
-    pub(crate) stream: TcpStream,
+    pub(crate) stream: secure::Conn,
     pub(crate) gpu_bitmap: Option<Vec<u64>>,
     pub(crate) prev_gpu: BTreeSet<u64>,
     /// `--gpu-dirty hash`: what the peer has.
@@ -363,6 +366,19 @@ pub(crate) struct Source {
     pub(crate) paused: bool,
     pub(crate) quiesced: bool,
     pub(crate) opts: MigrateOptions,
+    /// The session every connection of this pairing names.
+    pub(crate) session: u128,
+    /// What the peer said in its HELLO_OK.
+    pub(crate) peer: Peer,
+}
+
+/// What the receiving side said of itself in HELLO_OK.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Peer {
+    /// Its generation (a backup's; 0 for a migration target).
+    pub(crate) generation: u64,
+    /// Its failover timeout (a backup's; zero for a migration target).
+    pub(crate) timeout: Duration,
 }
 
 /// Dirty pages of one collection.
@@ -398,9 +414,15 @@ impl Source {
         dev: Device,
         vgpu_id: u32,
         opts: MigrateOptions,
+        key: &Key,
     ) -> Result<Source, MigrateError> {
         let stream = connect(&opts.to, opts.connect_timeout)?;
         tune(&stream);
+        let (r, w) = secure::handshake(stream, key, true).map_err(|e| MigrateError::Connect {
+            to: opts.to.clone(),
+            why: e.to_string(),
+        })?;
+        let stream = secure::Conn { r, w };
         let hashes = (opts.gpu_dirty == GpuDirty::Hash).then(|| PageHashes::new(ram.pages()));
         Ok(Source {
             vm,
@@ -416,6 +438,8 @@ impl Source {
             paused: false,
             quiesced: false,
             opts,
+            session: wire::new_session(),
+            peer: Peer::default(),
         })
     }
 
@@ -590,6 +614,7 @@ impl Source {
                 min: VERSION_MIN,
                 max: VERSION_MAX,
                 ram_size,
+                session: self.session,
             },
             "handshake",
         )?;
@@ -598,7 +623,16 @@ impl Source {
             source,
         })?;
         match msg {
-            Msg::HelloOk { version } if (VERSION_MIN..=VERSION_MAX).contains(&version) => {}
+            Msg::HelloOk {
+                version,
+                generation,
+                timeout_ms,
+            } if (VERSION_MIN..=VERSION_MAX).contains(&version) => {
+                self.peer = Peer {
+                    generation,
+                    timeout: Duration::from_millis(u64::from(timeout_ms)),
+                };
+            }
             Msg::Error { message } => {
                 return Err(MigrateError::Refused {
                     step: "the handshake".into(),
@@ -741,7 +775,7 @@ impl Source {
                 frame.len()
             );
             self.send_raw(&frame[..half], "stop-and-copy (truncate-context)")?;
-            let _ = self.stream.shutdown(std::net::Shutdown::Write);
+            self.stream.w.shutdown_write();
             // The round's OK, then the target must refuse: its ERROR (or
             // its closing the connection) ends this migration.
             self.expect_ok(&format!("round {round}"), round)?;
@@ -797,8 +831,9 @@ impl Source {
 
 /// `hagctl migrate`.
 pub fn migrate(opts: &MigrateOptions) -> anyhow::Result<MigrationReport> {
+    let key = Key::load(&opts.key)?;
     let (vm, ram, dev, vgpu_id) = open_running(&opts.vm)?;
-    let mut src = Source::connect(vm, ram, dev, vgpu_id, opts.clone())?;
+    let mut src = Source::connect(vm, ram, dev, vgpu_id, opts.clone(), &key)?;
     let mut report = MigrationReport {
         to: opts.to.clone(),
         gpu_dirty: opts.gpu_dirty == GpuDirty::Audit,
@@ -837,6 +872,8 @@ pub struct ReceiveOptions {
     pub listen: String,
     /// The incoming VM's control socket.
     pub vm: PathBuf,
+    /// The pre-shared key file both hosts hold.
+    pub key: PathBuf,
 }
 
 /// What `hagctl receive` reports.
@@ -904,10 +941,22 @@ impl Target for IncomingVm {
     }
 
     fn commit(&mut self, context: &[u8], vm_state: &[u8]) -> Result<(), String> {
+        self.prepare(context, vm_state)?;
+        self.resume()
+    }
+}
+
+impl IncomingVm {
+    /// Restores the vGPU context and sets the VM state; nothing runs yet.
+    pub(crate) fn prepare(&mut self, context: &[u8], vm_state: &[u8]) -> Result<(), String> {
         self.dev
             .restore_context(self.vgpu_id, context)
             .map_err(|e| format!("restoring the vGPU context: {e}"))?;
-        self.vm.set_state(vm_state).map_err(|e| e.to_string())?;
+        self.vm.set_state(vm_state).map_err(|e| e.to_string())
+    }
+
+    /// Resumes the vGPU and the VM.
+    pub(crate) fn resume(&mut self) -> Result<(), String> {
         self.dev
             .resume(self.vgpu_id)
             .map_err(|e| format!("resuming the vGPU: {e}"))?;
@@ -928,13 +977,24 @@ pub fn receive(opts: &ReceiveOptions) -> anyhow::Result<ReceiveReport> {
     }
     let ram = vm.guest_memory()?;
     let mut target = IncomingVm::open(vm.into_client(), ram)?;
+    let key = Key::load(&opts.key)?;
     let listener = TcpListener::bind(&opts.listen)
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
     eprintln!("hagctl: waiting for a migration on {}", opts.listen);
-    let (mut stream, from) = listener
-        .accept()
-        .map_err(|e| anyhow::anyhow!("accept on {}: {e}", opts.listen))?;
-    tune(&stream);
+    // The first peer that authenticates: a port scan or a peer without
+    // the key is refused and logged, and the wait goes on.
+    let (mut stream, from) = loop {
+        let (tcp, from) = listener
+            .accept()
+            .map_err(|e| anyhow::anyhow!("accept on {}: {e}", opts.listen))?;
+        tune(&tcp);
+        match secure::handshake(tcp, &key, false) {
+            Ok((r, w)) => break (secure::Conn { r, w }, from),
+            Err(e) => eprintln!("hagctl: refused a connection from {from}: {e}"),
+        }
+    };
+    // A whole message must arrive within this, however it trickles.
+    stream.r.set_idle_timeout(Some(Duration::from_secs(60)));
     eprintln!("hagctl: migration from {from}");
     let mut report = ReceiveReport {
         from: from.to_string(),

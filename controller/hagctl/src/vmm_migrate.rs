@@ -373,6 +373,11 @@ pub struct VmmMigrateOptions {
 /// thread raises when one arrives. A second signal ends hagctl at once
 /// (status 130), leaving the VMM to finish the cancel itself.
 pub fn watch_stop_signals() -> anyhow::Result<Arc<AtomicBool>> {
+    watch_stop_signals_for("cancelling the migration")
+}
+
+/// [`watch_stop_signals`], saying `what` it does on the first signal.
+pub fn watch_stop_signals_for(what: &'static str) -> anyhow::Result<Arc<AtomicBool>> {
     use nix::sys::signal::{SigSet, Signal};
     let mut set = SigSet::empty();
     set.add(Signal::SIGINT);
@@ -386,10 +391,10 @@ pub fn watch_stop_signals() -> anyhow::Result<Arc<AtomicBool>> {
         .spawn(move || loop {
             if let Ok(sig) = set.wait() {
                 if raised.swap(true, Ordering::SeqCst) {
-                    eprintln!("hagctl: {sig} again: leaving; the cancel was already asked for");
+                    eprintln!("hagctl: {sig} again: leaving; {what} was already under way");
                     std::process::exit(130);
                 }
-                eprintln!("hagctl: {sig}: cancelling the migration");
+                eprintln!("hagctl: {sig}: {what}");
             }
         })
         .map_err(|e| anyhow!("cannot start the signal thread: {e}"))?;

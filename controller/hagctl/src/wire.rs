@@ -78,9 +78,9 @@ use std::io::{self, Read, Write};
 /// Handshake magic.
 pub const MAGIC: [u8; 8] = *b"HAGMIG\r\n";
 /// Oldest stream version this build speaks.
-pub const VERSION_MIN: u16 = 1;
+pub const VERSION_MIN: u16 = 2;
 /// Newest stream version this build speaks.
-pub const VERSION_MAX: u16 = 1;
+pub const VERSION_MAX: u16 = 2;
 /// Bytes of a frame header.
 pub const HEADER_BYTES: usize = 12;
 /// Largest payload accepted (a compressed vGPU context must fit: a GVT-g
@@ -124,6 +124,9 @@ pub enum MsgType {
     EpochEnd = 13,
     /// Backup → primary: the epoch is applied.
     EpochAck = 14,
+    /// Primary → backup: the first message of a control (heartbeat)
+    /// connection, naming the session it belongs to.
+    Join = 15,
 }
 
 impl MsgType {
@@ -145,6 +148,7 @@ impl MsgType {
             12 => Hang,
             13 => EpochEnd,
             14 => EpochAck,
+            15 => Join,
             _ => return None,
         })
     }
@@ -167,6 +171,7 @@ impl MsgType {
             Hang => "HANG",
             EpochEnd => "EPOCH_END",
             EpochAck => "EPOCH_ACK",
+            Join => "JOIN",
         }
     }
 }
@@ -294,11 +299,26 @@ pub enum Msg {
         max: u16,
         /// Guest RAM bytes.
         ram_size: u64,
+        /// The session (a pairing of a primary with a backup, or one
+        /// migration) this connection belongs to: random, chosen by the
+        /// sender once per pairing.
+        session: u128,
     },
-    /// Handshake accepted.
+    /// Handshake accepted (the answer to HELLO and to JOIN).
     HelloOk {
         /// Chosen version.
         version: u16,
+        /// The receiver's generation (0 for a migration target).
+        generation: u64,
+        /// The receiver's failover timeout, ms (0 for a migration
+        /// target): the primary adopts it, so both sides judge silence
+        /// alike.
+        timeout_ms: u32,
+    },
+    /// A control connection joins `session`.
+    Join {
+        /// The session.
+        session: u128,
     },
     /// A phase is done: round number, or [`COMMIT_PHASE`].
     Ok {
@@ -365,6 +385,9 @@ pub enum Msg {
 
 /// The `phase` of the OK that acknowledges COMMIT.
 pub const COMMIT_PHASE: u32 = u32::MAX;
+/// The `phase` of the OK that acknowledges an ABORT ending protection:
+/// the backup has discarded its checkpoint and will not take over.
+pub const ENDED_PHASE: u32 = u32::MAX - 1;
 
 struct Cursor<'a> {
     b: &'a [u8],
@@ -398,6 +421,10 @@ impl<'a> Cursor<'a> {
         let b = self.take(8, what)?;
         Ok(u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
     }
+    fn u128(&mut self, what: &str) -> Result<u128, WireError> {
+        let b = self.take(16, what)?;
+        Ok(u128::from_le_bytes(b.try_into().unwrap_or([0; 16])))
+    }
     fn end(&self) -> Result<(), WireError> {
         if self.b.is_empty() {
             Ok(())
@@ -416,6 +443,7 @@ impl Msg {
         match self {
             Msg::Hello { .. } => MsgType::Hello,
             Msg::HelloOk { .. } => MsgType::HelloOk,
+            Msg::Join { .. } => MsgType::Join,
             Msg::Ok { .. } => MsgType::Ok,
             Msg::Error { .. } => MsgType::Error,
             Msg::Pages { .. } => MsgType::Pages,
@@ -435,14 +463,29 @@ impl Msg {
     pub fn payload(&self) -> Vec<u8> {
         let mut p = Vec::new();
         match self {
-            Msg::Hello { min, max, ram_size } => {
+            Msg::Hello {
+                min,
+                max,
+                ram_size,
+                session,
+            } => {
                 p.extend_from_slice(&MAGIC);
                 p.extend_from_slice(&min.to_le_bytes());
                 p.extend_from_slice(&max.to_le_bytes());
                 p.extend_from_slice(&ram_size.to_le_bytes());
                 p.extend_from_slice(&(PAGE as u32).to_le_bytes());
+                p.extend_from_slice(&session.to_le_bytes());
             }
-            Msg::HelloOk { version } => p.extend_from_slice(&version.to_le_bytes()),
+            Msg::HelloOk {
+                version,
+                generation,
+                timeout_ms,
+            } => {
+                p.extend_from_slice(&version.to_le_bytes());
+                p.extend_from_slice(&generation.to_le_bytes());
+                p.extend_from_slice(&timeout_ms.to_le_bytes());
+            }
+            Msg::Join { session } => p.extend_from_slice(&session.to_le_bytes()),
             Msg::Ok { phase } => p.extend_from_slice(&phase.to_le_bytes()),
             Msg::Error { message } => p.extend_from_slice(message.as_bytes()),
             Msg::Abort { reason } => p.extend_from_slice(reason.as_bytes()),
@@ -510,10 +553,21 @@ impl Msg {
                         what: format!("page size {page}, this build uses {PAGE}"),
                     });
                 }
-                Msg::Hello { min, max, ram_size }
+                let session = c.u128("session")?;
+                Msg::Hello {
+                    min,
+                    max,
+                    ram_size,
+                    session,
+                }
             }
             MsgType::HelloOk => Msg::HelloOk {
                 version: c.u16("version")?,
+                generation: c.u64("generation")?,
+                timeout_ms: c.u32("failover timeout")?,
+            },
+            MsgType::Join => Msg::Join {
+                session: c.u128("session")?,
             },
             MsgType::Ok => Msg::Ok {
                 phase: c.u32("phase")?,
@@ -699,6 +753,20 @@ pub fn read_msg(r: &mut impl Read) -> Result<(Msg, usize), WireError> {
         });
     }
     Ok((Msg::decode(ty, &payload)?, HEADER_BYTES + payload.len()))
+}
+
+/// A fresh random session id (128 bits from the kernel's CSPRNG).
+pub fn new_session() -> u128 {
+    let mut b = [0u8; 16];
+    // getrandom(2) blocks only before the pool is seeded, never fails for
+    // 16 bytes once it is.
+    let _ = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b));
+    u128::from_le_bytes(b)
+}
+
+/// A session id as people read it (its first 8 hex digits).
+pub fn session_name(session: u128) -> String {
+    format!("{:08x}", (session >> 96) as u32)
 }
 
 /// What the receiving side applies messages to.
@@ -900,12 +968,21 @@ impl Receiver {
         match (self, msg) {
             (_, Msg::Abort { reason }) => Err(ReceiveError::Aborted(reason)),
             (_, Msg::Error { message }) => Err(ReceiveError::SourceError(message)),
-            (Receiver::AwaitHello, Msg::Hello { min, max, ram_size }) => {
+            (
+                Receiver::AwaitHello,
+                Msg::Hello {
+                    min, max, ram_size, ..
+                },
+            ) => {
                 let version = check_hello(MIGRATION, (min, max, ram_size), target.ram_size())
                     .map_err(ReceiveError::Handshake)?;
                 Ok((
                     Receiver::Rounds(Round::FIRST),
-                    Some(Msg::HelloOk { version }),
+                    Some(Msg::HelloOk {
+                        version,
+                        generation: 0,
+                        timeout_ms: 0,
+                    }),
                 ))
             }
             (Receiver::Rounds(at), Msg::Pages { round, pages }) => {
@@ -1007,9 +1084,10 @@ pub(crate) mod tests {
         }
         vec![
             Msg::Hello {
-                min: 1,
-                max: 1,
+                min: 2,
+                max: 2,
                 ram_size: 16 * PAGE as u64,
+                session: 7,
             },
             Msg::Pages {
                 round: 0,
@@ -1085,7 +1163,11 @@ pub(crate) mod tests {
         assert_eq!(
             replies,
             vec![
-                Msg::HelloOk { version: 1 },
+                Msg::HelloOk {
+                    version: 2,
+                    generation: 0,
+                    timeout_ms: 0
+                },
                 Msg::Ok { phase: 0 },
                 Msg::Ok { phase: 1 },
                 Msg::Ok {
@@ -1132,7 +1214,7 @@ pub(crate) mod tests {
             read_msg(&mut &b[..]),
             Err(WireError::InvalidType(0))
         ));
-        // (11..=14 are the checkpoint messages.)
+        // (11..=15 are the checkpoint messages.)
         b[0] = 99;
         assert!(matches!(
             read_msg(&mut &b[..]),
@@ -1188,9 +1270,10 @@ pub(crate) mod tests {
         // Trailing bytes, bad magic.
         assert!(read_msg(&mut &frame(MsgType::Commit, &[0])[..]).is_err());
         let mut hello = Msg::Hello {
-            min: 1,
-            max: 1,
+            min: 2,
+            max: 2,
             ram_size: 1,
+            session: 1,
         }
         .payload();
         hello[0] = b'X';
@@ -1236,6 +1319,12 @@ pub(crate) mod tests {
                 epoch: 7,
                 generation: 2,
             },
+            Msg::Join { session: u128::MAX },
+            Msg::HelloOk {
+                version: 2,
+                generation: 9,
+                timeout_ms: 3000,
+            },
         ] {
             let frame = encode_frame(&msg);
             let (back, n) = read_msg(&mut &frame[..]).unwrap();
@@ -1253,17 +1342,23 @@ pub(crate) mod tests {
             }
         }
         assert_eq!(MsgType::from_u32(14), Some(MsgType::EpochAck));
-        assert_eq!(MsgType::from_u32(15), None);
+        assert_eq!(MsgType::from_u32(15), Some(MsgType::Join));
+        assert_eq!(MsgType::from_u32(16), None);
     }
 
     #[test]
     fn bad_contents_are_refused() {
         let s = session();
-        let hello = |ram_size, min, max| Msg::Hello { min, max, ram_size };
-        let err = run(vec![hello(32 * PAGE as u64, 1, 1)], &mut ram()).unwrap_err();
+        let hello = |ram_size, min, max| Msg::Hello {
+            min,
+            max,
+            ram_size,
+            session: 1,
+        };
+        let err = run(vec![hello(32 * PAGE as u64, 2, 2)], &mut ram()).unwrap_err();
         assert!(matches!(err, ReceiveError::Handshake(_)), "{err}");
-        let err = run(vec![hello(16 * PAGE as u64, 2, 9)], &mut ram()).unwrap_err();
-        assert!(err.to_string().contains("versions 2..=9"), "{err}");
+        let err = run(vec![hello(16 * PAGE as u64, 3, 9)], &mut ram()).unwrap_err();
+        assert!(err.to_string().contains("versions 3..=9"), "{err}");
         // A page outside RAM; a round count that does not match.
         let out = Msg::Pages {
             round: 0,

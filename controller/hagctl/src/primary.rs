@@ -1,0 +1,532 @@
+//! The primary's decisions in continuous checkpointing, without I/O.
+//!
+//! [`Policy`] takes what `hagctl checkpoint` observes (an epoch
+//! acknowledged, the backup heard or lost, a hang, a signal, the VM gone)
+//! and answers with what to do ([`Action`]); threads and sockets only feed
+//! it and carry its actions out. The output rule it enforces
+//! (docs/ha.md):
+//!
+//! - Output of epoch `e` is released only once the backup acknowledged
+//!   `e` ([`Action::Release`]), or all of it once the backup confirmed
+//!   that protection ended and it discarded its checkpoint
+//!   ([`Action::ReleaseAll`]). Never on silence: a backup the primary
+//!   cannot hear may still hear the primary, or may take over from its
+//!   last checkpoint, and released output would then be contradicted.
+//! - A backup that shows a newer generation took over: the VM is stopped
+//!   before anything else, and is never resumed; if stopping fails, output
+//!   stays held and stopping is retried.
+//! - A hang stops the VM first, then tells the backup (HANG).
+//! - A signal (SIGTERM, SIGINT) ends protection: ABORT on every connection
+//!   of the session; confirmed, output is released and the VM runs on
+//!   unprotected; unconfirmed within the failover timeout, the backup may
+//!   take over, so the VM is stopped.
+//!
+//! The policy works for any VMM driver: it speaks of epochs and output,
+//! not of how an epoch is captured.
+
+use std::time::Duration;
+
+/// Where the primary stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum State {
+    /// Connecting or running the first checkpoint of a pairing.
+    Syncing,
+    /// The last epoch was acknowledged.
+    Protected,
+    /// The link to the backup failed; retrying. Output stays held.
+    Unprotected(String),
+    /// Protection is ending (ABORT sent), waiting for the backup to say so.
+    Ending(String),
+    /// A newer generation runs the VM elsewhere.
+    Fenced(u64),
+    /// The vGPU hung: the VM is stopped, the backup told to take over.
+    HandedOver(String),
+    /// Finished: nothing more to do.
+    Done,
+}
+
+/// What the primary observed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// The backup accepted the pairing (HELLO_OK): its generation and
+    /// failover timeout.
+    Paired {
+        /// The backup's generation.
+        generation: u64,
+        /// The backup's failover timeout.
+        timeout: Duration,
+    },
+    /// EPOCH_ACK.
+    Acked {
+        /// The epoch.
+        epoch: u64,
+        /// The backup's generation in it.
+        generation: u64,
+    },
+    /// A heartbeat (or any message) of the session from the backup.
+    Heard {
+        /// Its generation.
+        generation: u64,
+    },
+    /// The data link or its control connection failed, or the backup was
+    /// silent past the timeout.
+    LinkLost(String),
+    /// Our vGPU hung.
+    Hung(String),
+    /// SIGTERM or SIGINT.
+    Signal(String),
+    /// The backup acknowledged the end of protection (it discarded its
+    /// checkpoint and will not take over).
+    EndConfirmed,
+    /// No confirmation of the end within the failover timeout.
+    EndUnconfirmed,
+    /// The VM finished and its last epoch was acknowledged.
+    Finished,
+    /// The VM is gone or failed by itself.
+    VmGone(String),
+    /// Stopping the VM failed.
+    StopFailed(String),
+    /// The VM is stopped.
+    Stopped,
+}
+
+/// What to do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Release the output held for epochs up to and including this one.
+    Release(u64),
+    /// Release all held output and stop holding (protection ended, the
+    /// backup confirmed it will not take over).
+    ReleaseAll,
+    /// Stop the VM (this reason).
+    StopVm(String),
+    /// Tell the backup to take over now, on every connection.
+    SendHang(String),
+    /// End protection, on every connection.
+    SendAbort(String),
+    /// Close the session's connections (a later sync opens new ones).
+    Cut,
+    /// Finish with this outcome and detail.
+    Exit(&'static str, String),
+}
+
+/// The primary's policy.
+#[derive(Clone, Debug)]
+pub struct Policy {
+    generation: u64,
+    timeout: Duration,
+    acked: u64,
+    released: u64,
+    vm_stopped: bool,
+    stop_failures: u32,
+    /// Where it stands.
+    pub state: State,
+}
+
+/// Stopping the VM is tried this often before the primary gives up (and
+/// exits with the output still held).
+pub const STOP_ATTEMPTS: u32 = 5;
+
+impl Policy {
+    /// A primary at `generation`, with `timeout` until the backup tells
+    /// its own.
+    pub fn new(generation: u64, timeout: Duration) -> Self {
+        Policy {
+            generation,
+            timeout,
+            acked: 0,
+            released: 0,
+            vm_stopped: false,
+            stop_failures: 0,
+            state: State::Syncing,
+        }
+    }
+
+    /// The failover timeout in force (the backup's, once paired).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The last acknowledged epoch.
+    pub fn acked(&self) -> u64 {
+        self.acked
+    }
+
+    /// Output released up to this epoch.
+    #[cfg(test)]
+    pub fn released(&self) -> u64 {
+        self.released
+    }
+
+    /// The VM may run (no fence, no hang, not ended unconfirmed).
+    #[cfg(test)]
+    pub fn vm_may_run(&self) -> bool {
+        !self.vm_stopped
+            && !matches!(
+                self.state,
+                State::Fenced(_) | State::HandedOver(_) | State::Done
+            )
+    }
+
+    fn stop(&mut self, why: String) -> Action {
+        self.vm_stopped = true;
+        Action::StopVm(why)
+    }
+
+    fn final_state(&self) -> bool {
+        matches!(
+            self.state,
+            State::Fenced(_) | State::HandedOver(_) | State::Done
+        )
+    }
+
+    /// Takes an event; returns the actions, in order.
+    pub fn on(&mut self, ev: Event) -> Vec<Action> {
+        use Action::*;
+        match ev {
+            Event::Heard { generation } | Event::Paired { generation, .. }
+                if generation > self.generation =>
+            {
+                if let Event::Paired { timeout, .. } = ev {
+                    self.timeout = timeout;
+                }
+                self.fenced(generation)
+            }
+            Event::Acked { generation, .. } if generation > self.generation => {
+                self.fenced(generation)
+            }
+            _ if matches!(self.state, State::Fenced(_) | State::Done) => {
+                // Only stopping matters now.
+                match ev {
+                    Event::StopFailed(why) => self.stop_failed(why),
+                    _ => vec![],
+                }
+            }
+            Event::Paired { timeout, .. } => {
+                if !timeout.is_zero() {
+                    self.timeout = timeout;
+                }
+                vec![]
+            }
+            Event::Heard { .. } => vec![],
+            Event::Acked { epoch, .. } => {
+                if matches!(self.state, State::HandedOver(_) | State::Ending(_)) {
+                    return vec![];
+                }
+                if epoch <= self.acked {
+                    return vec![];
+                }
+                self.acked = epoch;
+                self.released = epoch;
+                self.state = State::Protected;
+                vec![Release(epoch)]
+            }
+            Event::LinkLost(why) => match self.state {
+                State::Syncing | State::Protected | State::Unprotected(_) => {
+                    self.state = State::Unprotected(why);
+                    vec![Cut]
+                }
+                State::Ending(_) => vec![],
+                _ => vec![],
+            },
+            Event::Hung(why) => {
+                if matches!(self.state, State::HandedOver(_)) {
+                    return vec![];
+                }
+                self.state = State::HandedOver(why.clone());
+                vec![self.stop(format!("its vGPU hung: {why}")), SendHang(why)]
+            }
+            Event::Signal(why) => match self.state {
+                State::Ending(_) | State::HandedOver(_) => vec![],
+                _ => {
+                    self.state = State::Ending(why.clone());
+                    vec![SendAbort(format!("protection ends: {why}"))]
+                }
+            },
+            Event::EndConfirmed => match &self.state {
+                State::Ending(why) => {
+                    let why = why.clone();
+                    self.state = State::Done;
+                    vec![
+                        ReleaseAll,
+                        Cut,
+                        Exit(
+                            "ended",
+                            format!("{why}; the backup discarded its checkpoint, output released, the VM runs on unprotected"),
+                        ),
+                    ]
+                }
+                _ => vec![],
+            },
+            Event::EndUnconfirmed => match &self.state {
+                State::Ending(why) => {
+                    let why = why.clone();
+                    self.state = State::Done;
+                    vec![
+                        self.stop(format!(
+                            "{why}, but the backup did not confirm: it may take over from epoch {}",
+                            self.acked
+                        )),
+                        Cut,
+                        Exit(
+                            "vm-stopped",
+                            format!("{why}; the backup did not confirm the end, so it may take over from epoch {}: this VM was stopped, its unacknowledged output never released", self.acked),
+                        ),
+                    ]
+                }
+                _ => vec![],
+            },
+            Event::Finished => {
+                self.state = State::Done;
+                vec![
+                    SendAbort("protection ends: finished".into()),
+                    Cut,
+                    Exit(
+                        "finished",
+                        "the VM finished; its last epoch was acknowledged and its output released"
+                            .into(),
+                    ),
+                ]
+            }
+            Event::VmGone(why) => {
+                if self.final_state() {
+                    return vec![];
+                }
+                // Its output since the last ack stays held (it never goes
+                // out): the backup may still resume from that epoch.
+                self.state = State::Done;
+                vec![Exit("vm-stopped", why)]
+            }
+            Event::StopFailed(why) => self.stop_failed(why),
+            Event::Stopped => vec![],
+        }
+    }
+
+    fn fenced(&mut self, generation: u64) -> Vec<Action> {
+        if let State::Fenced(g) = self.state {
+            if g >= generation {
+                return vec![];
+            }
+        }
+        let was_handed_over = matches!(self.state, State::HandedOver(_));
+        self.state = State::Fenced(generation);
+        let mut out = Vec::new();
+        if !self.vm_stopped {
+            out.push(self.stop(format!(
+                "the backup took over at generation {generation} (this primary: {}): only one copy may run",
+                self.generation
+            )));
+        }
+        out.push(Action::Cut);
+        out.push(Action::Exit(
+            if was_handed_over { "handed-over" } else { "fenced" },
+            format!(
+                "the backup runs the VM at generation {generation}, newer than this primary's {}; this VM is stopped so it never runs twice",
+                self.generation
+            ),
+        ));
+        out
+    }
+
+    fn stop_failed(&mut self, why: String) -> Vec<Action> {
+        self.stop_failures += 1;
+        if self.stop_failures < STOP_ATTEMPTS {
+            return vec![Action::StopVm(format!("retrying after: {why}"))];
+        }
+        vec![Action::Exit(
+            "stop-failed",
+            format!("the VM must stop but could not be stopped ({why}); its output stays held: stop it by hand"),
+        )]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use Action::*;
+
+    fn protected() -> Policy {
+        let mut p = Policy::new(0, Duration::from_secs(9));
+        p.on(Event::Paired {
+            generation: 0,
+            timeout: Duration::from_secs(3),
+        });
+        assert_eq!(
+            p.on(Event::Acked {
+                epoch: 1,
+                generation: 0
+            }),
+            vec![Release(1)]
+        );
+        p
+    }
+
+    fn releases(actions: &[Action]) -> bool {
+        actions.iter().any(|a| matches!(a, Release(_) | ReleaseAll))
+    }
+
+    /// Item 3: the backup-to-primary direction is lost (or the backup is
+    /// silent for any reason): the primary calls itself unprotected and
+    /// releases nothing; the next acknowledged epoch releases.
+    #[test]
+    fn silence_releases_nothing() {
+        let mut p = protected();
+        let a = p.on(Event::LinkLost(
+            "no heartbeat from the backup for 3.2 s".into(),
+        ));
+        assert_eq!(a, vec![Cut]);
+        assert!(matches!(p.state, State::Unprotected(_)));
+        assert_eq!(p.released(), 1);
+        // Retries failing do not release either.
+        assert!(!releases(
+            &p.on(Event::LinkLost("connection refused".into()))
+        ));
+        // A resync's epoch does.
+        assert_eq!(
+            p.on(Event::Acked {
+                epoch: 5,
+                generation: 0
+            }),
+            vec![Release(5)]
+        );
+        assert_eq!(p.state, State::Protected);
+    }
+
+    /// Item 3: a primary that stalled (SIGSTOP) past the timeout finds a
+    /// newer generation: it stops the VM before anything, never releases.
+    #[test]
+    fn a_newer_generation_stops_the_vm_first_and_releases_nothing() {
+        let mut p = protected();
+        p.on(Event::LinkLost("silent".into()));
+        let a = p.on(Event::Heard { generation: 1 });
+        assert!(
+            matches!(&a[0], StopVm(why) if why.contains("generation 1")),
+            "{a:?}"
+        );
+        assert!(matches!(a.last(), Some(Exit("fenced", _))), "{a:?}");
+        assert!(!releases(&a));
+        assert!(!p.vm_may_run());
+        // An ack arriving late (it was in the socket) releases nothing now.
+        assert!(p
+            .on(Event::Acked {
+                epoch: 2,
+                generation: 0
+            })
+            .is_empty());
+        // A newer generation in an ack or a HELLO_OK fences too.
+        let mut q = protected();
+        assert!(matches!(
+            q.on(Event::Acked {
+                epoch: 2,
+                generation: 4
+            })[0],
+            StopVm(_)
+        ));
+        let mut r = Policy::new(0, Duration::from_secs(3));
+        assert!(matches!(
+            r.on(Event::Paired {
+                generation: 2,
+                timeout: Duration::from_secs(3)
+            })[0],
+            StopVm(_)
+        ));
+    }
+
+    /// Item 3: the two sides judge silence by the same timeout: the
+    /// backup's, adopted at pairing.
+    #[test]
+    fn the_backups_timeout_is_adopted_at_pairing() {
+        let mut p = Policy::new(0, Duration::from_secs(9));
+        p.on(Event::Paired {
+            generation: 0,
+            timeout: Duration::from_millis(2500),
+        });
+        assert_eq!(p.timeout(), Duration::from_millis(2500));
+    }
+
+    /// Item 3: SIGTERM (the libvirt hook) ends protection: ABORT, then
+    /// release only when the backup confirmed; unconfirmed, stop the VM
+    /// (the backup may take over), release nothing.
+    #[test]
+    fn a_signal_ends_protection_only_when_the_backup_confirms() {
+        let mut p = protected();
+        let a = p.on(Event::Signal("SIGTERM".into()));
+        assert_eq!(a, vec![SendAbort("protection ends: SIGTERM".into())]);
+        assert!(!releases(&a));
+        let a = p.on(Event::EndConfirmed);
+        assert_eq!(a[0], ReleaseAll);
+        assert!(matches!(a.last(), Some(Exit("ended", _))));
+        assert!(p.vm_may_run() || p.state == State::Done);
+
+        let mut p = protected();
+        p.on(Event::Signal("SIGTERM".into()));
+        let a = p.on(Event::EndUnconfirmed);
+        assert!(
+            matches!(&a[0], StopVm(why) if why.contains("epoch 1")),
+            "{a:?}"
+        );
+        assert!(!releases(&a));
+        assert!(matches!(a.last(), Some(Exit("vm-stopped", _))));
+    }
+
+    /// Item 3: a failed stop after a fence is retried, and the output
+    /// stays held; after the last attempt the primary says so and exits.
+    #[test]
+    fn a_failed_stop_is_retried_and_never_releases() {
+        let mut p = protected();
+        p.on(Event::Heard { generation: 1 });
+        for _ in 1..STOP_ATTEMPTS {
+            let a = p.on(Event::StopFailed("control socket gone".into()));
+            assert!(matches!(&a[..], [StopVm(_)]), "{a:?}");
+        }
+        let a = p.on(Event::StopFailed("control socket gone".into()));
+        assert!(
+            matches!(&a[..], [Exit("stop-failed", why)] if why.contains("output stays held")),
+            "{a:?}"
+        );
+    }
+
+    /// A hang stops the VM before telling the backup; a later fence
+    /// confirms the handover and does not stop twice.
+    #[test]
+    fn a_hang_stops_then_hands_over() {
+        let mut p = protected();
+        let a = p.on(Event::Hung("vgpu-hung vgpu=1".into()));
+        assert!(matches!(&a[..], [StopVm(_), SendHang(_)]), "{a:?}");
+        assert!(p
+            .on(Event::Acked {
+                epoch: 2,
+                generation: 0
+            })
+            .is_empty());
+        assert!(p.on(Event::Hung("again".into())).is_empty());
+        let a = p.on(Event::Heard { generation: 1 });
+        assert!(matches!(&a[..], [Cut, Exit("handed-over", _)]), "{a:?}");
+    }
+
+    /// An old acknowledgement never moves the release point back or
+    /// releases twice; the VM finishing ends protection with ABORT.
+    #[test]
+    fn acks_only_move_forward_and_finishing_ends() {
+        let mut p = protected();
+        p.on(Event::Acked {
+            epoch: 3,
+            generation: 0,
+        });
+        assert!(p
+            .on(Event::Acked {
+                epoch: 2,
+                generation: 0
+            })
+            .is_empty());
+        assert_eq!(p.released(), 3);
+        let a = p.on(Event::Finished);
+        assert!(matches!(&a[0], SendAbort(_)));
+        assert!(matches!(a.last(), Some(Exit("finished", _))));
+        // A VM gone by itself, unprotected: its held output stays held.
+        let mut q = protected();
+        q.on(Event::LinkLost("x".into()));
+        let a = q.on(Event::VmGone("the VM is gone".into()));
+        assert!(!releases(&a));
+    }
+}
