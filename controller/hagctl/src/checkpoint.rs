@@ -845,6 +845,11 @@ impl Primary {
         report.cpu_dirty = d.cpu;
         report.gpu_dirty = d.gpu;
         self.carry.extend(d.pages);
+        // The vGPU is idle: every page its log marked since the last
+        // quiesce holds its final bytes now (item 6).
+        let limit = self.src.ram.pages();
+        self.carry
+            .extend(self.src.gpu.settle().into_iter().filter(|&p| p < limit));
         if self.opts.gpu_dirty == GpuDirty::Full {
             let limit = self.src.ram.pages();
             let mapped = self.src.gtt.as_deref().unwrap_or_default();
@@ -1247,6 +1252,9 @@ pub fn checkpoint(
         connect_timeout: opts.connect_timeout,
         inject_fault: None,
         key: opts.key.clone(),
+        max_downtime: Duration::ZERO,
+        bandwidth: None,
+        stop: None,
     };
     // The first connection may take a while (the backup starting).
     let mut src = Source::connect(vm, ram, dev, vgpu_id, mopts, &key)?;

@@ -341,15 +341,15 @@ Every line of stdout is flushed as soon as it is printed.")]
         /// the target refuses the connection)
         #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = parse_seconds)]
         connect_timeout: Duration,
-        /// --qmp: the longest pause allowed for the last round, ms
-        /// (QEMU's downtime-limit)
-        #[arg(long, value_name = "MS", default_value_t = 300, conflicts_with = "vm",
+        /// The longest pause wanted for the last round, ms (QEMU's
+        /// downtime-limit; --vm: stop and copy once the remaining pages
+        /// fit in it at the measured bandwidth)
+        #[arg(long, value_name = "MS", default_value_t = 300,
               value_parser = clap::value_parser!(u64).range(1..=2_000_000))]
         max_downtime: u64,
-        /// --qmp: bandwidth limit (QEMU's max-bandwidth) per second: 100
-        /// (MiB), 512KiB, 1.5GiB; default: QEMU's setting
-        #[arg(long, value_name = "RATE", conflicts_with = "vm",
-              value_parser = vmm_migrate::parse_bandwidth)]
+        /// Bandwidth limit (QEMU's max-bandwidth) per second: 100 (MiB),
+        /// 512KiB, 1.5GiB; default: QEMU's setting (--vm: unlimited)
+        #[arg(long, value_name = "RATE", value_parser = vmm_migrate::parse_bandwidth)]
         bandwidth: Option<u64>,
         /// --qmp: set a migration capability, NAME=on|off (repeatable)
         #[arg(long, value_name = "NAME=on|off", conflicts_with = "vm",
@@ -704,6 +704,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     connect_timeout,
                     inject_fault,
                     key,
+                    max_downtime: Duration::from_millis(max_downtime),
+                    bandwidth,
+                    stop: Some(vmm_migrate::watch_stop_signals()?),
                 })?;
                 print_report(json, &report, report.text())?;
             }
@@ -964,10 +967,12 @@ mod tests {
             assert!(parse(&[&qmp[..], flag].concat()).is_err(), "{flag:?}");
             assert!(parse(&[&vm[..], flag].concat()).is_ok(), "{flag:?}");
         }
+        for flag in [&["--max-downtime", "100"][..], &["--bandwidth", "10"]] {
+            assert!(parse(&[&vm[..], flag].concat()).is_ok(), "{flag:?}");
+            assert!(parse(&[&qmp[..], flag].concat()).is_ok(), "{flag:?}");
+        }
         for flag in [
-            &["--max-downtime", "100"][..],
-            &["--keep-source"],
-            &["--bandwidth", "10"],
+            &["--keep-source"][..],
             &["--capability", "events=on"],
             &["--timeout", "5"],
         ] {

@@ -61,6 +61,92 @@ pub struct MigrateOptions {
     pub inject_fault: Option<Fault>,
     /// The pre-shared key file both hosts hold.
     pub key: PathBuf,
+    /// Stop and copy once the rest would take at most this to send
+    /// (zero: only the page threshold and the round limit decide).
+    pub max_downtime: Duration,
+    /// Bytes per second at most (None: as fast as the link goes).
+    pub bandwidth: Option<u64>,
+    /// Raised by SIGINT/SIGTERM: abort while the source can still resume.
+    pub stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+}
+
+/// The GPU pages the source must still send (issue 12, item 6). hag's
+/// log marks a submission's pages before the engine writes them, and a
+/// long submission may write a page well after the round that sent it:
+/// so each round's GPU pages go again in the next round, and every page
+/// marked since the vGPU was last idle goes again once it is quiesced
+/// (then the engine is idle and every marked write has landed). A log
+/// that repeats a page for only one extra read (GVT-g's) is covered the
+/// same way.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct GpuPending {
+    /// The last read's pages.
+    prev: BTreeSet<u64>,
+    /// Every page marked since the last quiesce.
+    unsettled: BTreeSet<u64>,
+}
+
+impl GpuPending {
+    /// A read of the log gave `pages`: returns the previous read's, to
+    /// send again now.
+    pub(crate) fn note(&mut self, pages: BTreeSet<u64>) -> BTreeSet<u64> {
+        self.unsettled.extend(pages.iter().copied());
+        std::mem::replace(&mut self.prev, pages)
+    }
+
+    /// The vGPU is quiesced: every page marked since the last quiesce
+    /// (sent once more now, with its final bytes).
+    pub(crate) fn settle(&mut self) -> BTreeSet<u64> {
+        std::mem::take(&mut self.unsettled)
+    }
+
+    /// Forget everything (a new full copy starts).
+    pub(crate) fn clear(&mut self) {
+        *self = GpuPending::default();
+    }
+}
+
+/// When pre-copy stops and the VM is paused: once the remaining pages fit
+/// in `max_downtime` at `bytes_per_s` (QEMU's rule: expected downtime =
+/// remaining bytes / bandwidth), or at most `threshold_pages` are left, or
+/// the next round is the last allowed.
+pub(crate) fn converged(
+    pending_pages: u64,
+    bytes_per_s: f64,
+    opts: (u64, Duration, u32),
+    next_round: u32,
+) -> bool {
+    let (threshold_pages, max_downtime, max_rounds) = opts;
+    if pending_pages <= threshold_pages || next_round + 1 >= max_rounds {
+        return true;
+    }
+    if max_downtime.is_zero() || bytes_per_s <= 0.0 {
+        return false;
+    }
+    let expected = (pending_pages * PAGE_SIZE) as f64 / bytes_per_s;
+    expected <= max_downtime.as_secs_f64()
+}
+
+/// What the source knows of the target after a failed stop-and-copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CommitOutcome {
+    /// COMMIT was never sent: the target cannot have resumed.
+    NotSent,
+    /// The target answered COMMIT with ERROR: it did not resume.
+    Refused,
+    /// The link failed or the deadline passed after COMMIT went out: the
+    /// target may be running the VM.
+    Unknown,
+}
+
+/// What the source does with its paused VM (issue 12, item 4): resume it
+/// only when the target certainly did not; in doubt, stay paused, so two
+/// copies never run.
+pub(crate) fn source_after(o: CommitOutcome) -> &'static str {
+    match o {
+        CommitOutcome::NotSent | CommitOutcome::Refused => "resume",
+        CommitOutcome::Unknown => "stay-paused",
+    }
 }
 
 /// How the source learns which guest pages the GPU wrote.
@@ -184,7 +270,13 @@ pub enum MigrateError {
     /// The VM is not in a state to migrate.
     #[error("the VM is {0}, not running")]
     NotRunning(String),
+    /// SIGINT or SIGTERM before the commit.
+    #[error("cancelled on a signal")]
+    Cancelled,
 }
+
+/// While the VM is paused, the target's replies must come within this.
+const PAUSED_REPLY_DEADLINE: Duration = Duration::from_secs(10);
 
 /// One round of the report.
 #[derive(Clone, Debug, Default, serde::Serialize)]
@@ -218,7 +310,11 @@ pub struct RoundReport {
 pub struct MigrationReport {
     /// Target.
     pub to: String,
-    /// Source VM paused → target's OK to COMMIT, milliseconds.
+    /// Downtime as the source measures it: from just before it asks the
+    /// VM to pause to the target's OK to COMMIT (sent after the target
+    /// resumed its VM), milliseconds. It includes the pause request, the
+    /// quiesce, the last round and the target's restore, plus the return
+    /// of the OK (half a round trip more than the VM's real pause).
     pub downtime_ms: f64,
     /// Of which: waiting for the vGPU to go idle.
     pub quiesce_ms: f64,
@@ -355,7 +451,9 @@ pub(crate) struct Source {
     pub(crate) vgpu_id: u32,
     pub(crate) stream: secure::Conn,
     pub(crate) gpu_bitmap: Option<Vec<u64>>,
-    pub(crate) prev_gpu: BTreeSet<u64>,
+    pub(crate) gpu: GpuPending,
+    /// COMMIT went out: from now on the target may run the VM.
+    pub(crate) commit_sent: bool,
     /// `--gpu-dirty hash`: what the peer has.
     pub(crate) hashes: Option<PageHashes>,
     /// The guest pages the vGPU's GTT mapped at the last saved context
@@ -431,7 +529,8 @@ impl Source {
             vgpu_id,
             stream,
             gpu_bitmap: None,
-            prev_gpu: BTreeSet::new(),
+            gpu: GpuPending::default(),
+            commit_sent: false,
             hashes,
             gtt: None,
             scan: Scan::default(),
@@ -507,18 +606,17 @@ impl Source {
                 .collect();
         }
         let mut pages: BTreeSet<u64> = cpu.union(&gpu).copied().collect();
-        pages.extend(self.prev_gpu.iter().copied());
-        pages.retain(|&p| p < limit);
-        let d = Dirty {
-            pages,
-            cpu: cpu.len() as u64,
-            gpu: gpu.len() as u64,
-        };
+        let (cpu_n, gpu_n) = (cpu.len() as u64, gpu.len() as u64);
         // Only the audited log marks pages before they are written.
         if self.gpu_bitmap.is_some() {
-            self.prev_gpu = gpu;
+            pages.extend(self.gpu.note(gpu));
         }
-        Ok(d)
+        pages.retain(|&p| p < limit);
+        Ok(Dirty {
+            pages,
+            cpu: cpu_n,
+            gpu: gpu_n,
+        })
     }
 
     /// Sends `pages` as round `round` and its ROUND_END.
@@ -661,7 +759,7 @@ impl Source {
     ) -> Result<(u32, BTreeSet<u64>, (u64, u64)), MigrateError> {
         // Round 0: clear the logs first, so every later write is seen.
         let _ = self.collect()?;
-        self.prev_gpu.clear();
+        self.gpu.clear();
         let mut round = 0u32;
         let mut pending: BTreeSet<u64> = BTreeSet::new();
         let mut pending_counts = (0, 0);
@@ -702,10 +800,27 @@ impl Source {
             }
             pending_counts = (d.cpu, d.gpu);
             pending = d.pages;
+            if self.stopped() {
+                return Err(MigrateError::Cancelled);
+            }
+            let rate = report.per_round.last().map_or(0.0, |r| {
+                let measured = r.wire_bytes as f64 / (r.ms / 1e3).max(1e-3);
+                let raw = r.raw_bytes.max(1) as f64 / r.wire_bytes.max(1) as f64;
+                // Pages per second at the wire rate (compression counted),
+                // capped by --bandwidth.
+                let wire = self
+                    .opts
+                    .bandwidth
+                    .map_or(measured, |b| measured.min(b as f64));
+                wire * raw
+            });
             // The stop-and-copy round counts toward --max-rounds.
-            if pending.len() as u64 <= self.opts.threshold_pages
-                || round + 1 >= self.opts.max_rounds
-            {
+            let limits = (
+                self.opts.threshold_pages,
+                self.opts.max_downtime,
+                self.opts.max_rounds,
+            );
+            if converged(pending.len() as u64, rate, limits, round) {
                 return Ok((round, pending, pending_counts));
             }
         }
@@ -745,6 +860,14 @@ impl Source {
         }
         let d = self.collect()?;
         pages.extend(d.pages);
+        // The vGPU is idle: every page marked since pre-copy began holds
+        // its final bytes now.
+        pages.extend(
+            self.gpu
+                .settle()
+                .into_iter()
+                .filter(|&p| p < self.ram.pages()),
+        );
         cpu += d.cpu;
         gpu += d.gpu;
         if self.opts.gpu_dirty == GpuDirty::Full {
@@ -788,10 +911,23 @@ impl Source {
         }
         r.wire_bytes += self.send(&Msg::Context(context), "stop-and-copy")?;
         r.wire_bytes += self.send(&Msg::VmState(state), "stop-and-copy")?;
-        r.wire_bytes += self.send(&Msg::Commit, "stop-and-copy")?;
-        // The round's OK and the commit's OK.
+        // While paused, a stalled target is given up on at once, not
+        // after a per-read timeout.
+        self.stream
+            .r
+            .set_deadline(Some(Instant::now() + PAUSED_REPLY_DEADLINE));
         self.expect_ok(&format!("round {round}"), round)?;
+        // The last moment a Ctrl-C can leave the VM here.
+        if self.stopped() {
+            return Err(MigrateError::Cancelled);
+        }
+        self.commit_sent = true;
+        r.wire_bytes += self.send(&Msg::Commit, "stop-and-copy")?;
+        self.stream
+            .r
+            .set_deadline(Some(Instant::now() + PAUSED_REPLY_DEADLINE));
         self.expect_ok("commit (restore and resume on the target)", COMMIT_PHASE)?;
+        self.stream.r.set_deadline(None);
         report.downtime_ms = paused_at.elapsed().as_secs_f64() * 1e3;
         r.ms = report.downtime_ms;
         Self::progress(&r);
@@ -804,6 +940,13 @@ impl Source {
         report.hash_ms = report.per_round.iter().map(|r| r.hash_ms).sum();
         report.total_ms = start.elapsed().as_secs_f64() * 1e3;
         Ok(())
+    }
+
+    fn stopped(&self) -> bool {
+        self.opts
+            .stop
+            .as_ref()
+            .is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst))
     }
 
     /// After a failure: resume what was stopped, tell the target.
@@ -854,6 +997,19 @@ pub fn migrate(opts: &MigrateOptions) -> anyhow::Result<MigrationReport> {
         }
         Err(e) => {
             let why = e.to_string();
+            let outcome = if !src.commit_sent {
+                CommitOutcome::NotSent
+            } else if matches!(e, MigrateError::Refused { .. }) {
+                CommitOutcome::Refused
+            } else {
+                CommitOutcome::Unknown
+            };
+            if source_after(outcome) == "stay-paused" {
+                // The target may run the VM: never resume this copy.
+                return Err(anyhow::Error::new(e).context(
+                    "the commit's outcome is unknown: the source VM stays paused (it may be running on the target: check there, then quit or resume this one)",
+                ));
+            }
             let problems = src.roll_back(&why);
             let err = anyhow::Error::new(e).context(if problems.is_empty() {
                 "migration failed; the source VM keeps running".to_owned()
@@ -1065,6 +1221,50 @@ pub fn receive(opts: &ReceiveOptions) -> anyhow::Result<ReceiveReport> {
             };
             anyhow::bail!("migration from {from} failed: {why}; {discarded}")
         }
+    }
+}
+
+#[cfg(test)]
+mod policy_tests {
+    use super::*;
+
+    /// Issue 12, item 6: a page the GPU log marked once, long before the
+    /// stop, is sent again once the vGPU is quiesced.
+    #[test]
+    fn a_page_marked_early_is_sent_again_after_the_quiesce() {
+        let mut g = GpuPending::default();
+        let set = |v: &[u64]| v.iter().copied().collect::<BTreeSet<u64>>();
+        assert!(g.note(set(&[7])).is_empty());
+        assert_eq!(g.note(set(&[9])), set(&[7]), "the next round resends it");
+        assert_eq!(g.note(set(&[])), set(&[9]));
+        // Rounds later the submission that marked page 7 wrote it; the log
+        // says nothing more. The quiesce settles it.
+        assert_eq!(g.settle(), set(&[7, 9]));
+        assert!(g.settle().is_empty());
+    }
+
+    /// Issue 12, item 10: the convergence rule.
+    #[test]
+    fn convergence_follows_downtime_bandwidth_and_limits() {
+        let ms = Duration::from_millis;
+        // 1000 pages (4 MiB) at 40 MiB/s: 100 ms.
+        let rate = 40.0 * f64::from(1 << 20);
+        assert!(converged(1000, rate, (10, ms(300), 30), 1));
+        assert!(!converged(1000, rate, (10, ms(50), 30), 1));
+        // The threshold and the round limit decide on their own.
+        assert!(converged(10, 0.0, (10, ms(0), 30), 1));
+        assert!(converged(5000, 0.0, (10, ms(0), 3), 2));
+        // No measurement yet: keep copying.
+        assert!(!converged(5000, 0.0, (10, ms(300), 30), 1));
+    }
+
+    /// Issue 12, item 4: after COMMIT went out, the source resumes only on
+    /// the target's refusal; in doubt it stays paused.
+    #[test]
+    fn the_source_never_resumes_in_doubt() {
+        assert_eq!(source_after(CommitOutcome::NotSent), "resume");
+        assert_eq!(source_after(CommitOutcome::Refused), "resume");
+        assert_eq!(source_after(CommitOutcome::Unknown), "stay-paused");
     }
 }
 
