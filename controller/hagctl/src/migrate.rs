@@ -626,6 +626,7 @@ impl Source {
         pages: impl IntoIterator<Item = u64>,
         report: &mut RoundReport,
     ) -> Result<(), MigrateError> {
+        let started = Instant::now();
         let mut batch = Vec::with_capacity(PAGES_PER_FRAME);
         let mut buf = [0u8; PAGE];
         let mut count = 0u64;
@@ -663,6 +664,13 @@ impl Source {
                 continue;
             }
             report.wire_bytes += self.send(&msg, &format!("round {round}"))?;
+            if let Some(rate) = self.opts.bandwidth {
+                // --bandwidth: never ahead of RATE bytes per second.
+                let due = Duration::from_secs_f64(report.wire_bytes as f64 / rate.max(1) as f64);
+                if let Some(wait) = due.checked_sub(started.elapsed()) {
+                    std::thread::sleep(wait);
+                }
+            }
         }
         report.pages = count;
         report.raw_bytes = count * PAGE_SIZE;
