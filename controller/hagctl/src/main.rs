@@ -386,8 +386,16 @@ Per epoch, on stderr:
 A vgpu-hung event for the VM's vGPU (or its hang counter moving) stops the VM
 and tells the backup to take over from the last acknowledged epoch. A
 backup answering with a newer generation took over: the VM is stopped. A
-backup silent past --failover-timeout leaves the VM running unprotected
-(output no longer held); hagctl retries every --interval and resynchronises.
+backup silent past --failover-timeout (the backup's own, told at pairing)
+leaves the VM running unprotected with its output still held: the backup
+may still hear this host, or take over from its last checkpoint, so
+nothing it did not acknowledge goes out (docs/ha.md). hagctl retries every
+--interval and resynchronises; the next acknowledged epoch releases.
+SIGINT/SIGTERM end protection: ABORT on every connection; once the backup
+confirms it discarded its checkpoint the output is released and the VM runs
+on unprotected (outcome ended); unconfirmed within the failover timeout,
+the VM is stopped (outcome vm-stopped). Every connection to the backup is
+authenticated and encrypted with the pair's key (--key; hagctl keygen).
 --heartbeat-addr adds heartbeat paths (another network to the backup's
 --heartbeat-listen), kept up whether or not the checkpoint stream is: a
 backup still hearing the primary on one does not take over when the data
@@ -404,7 +412,8 @@ ack_ms_mean, epoch_bytes, gpu_dirty_mode, compress, per_epoch [{epoch,
 pause_ms, quiesce_ms, pages, cpu_dirty, gpu_dirty, bytes, raw_bytes, ack_ms,
 iteration, released, gpu_bytes_written, hashed_pages, hash_ms}]).
 gpu_bytes_written is what the vGPU's engine wrote since the last epoch
-(hag-sim's counter). outcome: finished, handed-over, fenced or vm-stopped.")]
+(hag-sim's counter). outcome: finished, ended, handed-over, fenced,
+stop-failed or vm-stopped.")]
     Checkpoint {
         /// Control socket of the VM (hag-vmm serve --control)
         #[arg(long, value_name = "SOCKET")]
