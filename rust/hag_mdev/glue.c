@@ -184,6 +184,7 @@ void hag_glue_msg_cancel(struct hag_glue_msg *msg)
  */
 struct hag_mig_file {
 	struct file *filp;
+	u32 vgpu_id; /* whose state it carries */
 	struct mutex lock; /* the fields below */
 	bool disabled;
 	u8 *data; /* kvmalloc'd, cap bytes */
@@ -324,6 +325,20 @@ static ssize_t hag_mig_write(struct file *filp, const char __user *buf,
 		ret = -EFAULT;
 		goto out;
 	}
+	/*
+	 * A damaged or foreign state is refused by the write that completes
+	 * it, so that the VMM's load fails (and the migration with it) before
+	 * the VM would start here; the bytes stay out of the file.
+	 */
+	ret = hag_ops->mig_check(hag_ctx, migf->vgpu_id, migf->data,
+				 migf->size + len);
+	if (ret < 0)
+		goto out;
+	/* A header that declares more than the file can hold. */
+	if (ret > migf->cap - migf->size - len) {
+		ret = -EFBIG;
+		goto out;
+	}
 	migf->size += len;
 	*pos = migf->size;
 	ret = len;
@@ -404,6 +419,7 @@ static struct file *hag_mig_resume(struct hag_vgpu *vgpu)
 				hag_mig_max_bytes);
 	if (IS_ERR(migf))
 		return ERR_CAST(migf);
+	migf->vgpu_id = vgpu->id;
 	vgpu->resuming = migf;
 	get_file(migf->filp);
 	return migf->filp;

@@ -61,6 +61,7 @@ struct hag_rs_ops {
 	int (*mig_step)(const void *ctx, u32 id, u32 cur, u32 next);
 	long (*mig_save)(const void *ctx, u32 id, u8 *buf, size_t cap);
 	int (*mig_restore)(const void *ctx, u32 id, const u8 *buf, size_t len);
+	long (*mig_check)(const void *ctx, u32 id, const u8 *buf, size_t len);
 	void (*mig_reset)(const void *ctx, u32 id);
 	/* GVT-g (called only while registered with GVT). */
 	int (*gvt_vgpu_added)(const void *ctx, void *vgpu, unsigned int id);

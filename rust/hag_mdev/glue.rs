@@ -71,6 +71,9 @@ pub(crate) trait VfioDevice {
     fn mig_save(&self, id: u32, out: &mut [u8]) -> Result<usize>;
     /// Loads a snapshot a VMM wrote.
     fn mig_restore(&self, id: u32, bytes: &[u8]) -> Result;
+    /// Checks a snapshot as the VMM writes it: the bytes still to come
+    /// (0: complete and valid), or why it is refused.
+    fn mig_check(&self, id: u32, bytes: &[u8]) -> Result<usize>;
     /// The migration state went back to RUNNING (close or reset).
     fn mig_reset(&self, id: u32);
 }
@@ -115,6 +118,7 @@ pub(crate) struct RsOps {
     mig_step: extern "C" fn(*const c_void, u32, u32, u32) -> c_int,
     mig_save: extern "C" fn(*const c_void, u32, *mut u8, usize) -> c_long,
     mig_restore: extern "C" fn(*const c_void, u32, *const u8, usize) -> c_int,
+    mig_check: extern "C" fn(*const c_void, u32, *const u8, usize) -> c_long,
     mig_reset: extern "C" fn(*const c_void, u32),
     gvt_vgpu_added: extern "C" fn(*const c_void, *mut c_void, c_uint) -> c_int,
     gvt_vgpu_removed: extern "C" fn(*const c_void, *mut c_void),
@@ -144,6 +148,7 @@ impl<T: Driver> Vtable<T> {
         mig_step: mig_step::<T>,
         mig_save: mig_save::<T>,
         mig_restore: mig_restore::<T>,
+        mig_check: mig_check::<T>,
         mig_reset: mig_reset::<T>,
         gvt_vgpu_added: gvt_vgpu_added::<T>,
         gvt_vgpu_removed: gvt_vgpu_removed::<T>,
@@ -482,6 +487,22 @@ extern "C" fn mig_restore<T: Driver>(ctx: *const c_void, id: u32, buf: *const u8
     match state.mig_restore(id, bytes) {
         Ok(()) => 0,
         Err(e) => e.to_errno(),
+    }
+}
+
+/// VFIO migration, RESUMING: checks the `len` bytes at `buf` the VMM has
+/// written so far. The bytes still to come (0: complete and valid), or a
+/// negative errno, which glue.c returns from the write.
+extern "C" fn mig_check<T: Driver>(ctx: *const c_void, id: u32, buf: *const u8, len: usize) -> c_long {
+    // SAFETY: called by glue.c's migration file write while registered.
+    let state = unsafe { state::<T>(ctx) };
+    // SAFETY: glue.c passes the migration file's kvmalloc'd (non-NULL)
+    // buffer and the bytes written into it, at most its size, and holds
+    // the file's lock across the call, so no write changes it meanwhile.
+    let bytes = unsafe { core::slice::from_raw_parts(buf, len) };
+    match state.mig_check(id, bytes) {
+        Ok(more) => c_long::try_from(more).unwrap_or(c_long::MAX),
+        Err(e) => c_long::from(e.to_errno()),
     }
 }
 

@@ -492,6 +492,48 @@ impl State {
         Ok(())
     }
 
+    /// VFIO migration, while the VMM writes a snapshot (RESUMING): how
+    /// many more bytes the snapshot's header says are to come, or, once
+    /// all are there, whether it checks out (version, checksum, layout, a
+    /// vGPU like this one). Refusing the write that completes a damaged
+    /// snapshot fails the VMM's load of the device state, so the migration
+    /// fails while the source VM can still run on; a refusal only at
+    /// RESUMING -> STOP comes after QEMU has finished loading and started
+    /// the VM, too late to fail the migration.
+    pub(crate) fn mig_check(&self, id: u32, bytes: &[u8]) -> Result<usize> {
+        use crate::snapshot::{declared_len, HEADER_BYTES};
+        let total = match declared_len(bytes) {
+            Some(total) => total,
+            None if bytes.len() < HEADER_BYTES => return Ok(HEADER_BYTES - bytes.len()),
+            None => {
+                pr_info!("vGPU {}: VFIO migration: the device state written is not a hag snapshot (bad magic)\n", id);
+                return Err(EINVAL);
+            }
+        };
+        if bytes.len() < total {
+            return Ok(total - bytes.len());
+        }
+        let vgpu = self.vgpu(id)?;
+        let sim = vgpu.sim.lock();
+        if bytes.len() > total {
+            pr_info!(
+                "vGPU {}: VFIO migration: {} bytes of device state written, its header says {}\n",
+                id,
+                bytes.len(),
+                total
+            );
+            return Err(EINVAL);
+        }
+        sim.parse_compatible(bytes).map(|_| 0).inspect_err(|e| {
+            pr_info!(
+                "vGPU {}: VFIO migration: device state of {} bytes refused as it arrived (error {})\n",
+                id,
+                bytes.len(),
+                e.to_errno()
+            );
+        })
+    }
+
     /// VFIO migration state reset to RUNNING (close or device reset):
     /// VFIO's hold on the vGPU goes.
     pub(crate) fn mig_reset(&self, id: u32) {
@@ -608,6 +650,10 @@ impl glue::VfioDevice for State {
 
     fn mig_restore(&self, id: u32, bytes: &[u8]) -> Result {
         State::mig_restore(self, id, bytes)
+    }
+
+    fn mig_check(&self, id: u32, bytes: &[u8]) -> Result<usize> {
+        State::mig_check(self, id, bytes)
     }
 
     fn mig_reset(&self, id: u32) {

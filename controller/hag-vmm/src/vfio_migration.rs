@@ -10,10 +10,11 @@
 //! * on the target, RESUMING → STOP → RUNNING loads it: the registers and
 //!   GTT entries equal the source's, and the guest driver carries on there
 //!   with a new workload;
-//! * a damaged (one flipped byte) or truncated snapshot is refused at
-//!   RESUMING → STOP, leaving the device RESUMING and its registers as they
-//!   were; VFIO_DEVICE_RESET brings it back to RUNNING and disables the fd;
-//!   more than the module's limit cannot be written;
+//! * a damaged (one flipped byte) snapshot is refused by the write that
+//!   completes it, a truncated one at RESUMING → STOP, each leaving the
+//!   device RESUMING and its registers as they were; VFIO_DEVICE_RESET
+//!   brings it back to RUNNING and disables the fd; a header declaring more
+//!   than the module's limit is refused at once (EFBIG);
 //! * a data fd kept past the device's close reads nothing (`ENODEV`).
 //!
 //! One guest RAM serves both mdevs (the "migration" of RAM is free), so
@@ -258,12 +259,36 @@ fn write_stream(fd: &mut File, bytes: &[u8]) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Where a load was refused.
+#[derive(Debug)]
+enum Refused {
+    /// A write to the RESUMING data fd failed (the snapshot was complete
+    /// and did not check out, or was not a snapshot).
+    Write(Errno),
+    /// RESUMING -> STOP failed.
+    Load(Errno),
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refused::Write(e) => write!(f, "by the write that completed it: {e}"),
+            Refused::Load(e) => write!(f, "at RESUMING -> STOP: {e}"),
+        }
+    }
+}
+
 /// Loads `bytes` into `dev` (RUNNING or STOP → RESUMING, write, → STOP);
-/// returns the error of the final transition, if any.
-fn load(dev: &VfioDevice, bytes: &[u8]) -> anyhow::Result<Result<(), Errno>> {
+/// returns where it was refused, if it was.
+fn load(dev: &VfioDevice, bytes: &[u8]) -> anyhow::Result<Result<(), Refused>> {
     let mut fd = go(dev, STATE_RESUMING)?.context("RESUMING returned no data fd")?;
-    write_stream(&mut fd, bytes).context("writing the snapshot to the RESUMING data fd")?;
-    Ok(set_state(dev.device_fd(), STATE_STOP).map(|_| ()))
+    if let Err(e) = write_stream(&mut fd, bytes) {
+        let errno = errno_of(&e).context("writing the snapshot to the RESUMING data fd")?;
+        return Ok(Err(Refused::Write(errno)));
+    }
+    Ok(set_state(dev.device_fd(), STATE_STOP)
+        .map(|_| ())
+        .map_err(Refused::Load))
 }
 
 fn errno_of(e: &std::io::Error) -> Option<Errno> {
@@ -387,7 +412,9 @@ pub fn run(mdev_a: &str, mdev_b: &str) -> anyhow::Result<()> {
         !differences(&list, &regs_a, &fresh_b).is_empty(),
         "B already has A's registers before the migration"
     );
-    load(&b, &snapshot)?.context("RESUMING -> STOP of a good snapshot on B")?;
+    if let Err(e) = load(&b, &snapshot)? {
+        bail!("B refused a good snapshot {e}");
+    }
     expect_state(&b, STATE_STOP)?;
     ensure!(
         go(&b, STATE_RUNNING)?.is_none(),
@@ -416,11 +443,23 @@ pub fn run(mdev_a: &str, mdev_b: &str) -> anyhow::Result<()> {
     let at = damaged.len() / 2;
     damaged[at] ^= 0x40;
     let truncated = &snapshot[..snapshot.len() / 2];
-    for (what, bytes) in [("damaged", &damaged[..]), ("truncated", truncated)] {
+    // A damaged one is refused as it arrives (so that QEMU's load of the
+    // device state fails, and the migration with it, before the VM starts
+    // on the target); a truncated one, which never completes, when loaded.
+    for (what, bytes, write_time) in [
+        ("damaged", &damaged[..], true),
+        ("truncated", truncated, false),
+    ] {
         let before = read_registers(&b, &list)?;
         match load(&b, bytes)? {
             Ok(()) => bail!("B accepted a {what} snapshot"),
-            Err(e) => println!("ok: a {what} snapshot is refused at RESUMING -> STOP: {e}"),
+            Err(e @ Refused::Write(_)) if write_time => {
+                println!("ok: a {what} snapshot is refused {e}")
+            }
+            Err(e @ Refused::Load(_)) if !write_time => {
+                println!("ok: a {what} snapshot is refused {e}")
+            }
+            Err(e) => bail!("a {what} snapshot was refused, but {e}"),
         }
         expect_state(&b, STATE_RESUMING)?;
         let now = read_registers(&b, &list)?;
@@ -434,21 +473,23 @@ pub fn run(mdev_a: &str, mdev_b: &str) -> anyhow::Result<()> {
         expect_state(&b, STATE_RUNNING)?;
     }
 
-    // No more than the module's limit can be written.
+    // No more than the module's limit can be written: a header declaring
+    // more is refused at once.
     let mut fd = go(&b, STATE_RESUMING)?.context("RESUMING returned no data fd")?;
     let limit = usize::try_from(abi::SIM_CONTEXT_MAX_BYTES)?;
-    let big = vec![0x5au8; limit];
-    fd.write_all(&big)
-        .context("writing the limit to RESUMING")?;
-    match fd.write(&[0]) {
-        Err(e) if errno_of(&e).is_some() => {
-            println!("ok: writing past {limit} bytes fails: {e}")
+    let mut header = snapshot[..32].to_vec();
+    header[8..12].copy_from_slice(&u32::try_from(limit + 4096)?.to_le_bytes());
+    match fd.write(&header) {
+        Err(e) if errno_of(&e) == Some(Errno::EFBIG) => {
+            println!("ok: a header declaring more than {limit} bytes is refused: {e}")
         }
-        other => bail!("a RESUMING data fd took more than {limit} bytes: {other:?}"),
+        other => {
+            bail!("a RESUMING data fd took a header declaring more than {limit} bytes: {other:?}")
+        }
     }
     ensure!(
         set_state(b.device_fd(), STATE_STOP).is_err(),
-        "B accepted {limit} bytes of 0x5a as a snapshot"
+        "B loaded a refused header as a snapshot"
     );
     vfio_sys::device_reset(b.device_fd()).context("VFIO_DEVICE_RESET of B")?;
     expect_state(&b, STATE_RUNNING)?;

@@ -214,6 +214,15 @@ fn le_u32(b: &[u8], at: usize) -> Option<u32> {
     ))
 }
 
+/// The total length a snapshot's header declares, once `bytes` holds the
+/// header and it starts with the magic: how much a stream of it must carry.
+pub fn declared_len(bytes: &[u8]) -> Option<usize> {
+    if bytes.len() < HEADER_BYTES || le_u32(bytes, 0) != Some(MAGIC) {
+        return None;
+    }
+    le_u32(bytes, 8).map(|total| total as usize)
+}
+
 impl<'a> Snapshot<'a> {
     /// Checks `bytes` in a fixed order: size, magic, version, length,
     /// checksum, then that the sections tile the body exactly.
@@ -360,6 +369,17 @@ mod tests {
     #[test]
     fn crc32_matches_the_standard_check_value() {
         assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+    }
+
+    #[test]
+    fn the_declared_length_is_known_once_the_header_is() {
+        let mut buf = [0u8; 1024];
+        let len = sample(&mut buf);
+        assert_eq!(declared_len(&buf[..HEADER_BYTES - 1]), None);
+        assert_eq!(declared_len(&buf[..HEADER_BYTES]), Some(len));
+        assert_eq!(declared_len(&buf[..len]), Some(len));
+        buf[0] ^= 1;
+        assert_eq!(declared_len(&buf[..len]), None, "no magic, no length");
     }
 
     #[test]

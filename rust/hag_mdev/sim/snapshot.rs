@@ -128,12 +128,9 @@ impl Sim {
         Ok(w.finish())
     }
 
-    /// Loads a snapshot. Everything is checked before anything changes; the
-    /// vGPU is left quiesced (`IOC_RESUME` lets it run).
-    pub(crate) fn restore(&mut self, bytes: &[u8]) -> Result {
-        if self.run.is_some() {
-            return Err(EBUSY);
-        }
+    /// Parses a snapshot and checks that it is of a vGPU like this one
+    /// (its version, checksum and layout, its source and graphics memory).
+    pub(crate) fn parse_compatible<'a>(&self, bytes: &'a [u8]) -> Result<Snapshot<'a>> {
         let snap = Snapshot::parse(bytes).map_err(|e| {
             pr_info!("hag_mdev: vGPU {}: restore refused: {}\n", self.id, e);
             errno(e)
@@ -148,6 +145,16 @@ impl Sim {
             );
             return Err(EXDEV);
         }
+        Ok(snap)
+    }
+
+    /// Loads a snapshot. Everything is checked before anything changes; the
+    /// vGPU is left quiesced (`IOC_RESUME` lets it run).
+    pub(crate) fn restore(&mut self, bytes: &[u8]) -> Result {
+        if self.run.is_some() {
+            return Err(EBUSY);
+        }
+        let snap = self.parse_compatible(bytes)?;
         let config = snap.section(fmt::TAG_CONFIG, CONFIG_BYTES).map_err(errno)?;
         let regs = Regs::load(snap.section(fmt::TAG_REGS, REGS_BYTES).map_err(errno)?);
         let gtt = snap.section(fmt::TAG_GTT, GTT_BYTES).map_err(errno)?;
