@@ -716,6 +716,15 @@ impl Primary {
             self.opts.backup,
             session_name(self.link.session)
         );
+        // The control connection first: a backup that took over answers
+        // its JOIN with the newer generation (the fence), where the data
+        // link's HELLO would only be refused.
+        self.link
+            .join(&self.opts.backup, "control", true)
+            .map_err(|e| EpochError::Link(format!("control connection: {e}")))?;
+        if let Some((outcome, detail)) = self.link.exit() {
+            return Err(EpochError::Exit(outcome, detail));
+        }
         self.src.handshake()?;
         self.paired = true;
         let peer = self.src.peer;
@@ -726,9 +735,6 @@ impl Primary {
         if let Some((outcome, detail)) = self.link.exit() {
             return Err(EpochError::Exit(outcome, detail));
         }
-        self.link
-            .join(&self.opts.backup, "control", true)
-            .map_err(|e| EpochError::Link(format!("control connection: {e}")))?;
         {
             let mut g = self.link.lock();
             g.heard = Instant::now();
