@@ -120,7 +120,7 @@ VM_MIB=256
 # spaces). Console in /tmp/NAME.console, QMP at /tmp/NAME.qmp, QEMU's stderr
 # in /tmp/NAME.qemu.err, its pid in /tmp/NAME.pid.
 vm_start() {
-	name=$1 uuid=$2 gargs=$3
+	local name=$1 uuid=$2 gargs=$3
 	shift 3
 	rm -f "/tmp/$name.console" "/tmp/$name.qmp"
 	if [ -n "$uuid" ]; then
