@@ -651,6 +651,8 @@ pub struct BackupOptions {
     pub max_ram: u64,
     /// Connections open at once, at most (more are closed at once).
     pub max_connections: usize,
+    /// For tests: a file naming a fault to play (mute, drop-acks).
+    pub test_fault_file: Option<PathBuf>,
 }
 
 /// What a takeover reports.
@@ -743,6 +745,32 @@ pub fn take_over(steps: &mut impl TakeoverSteps, generation: u64) -> Result<u64,
     Ok(next)
 }
 
+/// A fault the backup plays for tests (`--test-fault-file`): 0 none, 1
+/// "mute" (nothing reaches the primary: the backup-to-primary direction
+/// is cut), 2 "drop-acks" (epochs are applied but never acknowledged).
+static TEST_FAULT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Whether the test fault in force swallows `msg` on its way out.
+fn swallowed(msg: &Msg) -> bool {
+    match TEST_FAULT.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => true,
+        2 => matches!(msg, Msg::EpochAck { .. }),
+        _ => false,
+    }
+}
+
+fn read_test_fault(path: &std::path::Path) {
+    let mode = match std::fs::read_to_string(path).as_deref().map(str::trim) {
+        Ok("mute") => 1,
+        Ok("drop-acks") => 2,
+        _ => 0,
+    };
+    let old = TEST_FAULT.swap(mode, std::sync::atomic::Ordering::Relaxed);
+    if old != mode {
+        eprintln!("hagctl: test fault now {mode} (0 none, 1 mute, 2 drop-acks)");
+    }
+}
+
 /// One connection of the session, for fences and heartbeats.
 struct Member {
     out: Outbox,
@@ -800,6 +828,9 @@ impl Live {
 
     /// Posts `msg` to every connection of the session (never blocking).
     fn broadcast(&mut self, msg: &Msg) {
+        if swallowed(msg) {
+            return;
+        }
         self.members.retain(|_, m| m.out.post(msg));
     }
 }
@@ -934,7 +965,7 @@ fn data_session(
                 return;
             }
         };
-        if let Some(reply) = reply {
+        if let Some(reply) = reply.filter(|r| !swallowed(r)) {
             if !out.send(&reply) {
                 return;
             }
@@ -977,11 +1008,14 @@ fn control_session(
         if l.session.is_none() {
             l.adopt(session);
         }
-        out.post(&Msg::HelloOk {
+        let ok = Msg::HelloOk {
             version: VERSION_MAX,
             generation: l.generation,
             timeout_ms: b.timeout.as_millis().min(u32::MAX as u128) as u32,
-        });
+        };
+        if !swallowed(&ok) {
+            out.post(&ok);
+        }
         l.members.insert(conn, Member { out });
         l.heard(path);
     }
@@ -1121,6 +1155,9 @@ fn heartbeat_loop(b: Arc<Backup>) {
             epoch: l.epoch,
         };
         let data = l.data;
+        if swallowed(&msg) {
+            continue;
+        }
         l.members
             .retain(|&c, m| Some(c) == data || m.out.post(&msg));
     }
@@ -1389,6 +1426,9 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
     let mut holding = false;
     loop {
         std::thread::sleep(Duration::from_millis(20));
+        if let Some(f) = &opts.test_fault_file {
+            read_test_fault(f);
+        }
         let has_checkpoint = b.standby().committed.is_some();
         let mut l = b.live();
         if let Some(reason) = l.ended.take() {

@@ -942,6 +942,12 @@ impl Primary {
             "epoch",
         )?;
         self.round += 1;
+        // A backup that applies but does not answer is given up on (and
+        // resynchronised with) after this, output held meanwhile.
+        let timeout = self.link.lock().policy.timeout();
+        self.src.stream.r.set_deadline(Some(
+            Instant::now() + (timeout * 3).max(Duration::from_secs(5)),
+        ));
         self.src.expect_ok(&format!("epoch {epoch}"), round)?;
         let (reply, _) = read_msg(&mut self.src.stream)
             .map_err(|e| EpochError::Link(format!("waiting for EPOCH_ACK {epoch}: {e}")))?;
@@ -950,6 +956,7 @@ impl Primary {
                 epoch: e,
                 generation,
             } if e == epoch => {
+                self.src.stream.r.set_deadline(None);
                 cap.report.pages = cap.pages.len() as u64;
                 cap.report.raw_bytes = cap.report.pages * PAGE as u64;
                 cap.report.bytes = bytes;

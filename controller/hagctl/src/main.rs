@@ -521,6 +521,10 @@ the VM's status. If the primary ends protection (its VM finished), it exits
         #[arg(long, value_name = "N", default_value_t = 16,
               value_parser = clap::value_parser!(u64).range(2..=1024))]
         max_connections: u64,
+        /// For tests only: a file naming a fault to play while it says so
+        /// (mute: send the primary nothing; drop-acks: never acknowledge)
+        #[arg(long, value_name = "FILE", hide = true)]
+        test_fault_file: Option<std::path::PathBuf>,
         /// Print the takeover report as JSON
         #[arg(long)]
         json: bool,
@@ -777,6 +781,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             key,
             max_ram,
             max_connections,
+            test_fault_file,
             json,
         } => {
             let status = backup::backup(&backup::BackupOptions {
@@ -793,6 +798,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 key,
                 max_ram,
                 max_connections: max_connections as usize,
+                test_fault_file,
             })?;
             if let Some(status) = status {
                 if !status.success() {

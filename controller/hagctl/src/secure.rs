@@ -38,6 +38,8 @@ const MAX_RECORD: usize = 65535;
 const TAG: usize = 16;
 /// Plaintext bytes per record.
 const CHUNK: usize = MAX_RECORD - TAG;
+/// Longest wait for the next byte when no deadline is set.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a handshake may take in all.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -252,7 +254,9 @@ pub fn handshake(
             plain: Vec::new(),
             pos: 0,
             deadline: None,
-            idle: None,
+            // As TCP connections here always had: a peer silent this long
+            // is gone (a deadline, when set, is shorter).
+            idle: Some(IDLE_TIMEOUT),
         },
         Writer {
             stream: w,
