@@ -7,9 +7,11 @@
 #   make test     userspace tests, fmt and clippy, every qemu-tests scenario,
 #                 the evaluation harness's own tests, then `make gvt-test`, then
 #                 `make debug-test` if the debug kernel is already cached
-#   make eval     the evaluation (qemu-tests/eval/run, ~40 min) into $(EVAL_OUT):
-#                 report.md, results.json, plots; `make eval-quick` (~10 min)
-#                 does the same in short; `make eval-report` redraws them
+#   make eval     the evaluation (qemu-tests/eval/run, ~40 min, then the real-VM
+#                 migration benchmark qemu-tests/eval/qemu-migration) into
+#                 $(EVAL_OUT): report.md, results.json, plots; `make
+#                 eval-quick` does the same in short; `make eval-report`
+#                 redraws them
 #   make gvt      the GVT-g kernel (scripts/gvt/ applied, cached) and
 #                 hag_mdev.ko built against it in build/gvt-module/
 #   make gvt-test the module-level qemu-tests scenarios on the GVT-g kernel
@@ -148,14 +150,20 @@ test: all check-userspace fuzz
 	$(MAKE) gvt-test
 	@$(DEBUG_IF_CACHED)
 
+# Then the real-VM migration benchmark (qemu-tests/eval/qemu-migration):
+# the same QEMU/KVM VM without a vGPU, with hag's, and with QEMU's fallback.
 eval: all
 	qemu-tests/eval/run --out $(EVAL_OUT) --readme README.md
+	qemu-tests/eval/qemu-migration --runs 5 --out $(EVAL_OUT) --readme README.md
 
 eval-quick: all
 	qemu-tests/eval/run --quick --out $(EVAL_OUT) --readme README.md
+	qemu-tests/eval/qemu-migration --runs 3 --out $(EVAL_OUT) --readme README.md
 
 eval-report: deps
 	qemu-tests/eval/run --report-only --out $(EVAL_OUT) --readme README.md
+	[ ! -e $(EVAL_OUT)/qemu-migration.json ] || \
+		qemu-tests/eval/qemu-migration --report-only --out $(EVAL_OUT) --readme README.md
 
 demo: all
 	qemu-tests/demo

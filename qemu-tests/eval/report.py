@@ -603,6 +603,19 @@ def update_readme(res, path):
     return True
 
 
+QEMU_MIGRATION_BEGIN = "<!-- qemu-migration:begin (written by qemu-tests/eval/qemu-migration) -->"
+QEMU_MIGRATION_END = "<!-- qemu-migration:end -->"
+
+
+def qemu_migration_section(out):
+    """The real-VM migration benchmark's section (qemu-tests/eval/qemu-migration
+    writes qemu-migration.md), between its markers, or nothing."""
+    part = Path(out) / "qemu-migration.md"
+    if not part.exists():
+        return ""
+    return f"\n{QEMU_MIGRATION_BEGIN}\n{part.read_text()}{QEMU_MIGRATION_END}\n"
+
+
 def render(res, out):
     """Writes report.md and every plot (SVG and PNG) into `out`."""
     out = Path(out)
@@ -612,4 +625,4 @@ def render(res, out):
                      ("bandwidth", plot_bandwidth), ("bytes_per_epoch", plot_bytes), ("precision", plot_precision),
                      ("dirty_sweep", plot_sweep), ("takeover", plot_takeover)]:
         fn(plt, res, out)
-    (out / "report.md").write_text(report_md(res))
+    (out / "report.md").write_text(report_md(res) + qemu_migration_section(out))

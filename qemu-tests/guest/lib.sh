@@ -143,10 +143,13 @@ vm_wait_console() {
 		fail "VM $1: no '$3' on its console after $2 s: $(tail -5 "/tmp/$1.console" 2>/dev/null)"
 }
 
-# vm_result NAME SECONDS: waits for the guest's verdict; prints it.
+# vm_result NAME SECONDS: waits for hag-guest to end (vm-init's
+# HAG-GUEST-EXIT); prints its verdict, or fails with the console's end if it
+# ended without one (it could not run).
 vm_result() {
-	vm_wait_console "$1" "$2" HAG-GUEST-RESULT
-	grep HAG-GUEST-RESULT "/tmp/$1.console"
+	vm_wait_console "$1" "$2" HAG-GUEST-EXIT
+	grep HAG-GUEST-RESULT "/tmp/$1.console" ||
+		fail "VM $1: hag-guest ended without a verdict: $(tail -5 "/tmp/$1.console")"
 }
 
 vm_show() {
