@@ -30,10 +30,10 @@ ha_stream() {
 
 # Waits (at most $2 s) for process $1 to exit; returns 1 if it did not.
 ha_wait_pid() {
-	n=0
+	ha_w=0
 	while kill -0 "$1" 2>/dev/null; do
-		n=$((n + 1))
-		[ "$n" -le "$(($2 * 5))" ] || return 1
+		ha_w=$((ha_w + 1))
+		[ "$ha_w" -le "$(($2 * 5))" ] || return 1
 		sleep 0.2
 	done
 	wait "$1" 2>/dev/null || true
@@ -175,7 +175,18 @@ ha_trial_primary() {
 	esac
 	# Bounded: a primary that cannot end (its backup is gone: output held,
 	# no release on silence) is ended with SIGTERM, as an operator would.
-	if ! ha_wait_pid "$ha_cp" 240; then
+	# (Its VM finished, muted, and 30 s later it still runs: that is the
+	# case.)
+	n=0
+	while kill -0 "$ha_cp" 2>/dev/null && [ "$n" -lt 1200 ]; do
+		if grep -q 'last step' "$ha_dir/vm.err"; then
+			ha_wait_pid "$ha_cp" 30 || true
+			break
+		fi
+		n=$((n + 1))
+		sleep 0.2
+	done
+	if ! ha_wait_pid "$ha_cp" 0; then
 		echo "trial $ha_t: hagctl checkpoint still running: SIGTERM"
 		kill -TERM "$ha_cp" 2>/dev/null || true
 		ha_wait_pid "$ha_cp" 30 || kill -9 "$ha_cp" 2>/dev/null || true

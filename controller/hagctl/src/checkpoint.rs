@@ -782,7 +782,7 @@ impl Primary {
             (other, _) => return Err(EpochError::Vm(format!("the VM is {other}"))),
         };
         let mut report = EpochReport {
-            epoch: self.epoch + 1,
+            epoch: self.link.lock().policy.next_epoch(),
             iteration: st.iteration,
             ..EpochReport::default()
         };
@@ -898,7 +898,7 @@ impl Primary {
         self.src
             .vm
             .client()
-            .mark_epoch(self.epoch + 1)
+            .mark_epoch(self.link.lock().policy.next_epoch())
             .map_err(|e| EpochError::Vm(e.to_string()))?;
         Ok((pages, raw, context, vm_state))
     }
@@ -907,7 +907,7 @@ impl Primary {
     /// returns the backup's generation in it.
     fn send(&mut self, cap: &mut Captured) -> Result<u64, EpochError> {
         let round = self.round;
-        let epoch = self.epoch + 1;
+        let epoch = self.link.lock().policy.next_epoch();
         let mut bytes = 0u64;
         for (chunk_pages, chunk_raw) in cap
             .pages
@@ -934,6 +934,13 @@ impl Primary {
         bytes += self
             .src
             .send(&Msg::VmState(std::mem::take(&mut cap.vm_state)), "epoch")?;
+        // The number is spent once EPOCH_END may have gone out, acked or
+        // not: a backup that applied an epoch whose ack was lost has it,
+        // and the next capture must not reuse it (it would be refused as
+        // "epoch E after epoch E" for ever). Output tagged with an
+        // unacknowledged epoch goes with the next acknowledged one.
+        self.epoch = self.link.lock().policy.spend_epoch();
+        debug_assert_eq!(self.epoch, epoch);
         bytes += self.src.send(
             &Msg::EpochEnd {
                 epoch,
@@ -1008,7 +1015,6 @@ impl Primary {
             return Err(EpochError::Hung(String::new()));
         }
         let generation = self.send(&mut cap)?;
-        self.epoch += 1;
         self.carry.clear();
         self.released = 0;
         self.event(Event::Acked {
@@ -1047,13 +1053,16 @@ impl Primary {
             eprintln!(
                 "hagctl: unprotected: backup {} unreachable ({why}); the VM keeps running, its output held since epoch {}, retrying every {:.1} s",
                 self.opts.backup,
-                self.epoch,
+                self.link.lock().policy.acked(),
                 self.opts.interval.as_secs_f64()
             );
         }
         self.save_status(
             "unprotected",
-            &format!("{why}; output held since epoch {}", self.epoch),
+            &format!(
+                "{why}; output held since epoch {}",
+                self.link.lock().policy.acked()
+            ),
         );
         // The backup may still hear us, or take over from its last
         // checkpoint: nothing after it goes out (docs/ha.md).

@@ -117,6 +117,8 @@ pub struct Policy {
     timeout: Duration,
     acked: u64,
     released: u64,
+    /// The last epoch number spent (its EPOCH_END may have gone out).
+    sent: u64,
     vm_stopped: bool,
     stop_failures: u32,
     /// Where it stands.
@@ -136,6 +138,7 @@ impl Policy {
             timeout,
             acked: 0,
             released: 0,
+            sent: 0,
             vm_stopped: false,
             stop_failures: 0,
             state: State::Syncing,
@@ -150,6 +153,20 @@ impl Policy {
     /// The last acknowledged epoch.
     pub fn acked(&self) -> u64 {
         self.acked
+    }
+
+    /// The number the next epoch will carry.
+    pub fn next_epoch(&self) -> u64 {
+        self.sent.max(self.acked) + 1
+    }
+
+    /// Spends the next epoch number: called before its EPOCH_END goes
+    /// out. A number is never used twice, acknowledged or not: a backup
+    /// that applied an epoch whose ack was lost holds it and refuses it
+    /// again.
+    pub fn spend_epoch(&mut self) -> u64 {
+        self.sent = self.next_epoch();
+        self.sent
     }
 
     /// Output released up to this epoch.
@@ -502,6 +519,26 @@ mod tests {
         assert!(p.on(Event::Hung("again".into())).is_empty());
         let a = p.on(Event::Heard { generation: 1 });
         assert!(matches!(&a[..], [Cut, Exit("handed-over", _)]), "{a:?}");
+    }
+
+    /// Found by qemu-tests/chaos (drop-acks): an epoch whose ack was lost
+    /// keeps its number; the next capture carries a new one, and its ack
+    /// releases the output of both.
+    #[test]
+    fn an_epoch_number_is_spent_even_when_its_ack_is_lost() {
+        let mut p = protected();
+        assert_eq!(p.spend_epoch(), 2);
+        p.on(Event::LinkLost("no EPOCH_ACK 2 within 9 s".into()));
+        assert_eq!(p.next_epoch(), 3);
+        assert_eq!(p.spend_epoch(), 3);
+        assert_eq!(
+            p.on(Event::Acked {
+                epoch: 3,
+                generation: 0
+            }),
+            vec![Release(3)]
+        );
+        assert_eq!(p.next_epoch(), 4);
     }
 
     /// An old acknowledgement never moves the release point back or
