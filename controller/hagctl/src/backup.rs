@@ -1919,6 +1919,69 @@ mod tests {
         assert!(s.log.is_empty());
     }
 
+    /// An authenticated connection over loopback: the backup's outbox
+    /// and the primary's reading half.
+    fn member() -> (Outbox, Reader) {
+        let key = Key::from_hex(&"ab".repeat(32)).unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let k = key.clone();
+        let t = std::thread::spawn(move || {
+            let s = std::net::TcpStream::connect(addr).unwrap();
+            secure::handshake(s, &k, true).unwrap().0
+        });
+        let (s, _) = l.accept().unwrap();
+        let (_r, w) = secure::handshake(s, &key, false).unwrap();
+        (Outbox::spawn(w).unwrap(), t.join().unwrap())
+    }
+
+    fn live() -> Live {
+        Live {
+            session: None,
+            heard: BTreeMap::new(),
+            hang: None,
+            members: BTreeMap::new(),
+            data: None,
+            next_conn: 0,
+            taken_over: false,
+            ended: None,
+            generation: 0,
+            epoch: 0,
+        }
+    }
+
+    /// Issue 12, item 2: the fence goes to every connection of the
+    /// session (not to the last one); a new pairing closes the old
+    /// pairing's connections, so nothing from them counts any more.
+    #[test]
+    fn the_fence_reaches_every_connection_of_the_session() {
+        let mut l = live();
+        l.adopt(SESSION);
+        let mut readers = Vec::new();
+        for conn in 1..=3 {
+            let (out, r) = member();
+            l.members.insert(conn, Member { out });
+            readers.push(r);
+        }
+        let fence = Msg::Heartbeat {
+            generation: 1,
+            epoch: 7,
+        };
+        l.broadcast(&fence);
+        for r in &mut readers {
+            assert_eq!(read_msg(r).unwrap().0, fence);
+        }
+        assert!(l.member_of(2));
+        l.adopt(99);
+        assert!(l.members.is_empty() && !l.member_of(2));
+        for r in &mut readers {
+            assert!(
+                read_msg(r).is_err(),
+                "an old pairing's connection stays open"
+            );
+        }
+    }
+
     /// Issue 12, item 9: the generation is stored durably and read back.
     #[test]
     fn the_generation_is_read_back() {
