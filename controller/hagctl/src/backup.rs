@@ -797,6 +797,22 @@ struct Live {
 }
 
 impl Live {
+    /// No pairing yet, at `generation`.
+    fn new(generation: u64) -> Live {
+        Live {
+            session: None,
+            heard: BTreeMap::new(),
+            hang: None,
+            members: BTreeMap::new(),
+            data: None,
+            next_conn: 0,
+            taken_over: false,
+            ended: None,
+            generation,
+            epoch: 0,
+        }
+    }
+
     fn heard(&mut self, path: &str) {
         self.heard.insert(path.to_owned(), Instant::now());
     }
@@ -1385,18 +1401,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
     };
     let b = Arc::new(Backup {
         opts: Arc::new(opts.clone()),
-        live: Mutex::new(Live {
-            session: None,
-            heard: BTreeMap::new(),
-            hang: None,
-            members: BTreeMap::new(),
-            data: None,
-            next_conn: 0,
-            taken_over: false,
-            ended: None,
-            generation,
-            epoch: 0,
-        }),
+        live: Mutex::new(Live::new(generation)),
         standby: Mutex::new(Standby::new(generation, limits)),
         key,
         open: std::sync::atomic::AtomicUsize::new(0),
@@ -1935,27 +1940,12 @@ mod tests {
         (Outbox::spawn(w).unwrap(), t.join().unwrap())
     }
 
-    fn live() -> Live {
-        Live {
-            session: None,
-            heard: BTreeMap::new(),
-            hang: None,
-            members: BTreeMap::new(),
-            data: None,
-            next_conn: 0,
-            taken_over: false,
-            ended: None,
-            generation: 0,
-            epoch: 0,
-        }
-    }
-
     /// Issue 12, item 2: the fence goes to every connection of the
     /// session (not to the last one); a new pairing closes the old
     /// pairing's connections, so nothing from them counts any more.
     #[test]
     fn the_fence_reaches_every_connection_of_the_session() {
-        let mut l = live();
+        let mut l = Live::new(0);
         l.adopt(SESSION);
         let mut readers = Vec::new();
         for conn in 1..=3 {
