@@ -101,6 +101,9 @@ host_root_up() {
 	mount --bind /hag "$HOST_ROOT/hag"
 	mount -t tmpfs tmpfs "$HOST_ROOT/run"
 	cp /bin/hagctl "$HOST_ROOT/usr/local/bin/hagctl"
+	cp "/mnt/9p$(sed -n 's/.*hag_vm_kernel=\([^ ]*\).*/\1/p' /proc/cmdline)" "$(vm_kernel)" &&
+		cp "/mnt/9p$(sed -n 's/.*hag_vm_initrd=\([^ ]*\).*/\1/p' /proc/cmdline)" "$(vm_initrd)" ||
+		fail "copying the VM's kernel and initramfs from the runner"
 	# QEMU and libvirt look for these.
 	mkdir -p "$HOST_ROOT/run/libvirt" "$HOST_ROOT/var/log/libvirt/qemu" "$HOST_ROOT/var/lib/libvirt/qemu"
 	[ -e /dev/kvm ] || fail "no /dev/kvm in this test host (kvm_amd did not load?)"
@@ -108,9 +111,12 @@ host_root_up() {
 
 in_root() { chroot "$HOST_ROOT" "$@"; }
 
-# The VM's kernel and initramfs, as paths inside the root (the runner's).
-vm_kernel() { sed -n 's/.*hag_vm_kernel=\([^ ]*\).*/\1/p' /proc/cmdline; }
-vm_initrd() { sed -n 's/.*hag_vm_initrd=\([^ ]*\).*/\1/p' /proc/cmdline; }
+# The VM's kernel and initramfs: copies in this host's /tmp of the runner's
+# files named on the kernel command line (read through the raw 9p mount: the
+# root's own /tmp is this host's, and the runner's files may be under its
+# /tmp, a CI checkout's say).
+vm_kernel() { echo /tmp/hag-vm-kernel; }
+vm_initrd() { echo /tmp/hag-vm-initrd; }
 
 VM_MIB=256
 
