@@ -1226,17 +1226,15 @@ impl Primary {
                 _ => Some(self.end("finished", "the VM finished".into())),
             },
             EpochError::Vm(why) => {
-                // The VM failed or went away by itself: its unacknowledged
-                // output stays held (the backup may resume from the last
-                // acknowledged epoch); protection ends.
-                let _ = write_msg(
-                    &mut self.src.stream,
-                    &Msg::Abort {
-                        reason: format!("protection ends: {why}"),
-                    },
-                );
-                let _ = self.event(Event::VmGone(why.clone()));
-                Some(self.end("vm-stopped", why))
+                // The VM failed or stopped by itself: protection ends as at
+                // a signal. Its unacknowledged output (a FAIL line) goes
+                // out only once the backup confirms it will not take over
+                // from an older epoch; unconfirmed, it stays held.
+                let mut r = self.end_protection(&why);
+                if r.outcome == "ended" {
+                    r.outcome = "vm-stopped".into();
+                }
+                Some(r)
             }
         }
     }
