@@ -141,7 +141,7 @@ ha_trial_primary() {
 	ha_cp=$!
 	ha_stream "$ha_dir/vm.out" "t$ha_t vm0"
 	ha_stream "$ha_dir/cp.err" "t$ha_t cp"
-	lost=""
+	lost="" leak=""
 	wait_for 150 grep -q '^epoch 3:' "$ha_dir/cp.err" || lost="no epoch 3 (protection never started)"
 	sleep "$ha_at"
 	echo "trial $ha_t: playing $ha_fault"
@@ -150,7 +150,7 @@ ha_trial_primary() {
 		ha_rogue_key "$ha_dir/rogue.key"
 		printf 'GET / HTTP/1.0\r\n\r\n' | nc -w 2 "$(host_ip 1)" "$ha_port" >/dev/null 2>&1
 		hagctl migrate --vm "$sock" --to "$(host_ip 1):$ha_port" --key "$ha_dir/rogue.key" \
-			--connect-timeout 2 >/dev/null 2>"$ha_dir/rogue.err" && lost="a peer without the key got through"
+			--connect-timeout 2 >/dev/null 2>"$ha_dir/rogue.err" && leak="a peer without the key got through"
 		cat "$ha_dir/rogue.err"
 		;;
 	kill-primary-hagctl) kill -9 "$ha_cp" ;;
@@ -243,11 +243,9 @@ ha_trial_primary() {
 	else
 		result="lost: no host finished (host 0 ${outcome:-gone}, host 1 ${facts:-silent})"
 	fi
-	if [ "$ha_fault" = rogue ] && [ -n "$lost" ]; then
-		broken="$broken $lost;"
-	fi
+	[ -z "$leak" ] || broken="$broken $leak;"
 	# Rogue peers are refused and logged.
-	if [ "$ha_fault" = rogue ] && ! echo "$facts" | grep -q 'refused=yes'; then
+	if [ "$ha_fault" = rogue ] && [ -z "$lost" ] && ! echo "$facts" | grep -q 'refused=yes'; then
 		broken="$broken the backup did not log refusing the rogue peers;"
 	fi
 	echo "CHAOS-RESULT trial=$ha_t fault=$ha_fault at=$ha_at outcome=$result invariants=${broken:+broken:}${broken:-ok}" |

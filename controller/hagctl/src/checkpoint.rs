@@ -46,8 +46,8 @@ use hag_vmm::ram::PAGE_SIZE;
 
 use crate::backup::HEARTBEAT;
 use crate::migrate::{
-    connect, gtt_guest_pages, open_running, tune, GpuDirty, MigrateError, MigrateOptions,
-    MigrationReport, Source,
+    connect, gtt_guest_pages, open_running, secure_connect, tune, GpuDirty, MigrateError,
+    MigrateOptions, MigrationReport, Source,
 };
 use crate::pagehash::PageHashes;
 use crate::primary::{Action, Event, Policy, State};
@@ -698,7 +698,8 @@ impl Primary {
         // The first data connection was made at start.
         if !std::mem::take(&mut self.first) {
             self.src.stream =
-                secure_connect(&self.opts.backup, Duration::from_secs(1), &self.link.key)?;
+                secure_connect(&self.opts.backup, Duration::from_secs(1), &self.link.key)
+                    .map_err(|e| EpochError::Link(e.to_string()))?;
         }
         {
             let mut g = self.link.lock();
@@ -1238,19 +1239,6 @@ impl Primary {
             }
         }
     }
-}
-
-/// Connects to `addr` and authenticates.
-pub(crate) fn secure_connect(
-    addr: &str,
-    timeout: Duration,
-    key: &Key,
-) -> Result<secure::Conn, EpochError> {
-    let stream = connect(addr, timeout)?;
-    tune(&stream);
-    let (r, w) = secure::handshake(stream, key, true)
-        .map_err(|e| EpochError::Link(format!("{addr}: {e}")))?;
-    Ok(secure::Conn { r, w })
 }
 
 /// `hagctl checkpoint`.

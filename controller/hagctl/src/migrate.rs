@@ -415,6 +415,38 @@ pub(crate) fn tune(stream: &TcpStream) {
     let _ = setsockopt(stream, sockopt::TcpUserTimeout, &30_000);
 }
 
+/// Connects to `to` and authenticates, retrying for `timeout` while the
+/// peer cannot be reached or does not answer in time (a peer that
+/// refuses the key is an answer: no retry).
+pub(crate) fn secure_connect(
+    to: &str,
+    timeout: Duration,
+    key: &Key,
+) -> Result<secure::Conn, MigrateError> {
+    let start = Instant::now();
+    loop {
+        let left = timeout.saturating_sub(start.elapsed());
+        let stream = connect(to, left)?;
+        tune(&stream);
+        match secure::handshake(stream, key, true) {
+            Ok((r, w)) => return Ok(secure::Conn { r, w }),
+            Err(e @ secure::HandshakeError::Refused(_)) => {
+                return Err(MigrateError::Connect {
+                    to: to.to_owned(),
+                    why: e.to_string(),
+                })
+            }
+            Err(e) if start.elapsed() >= timeout => {
+                return Err(MigrateError::Connect {
+                    to: to.to_owned(),
+                    why: e.to_string(),
+                })
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+        }
+    }
+}
+
 pub(crate) fn connect(to: &str, timeout: Duration) -> Result<TcpStream, MigrateError> {
     let start = Instant::now();
     loop {
@@ -514,13 +546,7 @@ impl Source {
         opts: MigrateOptions,
         key: &Key,
     ) -> Result<Source, MigrateError> {
-        let stream = connect(&opts.to, opts.connect_timeout)?;
-        tune(&stream);
-        let (r, w) = secure::handshake(stream, key, true).map_err(|e| MigrateError::Connect {
-            to: opts.to.clone(),
-            why: e.to_string(),
-        })?;
-        let stream = secure::Conn { r, w };
+        let stream = secure_connect(&opts.to, opts.connect_timeout, key)?;
         let hashes = (opts.gpu_dirty == GpuDirty::Hash).then(|| PageHashes::new(ram.pages()));
         Ok(Source {
             vm,

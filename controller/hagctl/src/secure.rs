@@ -40,8 +40,9 @@ const TAG: usize = 16;
 const CHUNK: usize = MAX_RECORD - TAG;
 /// Longest wait for the next byte when no deadline is set.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
-/// How long a handshake may take in all.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a handshake may take in all (two small messages; generous
+/// for a starved host, short for a peer that says nothing).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A pre-shared key (32 bytes).
 #[derive(Clone)]
