@@ -149,8 +149,13 @@ ha_trial_primary() {
 	rogue)
 		ha_rogue_key "$ha_dir/rogue.key"
 		printf 'GET / HTTP/1.0\r\n\r\n' | nc -w 2 "$(host_ip 1)" "$ha_port" >/dev/null 2>&1
-		hagctl migrate --vm "$sock" --to "$(host_ip 1):$ha_port" --key "$ha_dir/rogue.key" \
-			--connect-timeout 2 >/dev/null 2>"$ha_dir/rogue.err" && leak="a peer without the key got through"
+		# (hagctl migrate needs the VM running: an epoch may have it paused.)
+		for _ in 1 2 3 4 5; do
+			hagctl migrate --vm "$sock" --to "$(host_ip 1):$ha_port" --key "$ha_dir/rogue.key" \
+				--connect-timeout 2 >/dev/null 2>"$ha_dir/rogue.err" && leak="a peer without the key got through"
+			grep -q 'not running' "$ha_dir/rogue.err" || break
+			sleep 0.3
+		done
 		cat "$ha_dir/rogue.err"
 		;;
 	kill-primary-hagctl) kill -9 "$ha_cp" ;;

@@ -178,6 +178,30 @@ fn read_record(s: &mut TcpStream, buf: &mut Vec<u8>) -> io::Result<bool> {
     Ok(true)
 }
 
+/// Largest handshake message (NNpsk0's are 48 bytes): a peer speaking
+/// anything else is refused before more than its length is read.
+const MAX_HANDSHAKE: usize = 256;
+
+/// A handshake record: its length is checked before the bytes are read
+/// (an oversized one comes back as a buffer of that length, unread, for
+/// the caller to refuse).
+fn read_handshake_record(s: &mut TcpStream, buf: &mut Vec<u8>) -> io::Result<bool> {
+    let mut len = [0u8; 2];
+    if s.read(&mut len[..1])? == 0 {
+        return Ok(false);
+    }
+    s.read_exact(&mut len[1..])?;
+    let len = u16::from_le_bytes(len) as usize;
+    buf.clear();
+    if len > MAX_HANDSHAKE {
+        buf.resize(len, 0);
+        return Ok(true);
+    }
+    buf.resize(len, 0);
+    s.read_exact(buf)?;
+    Ok(true)
+}
+
 fn write_record(s: &mut TcpStream, rec: &[u8]) -> io::Result<()> {
     let mut out = Vec::with_capacity(2 + rec.len());
     out.extend_from_slice(&(rec.len() as u16).to_le_bytes());
@@ -234,11 +258,19 @@ pub fn handshake(
             let n = hs.write_message(&[], &mut msg).map_err(refused)?;
             deadline_io(&mut stream, deadline, |s| write_record(s, &msg[..n]))?;
         } else {
-            let got = deadline_io(&mut stream, deadline, |s| read_record(s, &mut rec))?;
+            let got = deadline_io(&mut stream, deadline, |s| {
+                read_handshake_record(s, &mut rec)
+            })?;
             if !got {
                 return Err(HandshakeError::Refused(
                     "the peer closed the connection".into(),
                 ));
+            }
+            if rec.len() > MAX_HANDSHAKE {
+                return Err(HandshakeError::Refused(format!(
+                    "a first record of {} bytes is no hag handshake",
+                    rec.len()
+                )));
             }
             hs.read_message(&rec, &mut payload).map_err(refused)?;
         }
@@ -530,7 +562,7 @@ mod tests {
         let k = Key::generate().unwrap();
         let t = std::thread::spawn(move || {
             let mut out = Vec::new();
-            for _ in 0..2 {
+            for _ in 0..3 {
                 let (s, _) = l.accept().unwrap();
                 out.push(handshake(s, &k, false).err().unwrap().to_string());
             }
@@ -540,12 +572,16 @@ mod tests {
         let mut c = TcpStream::connect(addr).unwrap();
         c.write_all(&crate::wire::encode_frame(&crate::wire::Msg::Commit))
             .unwrap();
+        // A port scanner's HTTP request: refused on its length alone.
+        let mut h = TcpStream::connect(addr).unwrap();
+        h.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
         // A peer that connects and says nothing.
         let start = Instant::now();
         let _silent = TcpStream::connect(addr).unwrap();
         let errs = t.join().unwrap();
         assert!(errs[0].contains("not authenticated"), "{}", errs[0]);
-        assert!(errs[1].contains("not finished within"), "{}", errs[1]);
+        assert!(errs[1].contains("is no hag handshake"), "{}", errs[1]);
+        assert!(errs[2].contains("not finished within"), "{}", errs[2]);
         assert!(start.elapsed() >= HANDSHAKE_TIMEOUT);
     }
 
