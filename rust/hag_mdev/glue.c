@@ -853,16 +853,28 @@ static void hag_gvt_vgpu_removed(struct intel_vgpu *vgpu)
 /* Batch buffers per workload handed over without an allocation. */
 #define HAG_GVT_BBS_ON_STACK 8
 
-static int hag_gvt_workload_scanned(const struct intel_gvt_audit_workload *wl)
+static void hag_gvt_workload_scanned(const struct intel_gvt_audit_workload *wl)
 {
 	struct hag_gvt_bb on_stack[HAG_GVT_BBS_ON_STACK];
 	struct hag_gvt_bb *bbs = on_stack;
+	struct hag_gvt_wl w = {
+		.cookie = wl->cookie,
+		.engine = wl->engine,
+		.incomplete = wl->incomplete,
+		.ring = wl->ring,
+		.ring_bytes = wl->ring_bytes,
+		.nr_bbs = wl->nr_bbs,
+		.ring_gma = wl->ring_gma,
+		.hwsp_gma = wl->hwsp_gma,
+		.indirect_ctx = wl->indirect_ctx,
+		.indirect_ctx_bytes = wl->indirect_ctx_bytes,
+		.indirect_ctx_gma = wl->indirect_ctx_gma,
+	};
 	unsigned int i;
-	int ret;
 
 	/*
-	 * Without memory for the copy, hand over no array: hag then marks the
-	 * whole dirty log instead of failing a workload GVT accepted.
+	 * Without memory for the copy, hand over no array: hag then takes
+	 * its conservative set instead of failing a workload GVT accepted.
 	 */
 	if (wl->nr_bbs > ARRAY_SIZE(on_stack))
 		bbs = kmalloc_array(wl->nr_bbs, sizeof(*bbs), GFP_KERNEL);
@@ -872,18 +884,35 @@ static int hag_gvt_workload_scanned(const struct intel_gvt_audit_workload *wl)
 		bbs[i].size = wl->bbs[i].size;
 		bbs[i].ppgtt = wl->bbs[i].ppgtt;
 	}
-	ret = hag_ops->gvt_workload(hag_ctx, wl, wl->vgpu, wl->engine, wl->ring,
-				    wl->ring_bytes, wl->ring_gma, wl->hwsp_gma,
-				    bbs, wl->nr_bbs);
+	w.bbs = bbs;
+	hag_ops->gvt_workload(hag_ctx, wl, wl->vgpu, &w);
 	if (bbs != on_stack)
 		kfree(bbs);
-	return ret;
+}
+
+static void hag_gvt_workload_done(struct intel_vgpu *vgpu, u64 cookie)
+{
+	hag_ops->gvt_workload_done(hag_ctx, vgpu, cookie);
+}
+
+static void hag_gvt_guest_written(struct intel_vgpu *vgpu, u64 gpa, u64 len)
+{
+	hag_ops->gvt_guest_written(hag_ctx, vgpu, gpa, len);
+}
+
+static void hag_gvt_pages_mapped(struct intel_vgpu *vgpu, u64 gfn, u64 nr,
+				 bool map)
+{
+	hag_ops->gvt_pages_mapped(hag_ctx, vgpu, gfn, nr, map);
 }
 
 static const struct intel_gvt_audit_ops hag_gvt_ops = {
 	.vgpu_added = hag_gvt_vgpu_added,
 	.vgpu_removed = hag_gvt_vgpu_removed,
 	.workload_scanned = hag_gvt_workload_scanned,
+	.workload_done = hag_gvt_workload_done,
+	.guest_written = hag_gvt_guest_written,
+	.pages_mapped = hag_gvt_pages_mapped,
 };
 
 static bool hag_gvt_registered;

@@ -40,7 +40,7 @@ enum hag_mig_action {
  * (as upstream's miscdevice.rs builds file_operations): every one takes
  * the registered context first. Mirrored by glue::RsOps.
  */
-struct hag_gvt_bb;
+struct hag_gvt_wl;
 struct hag_rs_ops {
 	long (*ioctl)(const void *ctx, u64 opener, unsigned int cmd,
 		      unsigned long arg);
@@ -66,10 +66,13 @@ struct hag_rs_ops {
 	/* GVT-g (called only while registered with GVT). */
 	int (*gvt_vgpu_added)(const void *ctx, void *vgpu, unsigned int id);
 	void (*gvt_vgpu_removed)(const void *ctx, void *vgpu);
-	int (*gvt_workload)(const void *ctx, const void *wl, void *vgpu,
-			    unsigned int engine, const u32 *ring,
-			    u32 ring_bytes, u64 ring_gma, u64 hwsp_gma,
-			    const struct hag_gvt_bb *bbs, u32 nr_bbs);
+	void (*gvt_workload)(const void *ctx, const void *wl, void *vgpu,
+			     const struct hag_gvt_wl *w);
+	void (*gvt_workload_done)(const void *ctx, void *vgpu, u64 cookie);
+	void (*gvt_guest_written)(const void *ctx, void *vgpu, u64 gpa,
+				  u64 len);
+	void (*gvt_pages_mapped)(const void *ctx, void *vgpu, u64 gfn, u64 nr,
+				 bool map);
 };
 
 /* An event message under construction; freed by multicast or cancel. */
@@ -116,6 +119,23 @@ struct hag_gvt_bb { /* one batch buffer GVT shadowed; mirrored in glue.rs */
 	const void *va; /* GVT's copy, size bytes */
 	u32 size; /* up to and including MI_BATCH_BUFFER_END */
 	u32 ppgtt; /* 1: gma is in the context's PPGTT, 0: in the GGTT */
+};
+
+/* One workload GVT scanned; mirrored in glue.rs (see gvt_audit.h). */
+struct hag_gvt_wl {
+	u64 cookie; /* names it in gvt_workload_done */
+	u32 engine;
+	u32 incomplete; /* 1: GVT could not hand over all of it */
+	const u32 *ring;
+	u32 ring_bytes;
+	u32 nr_bbs;
+	u64 ring_gma;
+	u64 hwsp_gma;
+	const struct hag_gvt_bb *bbs; /* NULL if there was no memory for them */
+	const u32 *indirect_ctx; /* NULL: none */
+	u32 indirect_ctx_bytes;
+	u32 pad;
+	u64 indirect_ctx_gma;
 };
 
 /* Parts of a vGPU snapshot, in restore order (see gvt_audit.h). */

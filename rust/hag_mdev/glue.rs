@@ -84,15 +84,25 @@ pub(crate) trait GvtObserver {
     fn gvt_vgpu_added(&self, gvt_id: u32, ggtt_size: u64, vgpu: GvtVgpuPtr) -> Result<u32>;
     /// GVT is destroying the vGPU at `vgpu`.
     fn gvt_vgpu_removed(&self, vgpu: usize);
-    /// GVT scanned and shadowed a workload of the vGPU at `vgpu` (or the
-    /// glue could not read what GVT passed: why).
+    /// GVT scanned and shadowed workload `cookie` of the vGPU at `vgpu`
+    /// (or the glue could not read what GVT passed, or GVT could not pass
+    /// all of it: why).
     fn gvt_workload(
         &self,
         vgpu: usize,
         engine: u32,
+        cookie: u64,
         workload: core::result::Result<GvtWorkload<'_>, &'static str>,
         translate: &mut GvtTranslate,
     );
+    /// Workload `cookie` of the vGPU at `vgpu` will not write guest memory
+    /// any more.
+    fn gvt_workload_done(&self, vgpu: usize, cookie: u64);
+    /// GVT itself wrote `len` bytes of the vGPU's guest memory at `gpa`.
+    fn gvt_guest_written(&self, vgpu: usize, gpa: u64, len: u64);
+    /// GVT mapped (`map`) or is unmapping `nr` guest pages from `gfn` for
+    /// the vGPU's GPU.
+    fn gvt_pages_mapped(&self, vgpu: usize, gfn: u64, nr: u64, map: bool);
 }
 
 /// Everything the registered interfaces call back.
@@ -122,10 +132,10 @@ pub(crate) struct RsOps {
     mig_reset: extern "C" fn(*const c_void, u32),
     gvt_vgpu_added: extern "C" fn(*const c_void, *mut c_void, c_uint) -> c_int,
     gvt_vgpu_removed: extern "C" fn(*const c_void, *mut c_void),
-    #[allow(clippy::type_complexity)]
-    gvt_workload:
-        extern "C" fn(*const c_void, *const c_void, *mut c_void, c_uint, *const u32, u32, u64, u64, *const CGvtBb, u32)
-            -> c_int,
+    gvt_workload: extern "C" fn(*const c_void, *const c_void, *mut c_void, *const CGvtWl),
+    gvt_workload_done: extern "C" fn(*const c_void, *mut c_void, u64),
+    gvt_guest_written: extern "C" fn(*const c_void, *mut c_void, u64, u64),
+    gvt_pages_mapped: extern "C" fn(*const c_void, *mut c_void, u64, u64, bool),
 }
 
 /// The table for driver `T`, as upstream's `MiscdeviceVTable<T>` builds
@@ -153,6 +163,9 @@ impl<T: Driver> Vtable<T> {
         gvt_vgpu_added: gvt_vgpu_added::<T>,
         gvt_vgpu_removed: gvt_vgpu_removed::<T>,
         gvt_workload: gvt_workload::<T>,
+        gvt_workload_done: gvt_workload_done::<T>,
+        gvt_guest_written: gvt_guest_written::<T>,
+        gvt_pages_mapped: gvt_pages_mapped::<T>,
     };
 
     fn build() -> &'static RsOps {
@@ -821,6 +834,24 @@ impl Drop for EventMessage {
 // (/work/notes/gvt-interface.md). glue.c builds the real functions when the
 // kernel has the patch and stubs (-ENODEV, 0) otherwise.
 
+/// Mirrors `struct hag_gvt_wl` in glue.h: one workload GVT scanned.
+#[repr(C)]
+pub(crate) struct CGvtWl {
+    cookie: u64,
+    engine: u32,
+    incomplete: u32,
+    ring: *const u32,
+    ring_bytes: u32,
+    nr_bbs: u32,
+    ring_gma: u64,
+    hwsp_gma: u64,
+    bbs: *const CGvtBb,
+    indirect_ctx: *const u32,
+    indirect_ctx_bytes: u32,
+    pad: u32,
+    indirect_ctx_gma: u64,
+}
+
 /// Mirrors `struct hag_gvt_bb` in glue.h: one batch buffer GVT shadowed.
 #[repr(C)]
 pub(crate) struct CGvtBb {
@@ -906,6 +937,8 @@ pub(crate) struct GvtWorkload<'a> {
     pub(crate) hwsp_gma: u64,
     /// The shadowed batch buffers.
     pub(crate) bbs: &'a [handoff::ShadowBb<'a>],
+    /// The context's indirect context buffer, if GVT shadowed one.
+    pub(crate) indirect_ctx: Option<handoff::IndirectCtx<'a>>,
 }
 
 /// GVT's `struct intel_vgpu`, as a pointer that may be sent between threads.
@@ -1040,46 +1073,68 @@ extern "C" fn gvt_vgpu_removed<T: Driver>(ctx: *const c_void, vgpu: *mut c_void)
 }
 
 /// GVT scanned and shadowed a workload of `vgpu` (under its vgpu_lock).
-/// Always 0: GVT's scanner is the gate, hag only logs (see gvt.rs).
-#[allow(clippy::too_many_arguments)]
-extern "C" fn gvt_workload<T: Driver>(
-    ctx: *const c_void,
-    wl: *const c_void,
-    vgpu: *mut c_void,
-    engine: c_uint,
-    ring: *const u32,
-    ring_bytes: u32,
-    ring_gma: u64,
-    hwsp_gma: u64,
-    bbs: *const CGvtBb,
-    nr_bbs: u32,
-) -> c_int {
+/// It cannot fail: GVT's scanner is the gate, hag only logs (see gvt.rs).
+extern "C" fn gvt_workload<T: Driver>(ctx: *const c_void, wl: *const c_void, vgpu: *mut c_void, w: *const CGvtWl) {
     // SAFETY: as in `gvt_vgpu_added`.
     let state = unsafe { state::<T>(ctx) };
+    // SAFETY: glue.c passes its description of the workload, valid for the
+    // call.
+    let w = unsafe { &*w };
     let mut translate = GvtTranslate { wl };
     let mut shadows = KVec::new();
-    let ring = gvt_ring(ring, ring_bytes).and_then(|ring| {
-        gvt_shadows(bbs, nr_bbs, &mut shadows)?;
-        Ok(ring)
-    });
-    let workload = ring.map(|ring| GvtWorkload { ring, ring_gma, hwsp_gma, bbs: &shadows });
-    state.gvt_workload(vgpu as usize, engine, workload, &mut translate);
-    0
+    let workload = if w.incomplete != 0 {
+        Err("GVT could not hand over all of it")
+    } else {
+        gvt_dwords(w.ring, w.ring_bytes, "the ring slice is not whole dwords").and_then(|ring| {
+            gvt_shadows(w.bbs, w.nr_bbs, &mut shadows)?;
+            let indirect_ctx = if w.indirect_ctx.is_null() {
+                None
+            } else {
+                let dwords = gvt_dwords(w.indirect_ctx, w.indirect_ctx_bytes, "the indirect context is not whole dwords")?;
+                Some(handoff::IndirectCtx { gma: w.indirect_ctx_gma, dwords })
+            };
+            Ok(GvtWorkload { ring, ring_gma: w.ring_gma, hwsp_gma: w.hwsp_gma, bbs: &shadows, indirect_ctx })
+        })
+    };
+    state.gvt_workload(vgpu as usize, w.engine, w.cookie, workload, &mut translate);
 }
 
-/// The ring slice of a workload callback.
-fn gvt_ring<'a>(ring: *const u32, ring_bytes: u32) -> core::result::Result<&'a [u32], &'static str> {
-    if ring_bytes % 4 != 0 || (ring.is_null() && ring_bytes != 0) {
-        return Err("the ring slice is not whole dwords");
+/// A workload handed over is done (completed, or dropped unrun).
+extern "C" fn gvt_workload_done<T: Driver>(ctx: *const c_void, vgpu: *mut c_void, cookie: u64) {
+    // SAFETY: as in `gvt_vgpu_added`.
+    unsafe { state::<T>(ctx) }.gvt_workload_done(vgpu as usize, cookie);
+}
+
+/// GVT wrote guest memory itself.
+extern "C" fn gvt_guest_written<T: Driver>(ctx: *const c_void, vgpu: *mut c_void, gpa: u64, len: u64) {
+    // SAFETY: as in `gvt_vgpu_added`.
+    unsafe { state::<T>(ctx) }.gvt_guest_written(vgpu as usize, gpa, len);
+}
+
+/// GVT mapped or is unmapping guest pages for the GPU.
+extern "C" fn gvt_pages_mapped<T: Driver>(ctx: *const c_void, vgpu: *mut c_void, gfn: u64, nr: u64, map: bool) {
+    // SAFETY: as in `gvt_vgpu_added`.
+    unsafe { state::<T>(ctx) }.gvt_pages_mapped(vgpu as usize, gfn, nr, map);
+}
+
+/// A command stream of a workload callback (the ring slice, the indirect
+/// context); `not_dwords` if it is not whole dwords.
+fn gvt_dwords<'a>(
+    dwords: *const u32,
+    bytes: u32,
+    not_dwords: &'static str,
+) -> core::result::Result<&'a [u32], &'static str> {
+    if bytes % 4 != 0 || (dwords.is_null() && bytes != 0) {
+        return Err(not_dwords);
     }
-    if ring_bytes == 0 {
+    if bytes == 0 {
         return Ok(&[]);
     }
-    // SAFETY: glue.c passes GVT's scanned copy of the ring slice,
-    // `ring_bytes` long and dword aligned, which GVT neither frees nor
-    // changes while it holds vgpu_lock across the callback; the slice
-    // does not outlive the callback.
-    Ok(unsafe { core::slice::from_raw_parts(ring, ring_bytes as usize / 4) })
+    // SAFETY: glue.c passes GVT's scanned copy of the stream, `bytes` long
+    // and dword aligned, which GVT neither frees nor changes while it holds
+    // vgpu_lock across the callback; the slice does not outlive the
+    // callback.
+    Ok(unsafe { core::slice::from_raw_parts(dwords, bytes as usize / 4) })
 }
 
 /// The shadowed batch buffers of a workload callback, into `out`.

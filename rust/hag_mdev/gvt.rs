@@ -11,21 +11,29 @@
 //! too many pages) marks every logged page dirty instead, so no write is
 //! missed, and is counted.
 //!
+//! What hag cannot model (a command the auditor refuses, an address GVT
+//! cannot translate, too many pages: on Gen9 every 3D or media workload)
+//! takes a bounded conservative set instead: every guest page GVT has
+//! mapped for this vGPU's GPU ([`Reach`], kept from GVT's map and unmap
+//! reports), which is all the GPU can write. Pages are marked when GVT
+//! unmaps them too. Only if hag lost track of that set (no memory) does it
+//! mark the whole log.
+//!
+//! GVT reports when a workload is done (completed and its context written
+//! back, or dropped), and hag keeps each workload's write set
+//! ([`track::InFlight`]) until then: every read-and-clear marks the pages of
+//! the workloads still in flight again, so a workload that outlives any
+//! number of reads is reported after its last write. GVT's own writes to
+//! guest memory (context write-back, context status buffer) are reported
+//! and marked as they happen.
+//!
 //! Context snapshots of a GVT-g vGPU are GVT's own parts (virtual
 //! registers, config space, GGTT entries, execlist state) saved through the
 //! functions the patch exports, each in a section of hag's snapshot format;
 //! GVT checks what it is given back.
-//!
-//! GVT tells hag when a workload is scanned, not when it completes: bits
-//! are set before the GPU runs the workload, and a read-and-clear while it
-//! still runs would hand them out before the writes land. So every read
-//! reports the pages of the interval before it once more ([`GvtInner::carry`]):
-//! a workload's pages reach the reader at the first read after its scan and
-//! again at the next one. Known gap: a workload that is still running at
-//! that second read (it outlived a whole read interval) can still write
-//! after both; closing this needs a completion hook in GVT.
 
 use kernel::prelude::*;
+use kernel::rbtree::RBTree;
 use kernel::sync::Mutex;
 use kernel::{new_mutex, pin_init};
 
@@ -36,10 +44,19 @@ use crate::glue::{self, GvtHandle, GvtTranslate, GvtVgpuPtr, GvtWorkload};
 use crate::State;
 use crate::handoff::{self, Limits, Outcome, Workload};
 use crate::snapshot::{self as fmt, Snapshot, SnapshotError, Writer};
+use crate::track::{InFlight, Remark, Writes};
 
 /// How many unmodelled workloads of one vGPU are logged with their reason
 /// (the rest are counted only).
 const LOG_UNMODELLED: u64 = 8;
+
+/// Workloads of one vGPU tracked in flight; more are counted as
+/// unmodelled until done (see [`track`](crate::track)).
+const IN_FLIGHT: usize = 64;
+
+/// Most guest pages one map report may name (GVT maps 4 KiB, 64 KiB and
+/// 2 MiB pages); a larger report makes hag lose track of the set.
+const MAX_MAP_PAGES: u64 = 512;
 
 /// Counters of one GVT-g vGPU.
 #[derive(Default, Clone, Copy)]
@@ -48,31 +65,91 @@ pub(crate) struct GvtStats {
     pub(crate) workloads: u64,
     /// Workloads whose write set was audited and translated in full.
     pub(crate) audited: u64,
-    /// Workloads hag could not model (every logged page marked).
+    /// Workloads hag could not model (the reachable set marked).
     pub(crate) unmodelled: u64,
     /// Commands validated in audited workloads.
     pub(crate) commands: u64,
     /// Dirty bits set (each page a workload's sink got that lies in the
-    /// log, and every page of the log for an unmodelled workload).
+    /// log, each page of the reachable set for an unmodelled workload,
+    /// each page GVT wrote or unmapped).
     pub(crate) pages_marked: u64,
+    /// Guest writes GVT reported (context write-back, status buffer).
+    pub(crate) gvt_writes: u64,
+}
+
+/// The guest pages GVT has mapped for the vGPU's GPU, each with how many
+/// mappings hold it: everything the GPU can reach.
+pub(crate) struct Reach {
+    pages: RBTree<u64, u32>,
+    /// A map report could not be recorded: the set is not known any more,
+    /// and the whole log stands in for it.
+    lost: bool,
+}
+
+impl Reach {
+    fn new() -> Self {
+        Reach { pages: RBTree::new(), lost: false }
+    }
+
+    fn map(&mut self, gfn: u64, nr: u64) {
+        if nr > MAX_MAP_PAGES {
+            self.lost = true;
+            return;
+        }
+        for page in gfn..gfn.saturating_add(nr) {
+            if let Some(count) = self.pages.get_mut(&page) {
+                *count = count.saturating_add(1);
+            } else if self.pages.try_create_and_insert(page, 1, GFP_KERNEL).is_err() {
+                self.lost = true;
+            }
+        }
+    }
+
+    /// GVT unmaps `nr` pages from `gfn`: the GPU may have written them
+    /// until now, so they are marked in `log`.
+    fn unmap(&mut self, gfn: u64, nr: u64, log: Option<&mut DirtyLog>, marked: &mut u64) {
+        let nr = nr.min(MAX_MAP_PAGES);
+        let mut log = log;
+        for page in gfn..gfn.saturating_add(nr) {
+            if let Some(count) = self.pages.get_mut(&page) {
+                *count = count.saturating_sub(1);
+                if *count == 0 {
+                    self.pages.remove(&page);
+                }
+            }
+            if let Some(log) = log.as_deref_mut() {
+                *marked += u64::from(log.mark(page.saturating_mul(abi::DIRTY_PAGE_SIZE)));
+            }
+        }
+    }
+
+    /// Marks every reachable page in `log`; returns how many were logged.
+    fn mark(&self, log: &mut DirtyLog) -> u64 {
+        if self.lost {
+            return log.mark_all();
+        }
+        self.pages
+            .keys()
+            .map(|&gfn| u64::from(log.mark(gfn.saturating_mul(abi::DIRTY_PAGE_SIZE))))
+            .sum()
+    }
 }
 
 /// What the workload path changes, under the vGPU's mutex.
 pub(crate) struct GvtInner {
     /// The log `/dev/hag` reads.
     pub(crate) dirty: Option<DirtyLog>,
-    /// The bits the last read handed out, handed out again by the next
-    /// (see the module docs); as many words as the log has.
-    carry: KVVec<u64>,
+    /// What each workload handed over and not yet done may still write.
+    inflight: InFlight<KVVec<u64>, IN_FLIGHT>,
+    /// Every page the GPU can reach.
+    reach: Reach,
     pub(crate) stats: GvtStats,
 }
 
 impl GvtInner {
-    /// Starts logging. Workloads already handed over may still be
-    /// running, and their pages are not known any more: everything starts
-    /// dirty (the first copy of a migration copies everything anyway).
+    /// Starts logging: everything starts dirty (the first copy of a
+    /// migration copies everything anyway).
     pub(crate) fn start_dirty_log(&mut self, mut log: DirtyLog) -> Result {
-        self.carry = KVVec::from_elem(0u64, log.bitmap_bytes() / 8, GFP_KERNEL)?;
         log.mark_all();
         self.dirty = Some(log);
         Ok(())
@@ -80,26 +157,33 @@ impl GvtInner {
 
     /// Stops logging; returns the log, to be freed without the lock.
     pub(crate) fn stop_dirty_log(&mut self) -> Option<DirtyLog> {
-        self.carry = KVVec::new();
         self.dirty.take()
     }
 
-    /// Moves the dirty bits, with those the previous read handed out, into
-    /// `words`; returns how many pages that is. As `Entry::dirty_read_clear`.
+    /// Moves the dirty bits into `words`; returns how many pages that is.
+    /// As `Entry::dirty_read_clear`. The pages of every workload still in
+    /// flight are marked again at once, so the next read reports them too.
     pub(crate) fn read_and_clear(&mut self, room: u64, words: &mut KVVec<u64>) -> Result<u64> {
         let log = self.dirty.as_mut().ok_or(ENOENT)?;
         if room < log.bitmap_bytes() as u64 {
             return Err(ENOSPC);
         }
         log.read_and_clear(words)?;
-        let mut dirty = 0;
-        for (word, carried) in words.iter_mut().zip(self.carry.iter_mut()) {
-            let fresh = *word;
-            *word |= *carried;
-            *carried = fresh;
-            dirty += u64::from(word.count_ones());
+        let dirty = words.iter().map(|w| u64::from(w.count_ones())).sum();
+        let remark = self.inflight.remark(|gfn| {
+            log.mark(gfn.saturating_mul(abi::DIRTY_PAGE_SIZE));
+        });
+        if remark == Remark::Reachable {
+            self.reach.mark(log);
         }
         Ok(dirty)
+    }
+
+    /// Marks the reachable set for a workload not modelled.
+    fn mark_reachable(&mut self) {
+        if let Some(log) = self.dirty.as_mut() {
+            self.stats.pages_marked += self.reach.mark(log);
+        }
     }
 }
 
@@ -132,20 +216,30 @@ impl GvtVgpu {
             ggtt_size,
             handle <- handle,
             inner <- new_mutex!(
-                GvtInner { dirty: None, carry: KVVec::new(), stats: GvtStats::default() },
+                GvtInner {
+                    dirty: None,
+                    inflight: InFlight::new(),
+                    reach: Reach::new(),
+                    stats: GvtStats::default(),
+                },
                 "hag_gvt_vgpu"
             ),
         })
     }
 
-    /// A workload GVT scanned and shadowed (or why glue.rs could not make
-    /// one of what GVT passed); see the module docs.
+    /// A workload GVT scanned and shadowed (or why it could not be handed
+    /// over in full); see the module docs.
     pub(crate) fn workload(
         &self,
         engine: u32,
+        cookie: u64,
         wl: core::result::Result<&Workload<'_>, &'static str>,
         translate: &mut GvtTranslate,
     ) {
+        // The write set is kept while the workload runs; without memory
+        // for it, the workload counts as unmodelled.
+        let mut pages = KVVec::new();
+        let mut kept = true;
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
         inner.stats.workloads += 1;
@@ -157,38 +251,91 @@ impl GvtVgpu {
                 if dirty.as_mut().is_some_and(|log| log.mark(gpa)) {
                     marked += 1;
                 }
+                if kept && pages.push(gfn, GFP_KERNEL).is_err() {
+                    kept = false;
+                }
             };
             wl.map(|wl| handoff::hand_off(wl, &Limits::DEFAULT, translate, &mut sink))
         };
-        match outcome {
+        inner.stats.pages_marked += marked;
+        let writes = match outcome {
             Ok(Outcome::Audited { commands, .. }) => {
                 inner.stats.audited += 1;
                 inner.stats.commands += u64::from(commands);
+                if kept {
+                    Writes::Pages(pages)
+                } else {
+                    inner.mark_reachable();
+                    Writes::Reachable
+                }
             }
             Ok(Outcome::Unmodelled { reason }) => {
                 self.unmodelled(inner, engine, &reason);
-                return;
+                Writes::Reachable
             }
             Err(why) => {
                 self.unmodelled(inner, engine, &why);
-                return;
+                Writes::Reachable
+            }
+        };
+        // A full table counts the workload as unmodelled until it is done.
+        if let Some(Writes::Pages(_)) = inner.inflight.scanned(cookie, writes) {
+            inner.mark_reachable();
+        }
+    }
+
+    /// GVT says workload `cookie` is done: its pages stay marked until the
+    /// next read, and are not marked again after it.
+    pub(crate) fn workload_done(&self, cookie: u64) {
+        let writes = self.inner.lock().inflight.done(cookie);
+        drop(writes);
+    }
+
+    /// GVT wrote `len` bytes of guest memory at `gpa` itself.
+    pub(crate) fn guest_written(&self, gpa: u64, len: u64) {
+        let mut inner = self.inner.lock();
+        inner.stats.gvt_writes += 1;
+        let Some(log) = inner.dirty.as_mut() else { return };
+        let page = abi::DIRTY_PAGE_SIZE;
+        let first = gpa / page;
+        let last = gpa.saturating_add(len.max(1) - 1) / page;
+        // GVT's writes are a context image (a few pages) or a few bytes;
+        // anything longer than the log marks it whole.
+        let mut marked = 0u64;
+        if last - first >= log.bitmap_bytes() as u64 * 8 {
+            marked = log.mark_all();
+        } else {
+            for p in first..=last {
+                marked += u64::from(log.mark(p.saturating_mul(page)));
             }
         }
         inner.stats.pages_marked += marked;
     }
 
-    /// Marks every logged page for a workload not modelled.
+    /// GVT mapped (`map`) or is unmapping `nr` guest pages from `gfn`.
+    pub(crate) fn pages_mapped(&self, gfn: u64, nr: u64, map: bool) {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        if map {
+            inner.reach.map(gfn, nr);
+        } else {
+            let mut marked = 0;
+            inner.reach.unmap(gfn, nr, inner.dirty.as_mut(), &mut marked);
+            inner.stats.pages_marked += marked;
+        }
+    }
+
+    /// Marks the reachable set for a workload not modelled.
     fn unmodelled(&self, inner: &mut GvtInner, engine: u32, reason: &dyn core::fmt::Display) {
         inner.stats.unmodelled += 1;
-        if let Some(log) = inner.dirty.as_mut() {
-            inner.stats.pages_marked += log.mark_all();
-        }
+        inner.mark_reachable();
         if inner.stats.unmodelled <= LOG_UNMODELLED {
             pr_info!(
-                "GVT vGPU {} (hag vGPU {}), engine {}: workload not modelled, every logged page marked dirty: {}\n",
+                "GVT vGPU {} (hag vGPU {}), engine {}: workload not modelled, the {} pages the GPU can reach marked dirty: {}\n",
                 self.gvt_id,
                 self.id,
                 engine,
+                inner.reach.pages.iter().count(),
                 reason
             );
         }
@@ -198,7 +345,7 @@ impl GvtVgpu {
     pub(crate) fn log_stats(&self, why: &str) {
         let s = self.inner.lock().stats;
         pr_info!(
-            "GVT vGPU {} (hag vGPU {}) {}: {} workloads, {} audited, {} not modelled, {} commands, {} pages marked\n",
+            "GVT vGPU {} (hag vGPU {}) {}: {} workloads, {} audited, {} not modelled, {} commands, {} pages marked, {} GVT writes\n",
             self.gvt_id,
             self.id,
             why,
@@ -206,7 +353,8 @@ impl GvtVgpu {
             s.audited,
             s.unmodelled,
             s.commands,
-            s.pages_marked
+            s.pages_marked,
+            s.gvt_writes
         );
     }
 
@@ -334,6 +482,7 @@ impl glue::GvtObserver for State {
         &self,
         vgpu: usize,
         engine: u32,
+        cookie: u64,
         workload: core::result::Result<GvtWorkload<'_>, &'static str>,
         translate: &mut GvtTranslate,
     ) {
@@ -344,7 +493,26 @@ impl glue::GvtObserver for State {
             hwsp_gma: w.hwsp_gma,
             bbs: w.bbs,
             ggtt_size: gvt.ggtt_size,
+            indirect_ctx: w.indirect_ctx,
         });
-        gvt.workload(engine, workload.as_ref().map_err(|why| *why), translate);
+        gvt.workload(engine, cookie, workload.as_ref().map_err(|why| *why), translate);
+    }
+
+    fn gvt_workload_done(&self, vgpu: usize, cookie: u64) {
+        if let Some(gvt) = self.gvt_vgpu(vgpu) {
+            gvt.workload_done(cookie);
+        }
+    }
+
+    fn gvt_guest_written(&self, vgpu: usize, gpa: u64, len: u64) {
+        if let Some(gvt) = self.gvt_vgpu(vgpu) {
+            gvt.guest_written(gpa, len);
+        }
+    }
+
+    fn gvt_pages_mapped(&self, vgpu: usize, gfn: u64, nr: u64, map: bool) {
+        if let Some(gvt) = self.gvt_vgpu(vgpu) {
+            gvt.pages_mapped(gfn, nr, map);
+        }
     }
 }

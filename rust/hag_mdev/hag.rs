@@ -30,6 +30,8 @@ pub mod snapshot;
 pub mod audit;
 #[path = "../hag_gvt/src/handoff.rs"]
 pub mod handoff;
+#[path = "../hag_gvt/src/track.rs"]
+pub mod track;
 mod control;
 mod dirty;
 mod events;

@@ -156,7 +156,33 @@ pub struct Workload<'a> {
     pub bbs: &'a [ShadowBb<'a>],
     /// Bytes of graphics address space the vGPU's GGTT spans.
     pub ggtt_size: u64,
+    /// The context's indirect context buffer (RCS only), as GVT scanned
+    /// and shadowed it: the GPU runs it at every restore of the context,
+    /// before the ring, so its writes are the workload's too.
+    pub indirect_ctx: Option<IndirectCtx<'a>>,
 }
+
+/// A context's indirect context buffer ("wa_ctx"): a command stream of its
+/// own, in the GGTT, that the GPU runs whenever it restores the context.
+#[derive(Clone, Copy, Debug)]
+pub struct IndirectCtx<'a> {
+    /// GGTT address of `dwords[0]`.
+    pub gma: u64,
+    /// GVT's shadow of the buffer: the bytes the guest's context names.
+    pub dwords: &'a [u32],
+}
+
+/// Registers an indirect context buffer may name. i915 (6.12,
+/// `gen9_init_indirectctx_bb` and `gen8_emit_flush_coherentl3_wa`) saves,
+/// sets and restores `GEN8_L3SQCREG4` around a flush, and sets three
+/// chicken registers; none of them moves where the GPU writes. Anything
+/// else in an indirect context is not modelled.
+pub const INDIRECT_CTX_REGISTERS: [u32; 4] = [
+    0xb118, // GEN8_L3SQCREG4
+    0x7014, // COMMON_SLICE_CHICKEN2
+    0x2088, // FF_SLICE_CHICKEN
+    0x2090, // _3D_CHICKEN3
+];
 
 /// Work limits of one hand-off, on top of the auditor's own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -183,6 +209,8 @@ pub enum Unmodelled {
     /// The auditor refused it (a command it does not model, a batch not
     /// shadowed, a bad configuration…).
     Refused(AuditError),
+    /// The auditor refused the context's indirect context buffer.
+    IndirectCtxRefused(AuditError),
     /// GVT could not translate a written page.
     Untranslatable {
         /// The page's address space.
@@ -219,6 +247,9 @@ impl fmt::Display for Unmodelled {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
             Unmodelled::Refused(e) => write!(f, "audit refused it: {e}"),
+            Unmodelled::IndirectCtxRefused(e) => {
+                write!(f, "audit refused its indirect context: {e}")
+            }
             Unmodelled::Untranslatable { space, gma } => {
                 write!(
                     f,
@@ -374,10 +405,20 @@ pub fn hand_off<T: Translate, F: FnMut(u64)>(
         ranges: 0,
         failure: None,
     };
+    let mut commands = 0u32;
+    if let Some(ictx) = wl.indirect_ctx {
+        let ictx_cfg = cfg.with_registers(&INDIRECT_CTX_REGISTERS);
+        match audit::audit(ictx.dwords, ictx.gma, &ictx_cfg, &mut mem, &mut mapper) {
+            Ok(summary) => commands = summary.commands,
+            Err(e) => {
+                return unmodelled(mapper.failure.unwrap_or(Unmodelled::IndirectCtxRefused(e)))
+            }
+        }
+    }
     match audit::audit(wl.ring, wl.ring_gma, &cfg, &mut mem, &mut mapper) {
         Ok(summary) => Outcome::Audited {
             pages: mapper.pages,
-            commands: summary.commands,
+            commands: commands.saturating_add(summary.commands),
         },
         Err(e) => unmodelled(mapper.failure.unwrap_or(Unmodelled::Refused(e))),
     }

@@ -22,8 +22,12 @@
 //! - **Never panics, bounded work, no allocation.** Work is bounded by the
 //!   auditor's limits and by [`handoff::Limits`].
 //!
+//! [`track`] keeps what each workload in flight may still write until GVT
+//! says it is done, so that a read of the dirty log while the GPU runs it
+//! does not lose its writes.
+//!
 //! `no_std`, `core` only, no `unsafe`: the kernel module includes
-//! [`handoff`] as a module of its own (`#[path]`), next to the auditor,
+//! [`handoff`] and [`track`] as modules of their own (`#[path]`), next to the auditor,
 //! which it reaches as `crate::audit` in both builds.
 //!
 //! # Example
@@ -41,7 +45,7 @@
 //! }
 //!
 //! let ring = encode::store_data_imm(0x2_0004, 7);
-//! let wl = Workload { ring: &ring, ring_gma: 0x1000, hwsp_gma: 0, bbs: &[], ggtt_size: 16 << 20 };
+//! let wl = Workload { ring: &ring, ring_gma: 0x1000, hwsp_gma: 0, bbs: &[], ggtt_size: 16 << 20, indirect_ctx: None };
 //! let mut gfns = Vec::new();
 //! let outcome = hand_off(&wl, &Limits::DEFAULT, &mut Linear, &mut |gfn| gfns.push(gfn));
 //! assert_eq!(outcome, Outcome::Audited { pages: 1, commands: 1 });
@@ -53,3 +57,4 @@
 pub use hag_audit::audit;
 
 pub mod handoff;
+pub mod track;

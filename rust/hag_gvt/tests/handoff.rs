@@ -93,6 +93,7 @@ fn run_with(
         hwsp_gma: HWSP,
         bbs,
         ggtt_size: GGTT_SIZE,
+        indirect_ctx: None,
     };
     let mut gfns = Vec::new();
     let outcome = hand_off(&wl, limits, gtt, &mut |gfn| gfns.push(gfn));
@@ -621,6 +622,7 @@ fn ring_wrap_joined() {
         hwsp_gma: HWSP,
         bbs: &[],
         ggtt_size: GGTT_SIZE,
+        indirect_ctx: None,
     };
     let mut gfns = Vec::new();
     let outcome = hand_off(&wl, &Limits::DEFAULT, &mut gtt, &mut |g| gfns.push(g));
@@ -878,6 +880,7 @@ fn bad_status_page_falls_back() {
         hwsp_gma: GGTT_SIZE,
         bbs: &[],
         ggtt_size: GGTT_SIZE,
+        indirect_ctx: None,
     };
     let outcome = hand_off(&wl, &Limits::DEFAULT, &mut FakeGtt::default(), &mut |_| {});
     let err = refused(outcome);
@@ -945,4 +948,75 @@ fn garbage_never_panics() {
             assert_eq!(pages as usize, gfns.len());
         }
     }
+}
+
+/// i915's Gen9 indirect context buffer (`gen9_init_indirectctx_bb`): its
+/// MI_STORE_REGISTER_MEM to the GT scratch page is a write of the
+/// workload (issue 15, item 3), audited with the registers i915 names.
+#[test]
+fn indirect_ctx_srm_is_audited() {
+    const SCRATCH: u64 = 0x7_0100;
+    const GEN8_L3SQCREG4: u32 = 0xb118;
+    let ictx = [
+        MI_ARB_DISABLE,
+        0x1240_0002, // MI_STORE_REGISTER_MEM_GEN8 | MI_SRM_LRM_GLOBAL_GTT
+        GEN8_L3SQCREG4,
+        SCRATCH as u32,
+        0,
+        0x1100_0001, // MI_LOAD_REGISTER_IMM(1)
+        GEN8_L3SQCREG4,
+        0x4040_0000 | 1 << 21,
+        PIPE_CONTROL,
+        PC_CS_STALL | 1 << 5, // DC flush
+        0,
+        0,
+        0,
+        0,
+        0x1480_0002, // MI_LOAD_REGISTER_MEM_GEN8 | MI_SRM_LRM_GLOBAL_GTT
+        GEN8_L3SQCREG4,
+        SCRATCH as u32,
+        0,
+        0x1100_0001,
+        0x7014, // COMMON_SLICE_CHICKEN2
+        0x0100_0000,
+        MI_ARB_ENABLE,
+    ];
+    let ring = [MI_NOOP, MI_NOOP];
+    let mut gtt = FakeGtt::default().map(Ggtt, SCRATCH & !0xfff, 0x4242);
+    let wl = Workload {
+        ring: &ring,
+        ring_gma: RING,
+        hwsp_gma: HWSP,
+        bbs: &[],
+        ggtt_size: GGTT_SIZE,
+        indirect_ctx: Some(hag_gvt::handoff::IndirectCtx {
+            gma: 0x6_0000,
+            dwords: &ictx,
+        }),
+    };
+    let mut gfns = Vec::new();
+    let outcome = hand_off(&wl, &Limits::DEFAULT, &mut gtt, &mut |g| gfns.push(g));
+    assert!(matches!(outcome, Outcome::Audited { .. }), "{outcome:?}");
+    assert_eq!(gfns, [0x4242]);
+
+    // A register i915 does not put there is not modelled.
+    let mut bad = ictx;
+    bad[2] = 0x2080; // a ring register
+    let wl = Workload {
+        indirect_ctx: Some(hag_gvt::handoff::IndirectCtx {
+            gma: 0x6_0000,
+            dwords: &bad,
+        }),
+        ..wl
+    };
+    let outcome = hand_off(&wl, &Limits::DEFAULT, &mut gtt, &mut |_| {});
+    assert!(
+        matches!(
+            outcome,
+            Outcome::Unmodelled {
+                reason: Unmodelled::IndirectCtxRefused(_)
+            }
+        ),
+        "{outcome:?}"
+    );
 }

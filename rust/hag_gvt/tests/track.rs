@@ -1,0 +1,106 @@
+//! Workloads in flight (item 2 of issue 15): a workload's pages stay
+//! marked on every read-and-clear until GVT says it is done, and an
+//! unmodelled one keeps the reachable set marked as long.
+
+use std::collections::BTreeSet;
+
+use hag_gvt::track::{InFlight, Remark, Writes};
+
+/// A dirty log with read-and-clear, and the reader's protocol around it:
+/// clear, then mark again what is still in flight.
+#[derive(Default)]
+struct Log {
+    bits: BTreeSet<u64>,
+}
+
+/// The vGPU's reachable pages in these tests.
+const REACHABLE: [u64; 3] = [0x100, 0x101, 0x102];
+
+impl Log {
+    fn read_and_clear<const N: usize>(
+        &mut self,
+        inflight: &InFlight<Vec<u64>, N>,
+    ) -> BTreeSet<u64> {
+        let out = std::mem::take(&mut self.bits);
+        if inflight.remark(|gfn| {
+            self.bits.insert(gfn);
+        }) == Remark::Reachable
+        {
+            self.bits.extend(REACHABLE);
+        }
+        out
+    }
+}
+
+fn set(gfns: &[u64]) -> BTreeSet<u64> {
+    gfns.iter().copied().collect()
+}
+
+/// A workload that outlives two reads is reported by both, and by the
+/// first read after it is done; not after that.
+#[test]
+fn pages_stay_marked_until_done() {
+    let mut inflight = InFlight::<Vec<u64>, 4>::new();
+    let mut log = Log::default();
+    // Scan: the hand-off marks the pages and records them.
+    log.bits.extend([7, 8]);
+    assert!(inflight.scanned(1, Writes::Pages(vec![7, 8])).is_none());
+    assert_eq!(log.read_and_clear(&inflight), set(&[7, 8]));
+    assert_eq!(log.read_and_clear(&inflight), set(&[7, 8]));
+    assert_eq!(inflight.done(1), Some(Writes::Pages(vec![7, 8])));
+    // The GPU may have written them after the last read.
+    assert_eq!(log.read_and_clear(&inflight), set(&[7, 8]));
+    assert_eq!(log.read_and_clear(&inflight), set(&[]));
+    assert!(inflight.is_empty());
+}
+
+/// An unmodelled workload in flight keeps the reachable set marked.
+#[test]
+fn unmodelled_marks_reachable_while_in_flight() {
+    let mut inflight = InFlight::<Vec<u64>, 4>::new();
+    let mut log = Log::default();
+    log.bits.extend(REACHABLE);
+    inflight.scanned(9, Writes::Reachable);
+    inflight.scanned(10, Writes::Pages(vec![0x200]));
+    log.bits.insert(0x200);
+    let mut want = set(&REACHABLE);
+    want.insert(0x200);
+    assert_eq!(log.read_and_clear(&inflight), want);
+    assert_eq!(inflight.done(9), Some(Writes::Reachable));
+    assert_eq!(log.read_and_clear(&inflight), want);
+    assert_eq!(log.read_and_clear(&inflight), set(&[0x200]));
+}
+
+/// A full table never drops a workload: the extra one counts as
+/// unmodelled until a workload the table does not know is done.
+#[test]
+fn overflow_is_reachable_until_done() {
+    let mut inflight = InFlight::<Vec<u64>, 1>::new();
+    assert!(inflight.scanned(1, Writes::Pages(vec![1])).is_none());
+    assert_eq!(
+        inflight.scanned(2, Writes::Pages(vec![2])),
+        Some(Writes::Pages(vec![2]))
+    );
+    assert_eq!(inflight.len(), 2);
+    assert_eq!(inflight.remark(|_| {}), Remark::Reachable);
+    assert_eq!(inflight.done(2), None);
+    assert_eq!(inflight.remark(|_| {}), Remark::Pages);
+    assert_eq!(inflight.done(1), Some(Writes::Pages(vec![1])));
+    assert!(inflight.is_empty());
+    // A done for a workload never seen (scanned before hag registered)
+    // with nothing overflowed changes nothing.
+    assert_eq!(inflight.done(77), None);
+    assert!(inflight.is_empty());
+}
+
+#[test]
+fn clear_frees_everything() {
+    let mut inflight = InFlight::<Vec<u64>, 2>::new();
+    inflight.scanned(1, Writes::Pages(vec![1]));
+    inflight.scanned(2, Writes::Reachable);
+    inflight.scanned(3, Writes::Reachable);
+    let mut freed = 0;
+    inflight.clear(|_| freed += 1);
+    assert_eq!(freed, 2);
+    assert!(inflight.is_empty());
+}
