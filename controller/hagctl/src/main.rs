@@ -41,6 +41,7 @@ mod events;
 mod migrate;
 mod output;
 mod pagehash;
+mod plug;
 mod primary;
 mod secure;
 // The VMM interface is whole; today's commands use only part of it (the
