@@ -23,12 +23,16 @@
 //! ```
 //!
 //! or `HAG-GUEST-RESULT FAIL <what differed>; iterations=N seconds=S`.
+//! With `--report HOST:PORT` each progress line and the result also leave
+//! as one numbered UDP datagram ([`report`]); `hag-guest listen --port P`,
+//! run on another host, is the client that logs them.
 //! Exit status 0 on PASS, 1 on FAIL, 2 (after one line `hag-guest: <what>:
 //! <why>` on stderr) when it could not run.
 
 mod cpu;
 mod pagemap;
 mod pci;
+mod report;
 
 // Tests drive the workload loop on hag-vmm's fake hag-sim device, whose
 // source is test-only in hag-vmm; it is compiled here as it is there, its
@@ -47,23 +51,26 @@ mod ram {
 }
 
 use std::io::Write;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use hag_vmm::driver::{Driver, DriverConfig, Registers};
 use hag_vmm::frames::{Frames, Mismatches, Step, MAX_DIRTY_PAGES, MAX_ITERATIONS};
 use hag_vmm::ram::{GuestRam, PAGE_SIZE};
 
 use crate::cpu::CpuRegion;
 use crate::pci::Bar0;
+use crate::report::{Listener, Reporter};
 
 #[derive(Parser, Debug)]
 #[command(
     name = "hag-guest",
     version,
+    args_conflicts_with_subcommands = true,
     about = "hag's guest GPU driver and workload, run inside a VM with a hag-sim vGPU",
     long_about = "hag's guest GPU driver and workload, run as root inside a Linux guest of \
                   QEMU/KVM that has a hag-sim vGPU attached (-device \
@@ -123,6 +130,15 @@ CONSOLE (stdout, one flushed line each)
   HAG-GUEST-RESULT PASS iterations=N seconds=S
   HAG-GUEST-RESULT FAIL <check: where, found vs expected (count)>; iterations=N seconds=S
 
+NETWORK
+  --report HOST:PORT also sends each progress line and the result line as
+  one UDP datagram, 'HAG-GUEST seq=N ns=T <line>': seq counts from 1, ns
+  is CLOCK_MONOTONIC at the send (a guest re-executing from an earlier
+  state sends other bytes under the same seq). Sent before the line is
+  printed. A failed send is said once on the console; the run goes on.
+  'hag-guest listen --port P' (on another host) logs them, one line each:
+  '<arrival secs.micros> <from> <payload>'.
+
 EXIT STATUS
   0 PASS, 1 FAIL, 2 could not run (one line on stderr:
   'hag-guest: <what>: <why>'), also for usage errors."
@@ -169,6 +185,31 @@ struct Cli {
     /// VM without a vGPU); needs --cpu-mib and --rate
     #[arg(long = "no-vgpu", requires = "rate")]
     no_vgpu: bool,
+    /// Also send each progress line and the result as a UDP datagram here
+    /// (an IP address: the guest has no resolver)
+    #[arg(long, value_name = "HOST:PORT")]
+    report: Option<SocketAddr>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// The client of --report, run on another host: log each datagram to
+    /// stdout as '<arrival secs.micros> <from> <payload>', a flushed line
+    /// each, until killed
+    Listen {
+        /// UDP port to receive on
+        #[arg(long, value_name = "P")]
+        port: u16,
+        /// Address to bind
+        #[arg(long, value_name = "ADDR", default_value = "0.0.0.0")]
+        bind: IpAddr,
+        /// Also answer each TCP connection on this port with the number of
+        /// datagrams logged so far ('N' and a newline)
+        #[arg(long = "query-port", value_name = "Q")]
+        query_port: Option<u16>,
+    },
 }
 
 /// Prints one line on the console and flushes it (a console that fails
@@ -201,7 +242,7 @@ struct Plan {
 }
 
 /// The CPU workload alone, for a VM without a vGPU (`--no-vgpu`).
-fn run_cpu_only(cli: &Cli) -> anyhow::Result<Outcome> {
+fn run_cpu_only(cli: &Cli, reporter: &mut Reporter) -> anyhow::Result<Outcome> {
     if cli.cpu_mib == 0 || cli.rate == 0 {
         bail!("--no-vgpu needs a CPU region (--cpu-mib) and a --rate");
     }
@@ -228,7 +269,7 @@ fn run_cpu_only(cli: &Cli) -> anyhow::Result<Outcome> {
             std::thread::sleep(due - elapsed);
         }
         if start.elapsed() >= next_progress {
-            say(&format!(
+            reporter.line(&format!(
                 "hag-guest: iteration {done}, {:.1} s",
                 start.elapsed().as_secs_f64()
             ));
@@ -249,9 +290,9 @@ fn run_cpu_only(cli: &Cli) -> anyhow::Result<Outcome> {
 }
 
 /// Sets up the vGPU and memory, runs, verifies.
-fn run(cli: &Cli) -> anyhow::Result<Outcome> {
+fn run(cli: &Cli, reporter: &mut Reporter) -> anyhow::Result<Outcome> {
     if cli.no_vgpu {
-        return run_cpu_only(cli);
+        return run_cpu_only(cli, reporter);
     }
     pagemap::check_page_size()?;
     let dev = pci::find(Path::new(pci::SYSFS_PCI), cli.device.as_deref())?;
@@ -306,7 +347,9 @@ fn run(cli: &Cli) -> anyhow::Result<Outcome> {
         progress: Duration::from_secs(cli.progress),
         rate: cli.rate,
     };
-    let (iterations, seconds) = work(&mut drv, &mut frames, cpu.as_ref(), plan, &mut say)?;
+    let (iterations, seconds) = work(&mut drv, &mut frames, cpu.as_ref(), plan, &mut |l: &str| {
+        reporter.line(l)
+    })?;
     let now = pagemap::frames(ram.host_addr(), ram.pages()).context("GPU memory")?;
     let failures = verify(&drv, &frames, cpu.as_ref(), iterations, &now)?;
     Ok(Outcome {
@@ -430,9 +473,30 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match run(&cli) {
+    if let Some(Command::Listen {
+        port,
+        bind,
+        query_port,
+    }) = cli.command
+    {
+        return match listen(SocketAddr::new(bind, port), query_port) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                fail(&format!("listen: {e:#}"));
+                ExitCode::from(2)
+            }
+        };
+    }
+    let mut reporter = match Reporter::new(cli.report) {
+        Ok(r) => r,
+        Err(e) => {
+            fail(&format!("--report: cannot open a UDP socket: {e}"));
+            return ExitCode::from(2);
+        }
+    };
+    match run(&cli, &mut reporter) {
         Ok(o) => {
-            say(&result_line(&o));
+            reporter.line(&result_line(&o));
             ExitCode::from(if o.failures.is_empty() { 0 } else { 1 })
         }
         Err(e) => {
@@ -440,6 +504,26 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// `hag-guest listen`: logs datagrams to stdout until killed.
+fn listen(at: SocketAddr, query_port: Option<u16>) -> anyhow::Result<()> {
+    let listener = Listener::bind(at).with_context(|| format!("binding UDP {at}"))?;
+    if let Some(q) = query_port {
+        let query = SocketAddr::new(at.ip(), q);
+        listener.serve_count(
+            std::net::TcpListener::bind(query).with_context(|| format!("binding TCP {query}"))?,
+        );
+    }
+    // stdout is the log: where it listens goes to stderr.
+    eprintln!(
+        "hag-guest: listening on UDP {}{}",
+        listener.local_addr().context("its address")?,
+        query_port.map_or(String::new(), |q| format!(", counts on TCP {q}"))
+    );
+    listener
+        .run(&mut std::io::stdout().lock())
+        .context("receiving or logging")
 }
 
 /// The verdict: `HAG-GUEST-RESULT PASS iterations=N seconds=S`, or `FAIL`
