@@ -70,9 +70,6 @@ void hag_glue_cond_resched(void)
 static const void *hag_ctx;
 static const struct hag_rs_ops *hag_ops;
 static u16 hag_pad_attr;
-/* Sizes of VFIO migration data: a snapshot, and the most a VMM may write. */
-static size_t hag_mig_data_bytes;
-static size_t hag_mig_max_bytes;
 
 /* ---- /dev/hag --------------------------------------------------------- */
 
@@ -192,16 +189,24 @@ struct hag_mig_file {
 	size_t size; /* bytes of data that are valid */
 };
 
+/*
+ * VFIO migration v2 of one hag vGPU (simulated or GVT-g), named by hag's
+ * id. The lock is taken before the Rust vGPU lock, never after.
+ */
+struct hag_mig_dev {
+	u32 id;
+	struct mutex lock;
+	enum vfio_device_mig_state state;
+	struct hag_mig_file *saving; /* in STOP_COPY */
+	struct hag_mig_file *resuming; /* in RESUMING */
+};
+
 struct hag_vgpu {
 	struct vfio_device vdev; /* first: vfio_alloc_device() requires it */
 	u32 id;
 	/* Runs the engine's slices and the watchdog: hag_ops->vgpu_tick(). */
 	struct delayed_work tick;
-	/* VFIO migration v2. Taken before the Rust vGPU lock, never after. */
-	struct mutex mig_lock;
-	enum vfio_device_mig_state mig_state;
-	struct hag_mig_file *saving; /* in STOP_COPY */
-	struct hag_mig_file *resuming; /* in RESUMING */
+	struct hag_mig_dev mig;
 };
 
 static struct hag_vgpu *to_hag_vgpu(struct vfio_device *vdev)
@@ -257,17 +262,17 @@ static void hag_mig_disable_file(struct hag_mig_file *migf)
 }
 
 /* Ends both data sessions and drops the vGPU's references to the files. */
-static void hag_mig_disable_files(struct hag_vgpu *vgpu)
+static void hag_mig_disable_files(struct hag_mig_dev *m)
 {
-	if (vgpu->saving) {
-		hag_mig_disable_file(vgpu->saving);
-		fput(vgpu->saving->filp);
-		vgpu->saving = NULL;
+	if (m->saving) {
+		hag_mig_disable_file(m->saving);
+		fput(m->saving->filp);
+		m->saving = NULL;
 	}
-	if (vgpu->resuming) {
-		hag_mig_disable_file(vgpu->resuming);
-		fput(vgpu->resuming->filp);
-		vgpu->resuming = NULL;
+	if (m->resuming) {
+		hag_mig_disable_file(m->resuming);
+		fput(m->resuming->filp);
+		m->resuming = NULL;
 	}
 }
 
@@ -388,16 +393,19 @@ static struct hag_mig_file *hag_mig_file_new(const struct file_operations *fops,
 }
 
 /* STOP -> STOP_COPY: the snapshot, in a file to read it from. */
-static struct file *hag_mig_save(struct hag_vgpu *vgpu)
+static struct file *hag_mig_save(struct hag_mig_dev *m)
 {
 	struct hag_mig_file *migf;
 	long used;
 
-	migf = hag_mig_file_new(&hag_mig_save_fops, O_RDONLY,
-				hag_mig_data_bytes);
+	long cap = hag_ops->mig_data_bytes(hag_ctx, m->id);
+
+	if (cap < 0)
+		return ERR_PTR(cap);
+	migf = hag_mig_file_new(&hag_mig_save_fops, O_RDONLY, cap);
 	if (IS_ERR(migf))
 		return ERR_CAST(migf);
-	used = hag_ops->mig_save(hag_ctx, vgpu->id, migf->data, migf->cap);
+	used = hag_ops->mig_save(hag_ctx, m->id, migf->data, migf->cap);
 	if (used < 0) {
 		fput(migf->filp);
 		return ERR_PTR(used);
@@ -405,88 +413,91 @@ static struct file *hag_mig_save(struct hag_vgpu *vgpu)
 	migf->size = used;
 	if (READ_ONCE(corrupt_mig_data) && used > 0)
 		((u8 *)migf->data)[used / 2] ^= 0x5a;
-	vgpu->saving = migf;
+	m->saving = migf;
 	get_file(migf->filp);
 	return migf->filp;
 }
 
 /* STOP -> RESUMING: a file to write a snapshot into. */
-static struct file *hag_mig_resume(struct hag_vgpu *vgpu)
+static struct file *hag_mig_resume(struct hag_mig_dev *m)
 {
 	struct hag_mig_file *migf;
 
-	migf = hag_mig_file_new(&hag_mig_resume_fops, O_WRONLY,
-				hag_mig_max_bytes);
+	long cap = hag_ops->mig_max_bytes(hag_ctx, m->id);
+
+	if (cap < 0)
+		return ERR_PTR(cap);
+	migf = hag_mig_file_new(&hag_mig_resume_fops, O_WRONLY, cap);
 	if (IS_ERR(migf))
 		return ERR_CAST(migf);
-	migf->vgpu_id = vgpu->id;
-	vgpu->resuming = migf;
+	migf->vgpu_id = m->id;
+	m->resuming = migf;
 	get_file(migf->filp);
 	return migf->filp;
 }
 
 /* RESUMING -> STOP: loads what was written, then ends the session. */
-static int hag_mig_load(struct hag_vgpu *vgpu)
+static int hag_mig_load(struct hag_mig_dev *m)
 {
-	struct hag_mig_file *migf = vgpu->resuming;
+	struct hag_mig_file *migf = m->resuming;
 	int ret;
 
 	if (!migf)
 		return -EINVAL;
 	mutex_lock(&migf->lock);
-	ret = hag_ops->mig_restore(hag_ctx, vgpu->id, migf->data, migf->size);
+	ret = hag_ops->mig_restore(hag_ctx, m->id, migf->data, migf->size);
 	mutex_unlock(&migf->lock);
 	if (!ret)
-		hag_mig_disable_files(vgpu);
+		hag_mig_disable_files(m);
 	return ret;
 }
 
 /* One arc: Rust checks it and acts on the vGPU; the files are done here. */
-static struct file *hag_mig_step(struct hag_vgpu *vgpu,
+static struct file *hag_mig_step(struct hag_mig_dev *m,
 				 enum vfio_device_mig_state next)
 {
-	int action = hag_ops->mig_step(hag_ctx, vgpu->id, vgpu->mig_state, next);
+	int action = hag_ops->mig_step(hag_ctx, m->id, m->state, next);
 
 	switch (action) {
 	case HAG_MIG_NONE:
 		return NULL;
 	case HAG_MIG_SAVE:
-		return hag_mig_save(vgpu);
+		return hag_mig_save(m);
 	case HAG_MIG_RESUME:
-		return hag_mig_resume(vgpu);
+		return hag_mig_resume(m);
 	case HAG_MIG_LOAD: {
-		int ret = hag_mig_load(vgpu);
+		int ret = hag_mig_load(m);
 
 		return ret ? ERR_PTR(ret) : NULL;
 	}
 	case HAG_MIG_CLOSE:
-		hag_mig_disable_files(vgpu);
+		hag_mig_disable_files(m);
 		return NULL;
 	default:
 		return ERR_PTR(action < 0 ? action : -EINVAL);
 	}
 }
 
-static struct file *hag_mig_set_state(struct vfio_device *vdev,
-				      enum vfio_device_mig_state new_state)
+static struct file *hag_mig_dev_set_state(struct hag_mig_dev *m,
+					  struct vfio_device *vdev,
+					  enum vfio_device_mig_state new_state)
 {
-	struct hag_vgpu *vgpu = to_hag_vgpu(vdev);
 	struct file *ret = NULL;
 
-	mutex_lock(&vgpu->mig_lock);
-	while (vgpu->mig_state != new_state) {
+	mutex_lock(&m->lock);
+	while (m->state != new_state) {
 		enum vfio_device_mig_state next;
-		int rc = vfio_mig_get_next_state(vdev, vgpu->mig_state,
+		int rc = vfio_mig_get_next_state(vdev, m->state,
 						 new_state, &next);
 
 		if (rc) {
 			ret = ERR_PTR(rc);
 			break;
 		}
-		ret = hag_mig_step(vgpu, next);
+		ret = hag_mig_step(m, next);
 		if (IS_ERR(ret))
 			break;
-		vgpu->mig_state = next;
+		m->state = next;
 		/* Only the last arc of a path may return a file. */
 		if (WARN_ON(ret && next != new_state)) {
 			fput(ret);
@@ -494,31 +505,66 @@ static struct file *hag_mig_set_state(struct vfio_device *vdev,
 			break;
 		}
 	}
-	mutex_unlock(&vgpu->mig_lock);
+	mutex_unlock(&m->lock);
 	return ret;
+}
+
+static int hag_mig_dev_get_state(struct hag_mig_dev *m,
+				 enum vfio_device_mig_state *state)
+{
+	mutex_lock(&m->lock);
+	*state = m->state;
+	mutex_unlock(&m->lock);
+	return 0;
+}
+
+static int hag_mig_dev_get_data_size(struct hag_mig_dev *m,
+				     unsigned long *stop_copy_length)
+{
+	long bytes;
+
+	mutex_lock(&m->lock);
+	bytes = m->saving ? m->saving->size :
+			    hag_ops->mig_data_bytes(hag_ctx, m->id);
+	mutex_unlock(&m->lock);
+	if (bytes < 0)
+		return bytes;
+	*stop_copy_length = bytes;
+	return 0;
+}
+
+static void hag_mig_dev_init(struct hag_mig_dev *m)
+{
+	mutex_init(&m->lock);
+	m->state = VFIO_DEVICE_STATE_RUNNING;
+}
+
+static void hag_mig_dev_destroy(struct hag_mig_dev *m)
+{
+	/* The device was closed, which ended any data session; be sure. */
+	mutex_lock(&m->lock);
+	hag_mig_disable_files(m);
+	mutex_unlock(&m->lock);
+	mutex_destroy(&m->lock);
+}
+
+static struct file *hag_mig_set_state(struct vfio_device *vdev,
+				      enum vfio_device_mig_state new_state)
+{
+	return hag_mig_dev_set_state(&to_hag_vgpu(vdev)->mig, vdev, new_state);
 }
 
 static int hag_mig_get_state(struct vfio_device *vdev,
 			     enum vfio_device_mig_state *state)
 {
-	struct hag_vgpu *vgpu = to_hag_vgpu(vdev);
-
-	mutex_lock(&vgpu->mig_lock);
-	*state = vgpu->mig_state;
-	mutex_unlock(&vgpu->mig_lock);
-	return 0;
+	return hag_mig_dev_get_state(&to_hag_vgpu(vdev)->mig, state);
 }
 
 static int hag_mig_get_data_size(struct vfio_device *vdev,
 				 unsigned long *stop_copy_length)
 {
-	struct hag_vgpu *vgpu = to_hag_vgpu(vdev);
-
-	mutex_lock(&vgpu->mig_lock);
-	*stop_copy_length = vgpu->saving ? vgpu->saving->size :
-					   hag_mig_data_bytes;
-	mutex_unlock(&vgpu->mig_lock);
-	return 0;
+	return hag_mig_dev_get_data_size(&to_hag_vgpu(vdev)->mig,
+					 stop_copy_length);
 }
 
 static const struct vfio_migration_ops hag_mig_ops = {
@@ -528,14 +574,14 @@ static const struct vfio_migration_ops hag_mig_ops = {
 };
 
 /* Close, reset and remove: back to RUNNING with no data session open. */
-static void hag_mig_reset(struct hag_vgpu *vgpu)
+static void hag_mig_reset(struct hag_mig_dev *m)
 {
-	mutex_lock(&vgpu->mig_lock);
-	hag_mig_disable_files(vgpu);
-	if (vgpu->mig_state != VFIO_DEVICE_STATE_RUNNING)
-		hag_ops->mig_reset(hag_ctx, vgpu->id);
-	vgpu->mig_state = VFIO_DEVICE_STATE_RUNNING;
-	mutex_unlock(&vgpu->mig_lock);
+	mutex_lock(&m->lock);
+	hag_mig_disable_files(m);
+	if (m->state != VFIO_DEVICE_STATE_RUNNING)
+		hag_ops->mig_reset(hag_ctx, m->id);
+	m->state = VFIO_DEVICE_STATE_RUNNING;
+	mutex_unlock(&m->lock);
 }
 
 static ssize_t hag_vfio_read(struct vfio_device *vdev, char __user *buf,
@@ -560,7 +606,7 @@ static long hag_vfio_ioctl(struct vfio_device *vdev, unsigned int cmd,
 
 	/* A reset device is RUNNING again (uapi/linux/vfio.h). */
 	if (cmd == VFIO_DEVICE_RESET && !ret)
-		hag_mig_reset(vgpu);
+		hag_mig_reset(&vgpu->mig);
 	return ret;
 }
 
@@ -576,7 +622,7 @@ static void hag_vfio_close_device(struct vfio_device *vdev)
 
 	hag_ops->vgpu_open(hag_ctx, vgpu->id, false);
 	/* Files the VMM still holds read and write nothing from here on. */
-	hag_mig_reset(vgpu);
+	hag_mig_reset(&vgpu->mig);
 }
 
 /*
@@ -585,9 +631,9 @@ static void hag_vfio_close_device(struct vfio_device *vdev)
  * only with CONFIG_IOMMUFD_DRIVER; without it the feature stays ENOTTY.
  */
 #if IS_ENABLED(CONFIG_IOMMUFD_DRIVER)
-static int hag_log_start(struct vfio_device *vdev,
-			 struct rb_root_cached *ranges, u32 nnodes,
-			 u64 *page_size)
+/* Starts DMA logging of vGPU @id over the span of @ranges. */
+static int hag_log_start_id(u32 id, struct rb_root_cached *ranges,
+			    u64 *page_size)
 {
 	struct interval_tree_node *node;
 	u64 first = U64_MAX, last = 0;
@@ -601,8 +647,14 @@ static int hag_log_start(struct vfio_device *vdev,
 	if (first > last)
 		return -EINVAL;
 	*page_size = SZ_4K;
-	return hag_ops->dma_log_start(hag_ctx, to_hag_vgpu(vdev)->id, first,
-				      last - first + 1);
+	return hag_ops->dma_log_start(hag_ctx, id, first, last - first + 1);
+}
+
+static int hag_log_start(struct vfio_device *vdev,
+			 struct rb_root_cached *ranges, u32 nnodes,
+			 u64 *page_size)
+{
+	return hag_log_start_id(to_hag_vgpu(vdev)->id, ranges, page_size);
 }
 
 static int hag_log_stop(struct vfio_device *vdev)
@@ -660,8 +712,7 @@ static int hag_mdev_probe(struct mdev_device *mdev)
 		return PTR_ERR(vgpu);
 
 	INIT_DELAYED_WORK(&vgpu->tick, hag_vgpu_tick);
-	mutex_init(&vgpu->mig_lock);
-	vgpu->mig_state = VFIO_DEVICE_STATE_RUNNING;
+	hag_mig_dev_init(&vgpu->mig);
 	vgpu->vdev.migration_flags = VFIO_MIGRATION_STOP_COPY;
 	vgpu->vdev.mig_ops = &hag_mig_ops;
 #if IS_ENABLED(CONFIG_IOMMUFD_DRIVER)
@@ -670,6 +721,7 @@ static int hag_mdev_probe(struct mdev_device *mdev)
 	ret = hag_ops->vgpu_probe(hag_ctx, mdev->uuid.b, vgpu, &vgpu->id);
 	if (ret)
 		goto err_put;
+	vgpu->mig.id = vgpu->id;
 
 	ret = vfio_register_emulated_iommu_dev(&vgpu->vdev);
 	if (ret)
@@ -680,7 +732,7 @@ static int hag_mdev_probe(struct mdev_device *mdev)
 err_forget:
 	hag_ops->vgpu_remove(hag_ctx, vgpu->id);
 err_put:
-	mutex_destroy(&vgpu->mig_lock);
+	hag_mig_dev_destroy(&vgpu->mig);
 	vfio_put_device(&vgpu->vdev);
 	return ret;
 }
@@ -692,11 +744,7 @@ static void hag_mdev_remove(struct mdev_device *mdev)
 	/* No VFIO access after this returns, so nothing kicks the tick again. */
 	vfio_unregister_group_dev(&vgpu->vdev);
 	cancel_delayed_work_sync(&vgpu->tick);
-	/* The device was closed, which ended any data session; be sure. */
-	mutex_lock(&vgpu->mig_lock);
-	hag_mig_disable_files(vgpu);
-	mutex_unlock(&vgpu->mig_lock);
-	mutex_destroy(&vgpu->mig_lock);
+	hag_mig_dev_destroy(&vgpu->mig);
 	hag_ops->vgpu_remove(hag_ctx, vgpu->id);
 	vfio_put_device(&vgpu->vdev);
 }
@@ -752,8 +800,6 @@ int hag_glue_register(const void *ctx, const struct hag_rs_ops *ops,
 	hag_ctx = ctx;
 	hag_ops = ops;
 	hag_pad_attr = cfg->genl_pad_attr;
-	hag_mig_data_bytes = cfg->mig_data_bytes;
-	hag_mig_max_bytes = cfg->mig_max_bytes;
 	hag_sim_description = cfg->sim_type_description;
 
 	strscpy(hag_genl_family.name, cfg->genl_name, GENL_NAMSIZ);
@@ -840,15 +886,163 @@ static_assert((int)HAG_GVT_PART_CFG_SPACE == (int)INTEL_GVT_AUDIT_CFG_SPACE);
 static_assert((int)HAG_GVT_PART_GGTT == (int)INTEL_GVT_AUDIT_GGTT);
 static_assert((int)HAG_GVT_PART_EXECLIST == (int)INTEL_GVT_AUDIT_EXECLIST);
 
+/*
+ * A GVT-g vGPU's VFIO migration state: kvmgt's VFIO device delegates its
+ * migration and DMA logging to hag (gvt_audit.h's vfio ops), and hag runs
+ * them with the same code as for its own vGPUs, under hag's id.
+ */
+struct hag_gvt_dev {
+	struct list_head link; /* in hag_gvt_devs */
+	struct intel_vgpu *vgpu;
+	struct hag_mig_dev mig;
+};
+
+static LIST_HEAD(hag_gvt_devs);
+static DEFINE_MUTEX(hag_gvt_devs_lock);
+
+/* The device of @vgpu; it lives until vgpu_removed, after which GVT makes
+ * no call for @vgpu. */
+static struct hag_gvt_dev *hag_gvt_dev_of(struct intel_vgpu *vgpu)
+{
+	struct hag_gvt_dev *dev, *found = NULL;
+
+	mutex_lock(&hag_gvt_devs_lock);
+	list_for_each_entry(dev, &hag_gvt_devs, link) {
+		if (dev->vgpu == vgpu) {
+			found = dev;
+			break;
+		}
+	}
+	mutex_unlock(&hag_gvt_devs_lock);
+	return found;
+}
+
 static int hag_gvt_vgpu_added(struct intel_vgpu *vgpu, unsigned int id)
 {
-	return hag_ops->gvt_vgpu_added(hag_ctx, vgpu, id);
+	struct hag_gvt_dev *dev = kzalloc(sizeof(*dev), GFP_KERNEL);
+	int ret;
+
+	if (!dev)
+		return -ENOMEM;
+	ret = hag_ops->gvt_vgpu_added(hag_ctx, vgpu, id);
+	if (ret < 0) {
+		kfree(dev);
+		return ret;
+	}
+	dev->vgpu = vgpu;
+	hag_mig_dev_init(&dev->mig);
+	dev->mig.id = ret;
+	mutex_lock(&hag_gvt_devs_lock);
+	list_add_tail(&dev->link, &hag_gvt_devs);
+	mutex_unlock(&hag_gvt_devs_lock);
+	return 0;
 }
 
 static void hag_gvt_vgpu_removed(struct intel_vgpu *vgpu)
 {
+	struct hag_gvt_dev *dev = hag_gvt_dev_of(vgpu);
+
+	if (dev) {
+		mutex_lock(&hag_gvt_devs_lock);
+		list_del(&dev->link);
+		mutex_unlock(&hag_gvt_devs_lock);
+		hag_mig_dev_destroy(&dev->mig);
+		kfree(dev);
+	}
 	hag_ops->gvt_vgpu_removed(hag_ctx, vgpu);
 }
+
+static struct file *hag_gvt_mig_set_state(struct intel_vgpu *vgpu,
+					  struct vfio_device *vdev,
+					  enum vfio_device_mig_state state)
+{
+	struct hag_gvt_dev *dev = hag_gvt_dev_of(vgpu);
+
+	return dev ? hag_mig_dev_set_state(&dev->mig, vdev, state) :
+		     ERR_PTR(-ENODEV);
+}
+
+static int hag_gvt_mig_get_state(struct intel_vgpu *vgpu,
+				 enum vfio_device_mig_state *state)
+{
+	struct hag_gvt_dev *dev = hag_gvt_dev_of(vgpu);
+
+	return dev ? hag_mig_dev_get_state(&dev->mig, state) : -ENODEV;
+}
+
+static int hag_gvt_mig_get_data_size(struct intel_vgpu *vgpu,
+				     unsigned long *stop_copy_length)
+{
+	struct hag_gvt_dev *dev = hag_gvt_dev_of(vgpu);
+
+	return dev ? hag_mig_dev_get_data_size(&dev->mig, stop_copy_length) :
+		     -ENODEV;
+}
+
+static void hag_gvt_vfio_reset(struct intel_vgpu *vgpu)
+{
+	struct hag_gvt_dev *dev = hag_gvt_dev_of(vgpu);
+
+	if (dev)
+		hag_mig_reset(&dev->mig);
+}
+
+#if IS_ENABLED(CONFIG_IOMMUFD_DRIVER)
+static int hag_gvt_log_start(struct intel_vgpu *vgpu,
+			     struct rb_root_cached *ranges, u32 nnodes,
+			     u64 *page_size)
+{
+	struct hag_gvt_dev *dev = hag_gvt_dev_of(vgpu);
+
+	return dev ? hag_log_start_id(dev->mig.id, ranges, page_size) : -ENODEV;
+}
+
+static int hag_gvt_log_stop(struct intel_vgpu *vgpu)
+{
+	struct hag_gvt_dev *dev = hag_gvt_dev_of(vgpu);
+
+	return dev ? hag_ops->dma_log_stop(hag_ctx, dev->mig.id) : -ENODEV;
+}
+
+static int hag_gvt_log_read_and_clear(struct intel_vgpu *vgpu,
+				      unsigned long iova, unsigned long length,
+				      struct iova_bitmap *dirty)
+{
+	struct hag_gvt_dev *dev = hag_gvt_dev_of(vgpu);
+
+	return dev ? hag_ops->dma_log_report(hag_ctx, dev->mig.id, iova,
+					     length, dirty) : -ENODEV;
+}
+#else
+static int hag_gvt_log_start(struct intel_vgpu *vgpu,
+			     struct rb_root_cached *ranges, u32 nnodes,
+			     u64 *page_size)
+{
+	return -EOPNOTSUPP;
+}
+
+static int hag_gvt_log_stop(struct intel_vgpu *vgpu)
+{
+	return -EOPNOTSUPP;
+}
+
+static int hag_gvt_log_read_and_clear(struct intel_vgpu *vgpu,
+				      unsigned long iova, unsigned long length,
+				      struct iova_bitmap *dirty)
+{
+	return -EOPNOTSUPP;
+}
+#endif
+
+static const struct intel_gvt_audit_vfio_ops hag_gvt_vfio_ops = {
+	.migration_set_state = hag_gvt_mig_set_state,
+	.migration_get_state = hag_gvt_mig_get_state,
+	.migration_get_data_size = hag_gvt_mig_get_data_size,
+	.log_start = hag_gvt_log_start,
+	.log_stop = hag_gvt_log_stop,
+	.log_read_and_clear = hag_gvt_log_read_and_clear,
+	.reset = hag_gvt_vfio_reset,
+};
 
 /* Batch buffers per workload handed over without an allocation. */
 #define HAG_GVT_BBS_ON_STACK 8
@@ -913,6 +1107,8 @@ static const struct intel_gvt_audit_ops hag_gvt_ops = {
 	.workload_done = hag_gvt_workload_done,
 	.guest_written = hag_gvt_guest_written,
 	.pages_mapped = hag_gvt_pages_mapped,
+	.owner = THIS_MODULE,
+	.vfio = &hag_gvt_vfio_ops,
 };
 
 static bool hag_gvt_registered;

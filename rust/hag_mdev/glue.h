@@ -16,8 +16,6 @@ struct hag_glue_config {
 	const char *sim_type_description;
 	const char *genl_name;
 	const char *genl_mcgrp_events;
-	size_t mig_data_bytes; /* a VFIO migration snapshot */
-	size_t mig_max_bytes; /* the most a VMM may write in RESUMING */
 	u32 sim_max_instances;
 	u16 genl_maxattr;
 	u16 genl_pad_attr;
@@ -63,7 +61,11 @@ struct hag_rs_ops {
 	int (*mig_restore)(const void *ctx, u32 id, const u8 *buf, size_t len);
 	long (*mig_check)(const void *ctx, u32 id, const u8 *buf, size_t len);
 	void (*mig_reset)(const void *ctx, u32 id);
+	/* Bytes of a VFIO migration snapshot of vGPU id, the most it accepts. */
+	long (*mig_data_bytes)(const void *ctx, u32 id);
+	long (*mig_max_bytes)(const void *ctx, u32 id);
 	/* GVT-g (called only while registered with GVT). */
+	/* Returns hag's id of the vGPU, or a negative errno. */
 	int (*gvt_vgpu_added)(const void *ctx, void *vgpu, unsigned int id);
 	void (*gvt_vgpu_removed)(const void *ctx, void *vgpu);
 	void (*gvt_workload)(const void *ctx, const void *wl, void *vgpu,

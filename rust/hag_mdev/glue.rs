@@ -76,6 +76,10 @@ pub(crate) trait VfioDevice {
     fn mig_check(&self, id: u32, bytes: &[u8]) -> Result<usize>;
     /// The migration state went back to RUNNING (close or reset).
     fn mig_reset(&self, id: u32);
+    /// Bytes of a VFIO migration snapshot of the vGPU now.
+    fn mig_data_bytes(&self, id: u32) -> Result<usize>;
+    /// The most a VMM may write into the vGPU in RESUMING.
+    fn mig_max_bytes(&self, id: u32) -> Result<usize>;
 }
 
 /// GVT-g's hooks (the i915 patch), for the vGPUs GVT runs.
@@ -130,6 +134,8 @@ pub(crate) struct RsOps {
     mig_restore: extern "C" fn(*const c_void, u32, *const u8, usize) -> c_int,
     mig_check: extern "C" fn(*const c_void, u32, *const u8, usize) -> c_long,
     mig_reset: extern "C" fn(*const c_void, u32),
+    mig_data_bytes: extern "C" fn(*const c_void, u32) -> c_long,
+    mig_max_bytes: extern "C" fn(*const c_void, u32) -> c_long,
     gvt_vgpu_added: extern "C" fn(*const c_void, *mut c_void, c_uint) -> c_int,
     gvt_vgpu_removed: extern "C" fn(*const c_void, *mut c_void),
     gvt_workload: extern "C" fn(*const c_void, *const c_void, *mut c_void, *const CGvtWl),
@@ -160,6 +166,8 @@ impl<T: Driver> Vtable<T> {
         mig_restore: mig_restore::<T>,
         mig_check: mig_check::<T>,
         mig_reset: mig_reset::<T>,
+        mig_data_bytes: mig_data_bytes::<T>,
+        mig_max_bytes: mig_max_bytes::<T>,
         gvt_vgpu_added: gvt_vgpu_added::<T>,
         gvt_vgpu_removed: gvt_vgpu_removed::<T>,
         gvt_workload: gvt_workload::<T>,
@@ -182,8 +190,6 @@ struct GlueConfig {
     sim_type_description: *const c_char,
     genl_name: *const c_char,
     genl_mcgrp_events: *const c_char,
-    mig_data_bytes: usize,
-    mig_max_bytes: usize,
     sim_max_instances: u32,
     genl_maxattr: u16,
     genl_pad_attr: u16,
@@ -251,8 +257,7 @@ pub(crate) struct Registration<T: Driver> {
 impl<T: Driver> Registration<T> {
     /// Registers `/dev/hag`, the `hag` netlink family and the mdev parent,
     /// and (if built with it) the GVT-g observer, all calling `state` back.
-    /// `mig_data_bytes` is the size of a VFIO migration snapshot.
-    pub(crate) fn new(state: Pin<KBox<T>>, mig_data_bytes: usize) -> Result<Self> {
+    pub(crate) fn new(state: Pin<KBox<T>>) -> Result<Self> {
         let cfg = GlueConfig {
             misc_name: c_str(abi::DEVICE_NAME_C),
             parent_name: c_str(abi::PARENT_NAME_C),
@@ -260,8 +265,6 @@ impl<T: Driver> Registration<T> {
             sim_type_description: c_str(SIM_TYPE_DESCRIPTION_C),
             genl_name: c_str(abi::GENL_NAME_C),
             genl_mcgrp_events: c_str(abi::GENL_MCGRP_EVENTS_C),
-            mig_data_bytes,
-            mig_max_bytes: abi::SIM_CONTEXT_MAX_BYTES as usize,
             sim_max_instances: abi::SIM_MAX_INSTANCES,
             genl_maxattr: abi::ATTR_MAX,
             genl_pad_attr: abi::ATTR_PAD,
@@ -524,6 +527,26 @@ extern "C" fn mig_check<T: Driver>(ctx: *const c_void, id: u32, buf: *const u8, 
 extern "C" fn mig_reset<T: Driver>(ctx: *const c_void, id: u32) {
     // SAFETY: called by glue.c's VFIO device ops while registered.
     unsafe { state::<T>(ctx) }.mig_reset(id);
+}
+
+/// A size for glue.c, or a negative errno.
+fn size_or_errno(size: Result<usize>) -> c_long {
+    match size {
+        Ok(bytes) => c_long::try_from(bytes).unwrap_or(-c_long::from(EFBIG.to_errno().abs())),
+        Err(e) => c_long::from(e.to_errno()),
+    }
+}
+
+/// VFIO migration: bytes of the vGPU's snapshot (the STOP_COPY file's).
+extern "C" fn mig_data_bytes<T: Driver>(ctx: *const c_void, id: u32) -> c_long {
+    // SAFETY: called by glue.c's VFIO migration ops while registered.
+    size_or_errno(unsafe { state::<T>(ctx) }.mig_data_bytes(id))
+}
+
+/// VFIO migration: the most the RESUMING file of the vGPU takes.
+extern "C" fn mig_max_bytes<T: Driver>(ctx: *const c_void, id: u32) -> c_long {
+    // SAFETY: called by glue.c's VFIO migration ops while registered.
+    size_or_errno(unsafe { state::<T>(ctx) }.mig_max_bytes(id))
 }
 
 /// The C side of one vGPU: DMA to its VM's memory and its work item.
@@ -1058,7 +1081,7 @@ extern "C" fn gvt_vgpu_added<T: Driver>(ctx: *const c_void, vgpu: *mut c_void, i
     // SAFETY: GVT passes a vGPU it has initialised, valid for the call.
     let ggtt_size = unsafe { hag_gvt_ggtt_size(vgpu) };
     match state.gvt_vgpu_added(id, ggtt_size, GvtVgpuPtr(vgpu)) {
-        Ok(_) => 0,
+        Ok(hag_id) => c_int::try_from(hag_id).unwrap_or(-(EINVAL.to_errno().abs())),
         Err(e) => {
             pr_warn!("GVT vGPU {}: not tracked (error {}): its writes are not logged\n", id, e.to_errno());
             e.to_errno()

@@ -40,7 +40,8 @@ use kernel::{new_mutex, pin_init};
 use crate::abi;
 use crate::dirty::DirtyLog;
 pub(crate) use crate::glue::GvtPart;
-use crate::glue::{self, GvtHandle, GvtTranslate, GvtVgpuPtr, GvtWorkload};
+use crate::glue::{self, GvtHandle, GvtTranslate, GvtVgpuPtr, GvtWorkload, MigAction};
+use crate::sim::vfio::mig_state;
 use crate::State;
 use crate::handoff::{self, Limits, Outcome, Workload};
 use crate::snapshot::{self as fmt, Snapshot, SnapshotError, Writer};
@@ -57,6 +58,10 @@ const IN_FLIGHT: usize = 64;
 /// Most guest pages one map report may name (GVT maps 4 KiB, 64 KiB and
 /// 2 MiB pages); a larger report makes hag lose track of the set.
 const MAX_MAP_PAGES: u64 = 512;
+
+/// Most pages one report of a GVT write marks one by one (a context image
+/// is 20 pages on Gen9); a longer one marks the logs whole.
+const MAX_GVT_WRITE_PAGES: u64 = 1024;
 
 /// Counters of one GVT-g vGPU.
 #[derive(Default, Clone, Copy)]
@@ -106,10 +111,10 @@ impl Reach {
     }
 
     /// GVT unmaps `nr` pages from `gfn`: the GPU may have written them
-    /// until now, so they are marked in `log`.
-    fn unmap(&mut self, gfn: u64, nr: u64, log: Option<&mut DirtyLog>, marked: &mut u64) {
+    /// until now, so they are marked in `logs`; returns how many.
+    fn unmap(&mut self, gfn: u64, nr: u64, logs: &mut Logs) -> u64 {
         let nr = nr.min(MAX_MAP_PAGES);
-        let mut log = log;
+        let mut marked = 0;
         for page in gfn..gfn.saturating_add(nr) {
             if let Some(count) = self.pages.get_mut(&page) {
                 *count = count.saturating_sub(1);
@@ -117,10 +122,9 @@ impl Reach {
                     self.pages.remove(&page);
                 }
             }
-            if let Some(log) = log.as_deref_mut() {
-                *marked += u64::from(log.mark(page.saturating_mul(abi::DIRTY_PAGE_SIZE)));
-            }
+            marked += u64::from(logs.mark_gfn(page));
         }
+        marked
     }
 
     /// Marks every reachable page in `log`; returns how many were logged.
@@ -135,55 +139,112 @@ impl Reach {
     }
 }
 
+/// The vGPU's dirty logs: `/dev/hag`'s and VFIO DMA logging's. Every GPU
+/// write goes to both; each reader reads and clears its own.
+#[derive(Default)]
+pub(crate) struct Logs {
+    /// The log `/dev/hag` reads.
+    pub(crate) dev: Option<DirtyLog>,
+    /// The log VFIO DMA logging reports (a VMM migrating the VM).
+    pub(crate) vfio: Option<DirtyLog>,
+}
+
+impl Logs {
+    /// Marks guest frame `gfn` in both; whether either logs it.
+    fn mark_gfn(&mut self, gfn: u64) -> bool {
+        let gpa = gfn.saturating_mul(abi::DIRTY_PAGE_SIZE);
+        let dev = self.dev.as_mut().is_some_and(|log| log.mark(gpa));
+        let vfio = self.vfio.as_mut().is_some_and(|log| log.mark(gpa));
+        dev || vfio
+    }
+
+    /// Marks the reachable set in both; returns the pages marked in the
+    /// larger count.
+    fn mark_reach(&mut self, reach: &Reach) -> u64 {
+        let dev = self.dev.as_mut().map_or(0, |log| reach.mark(log));
+        let vfio = self.vfio.as_mut().map_or(0, |log| reach.mark(log));
+        dev.max(vfio)
+    }
+
+    /// Marks every page of both; returns the larger count.
+    fn mark_all(&mut self) -> u64 {
+        let dev = self.dev.as_mut().map_or(0, |log| log.mark_all());
+        let vfio = self.vfio.as_mut().map_or(0, |log| log.mark_all());
+        dev.max(vfio)
+    }
+}
+
 /// What the workload path changes, under the vGPU's mutex.
 pub(crate) struct GvtInner {
-    /// The log `/dev/hag` reads.
-    pub(crate) dirty: Option<DirtyLog>,
+    pub(crate) logs: Logs,
     /// What each workload handed over and not yet done may still write.
     inflight: InFlight<KVVec<u64>, IN_FLIGHT>,
     /// Every page the GPU can reach.
     reach: Reach,
+    /// Stopped by VFIO migration (the VMM stopped the VM, hag drained it).
+    pub(crate) vfio_stopped: bool,
     pub(crate) stats: GvtStats,
 }
 
 impl GvtInner {
-    /// Starts logging: everything starts dirty (the first copy of a
-    /// migration copies everything anyway).
+    /// Starts `/dev/hag`'s log: everything starts dirty (the first copy of
+    /// a migration copies everything anyway).
     pub(crate) fn start_dirty_log(&mut self, mut log: DirtyLog) -> Result {
         log.mark_all();
-        self.dirty = Some(log);
+        self.logs.dev = Some(log);
         Ok(())
     }
 
-    /// Stops logging; returns the log, to be freed without the lock.
+    /// Stops `/dev/hag`'s log; returns it, to be freed without the lock.
     pub(crate) fn stop_dirty_log(&mut self) -> Option<DirtyLog> {
-        self.dirty.take()
+        self.logs.dev.take()
     }
 
-    /// Moves the dirty bits into `words`; returns how many pages that is.
-    /// As `Entry::dirty_read_clear`. The pages of every workload still in
-    /// flight are marked again at once, so the next read reports them too.
+    /// Starts VFIO DMA logging. The VMM copies all memory after this, but
+    /// a workload already running may write a page after its copy: what
+    /// the workloads in flight may write starts dirty.
+    pub(crate) fn start_vfio_log(&mut self, mut log: DirtyLog) -> Option<DirtyLog> {
+        Self::remark(&self.inflight, &self.reach, &mut log);
+        self.logs.vfio.replace(log)
+    }
+
+    /// Marks in `log` what the workloads in flight may still write.
+    fn remark(inflight: &InFlight<KVVec<u64>, IN_FLIGHT>, reach: &Reach, log: &mut DirtyLog) {
+        let remark = inflight.remark(|gfn| {
+            log.mark(gfn.saturating_mul(abi::DIRTY_PAGE_SIZE));
+        });
+        if remark == Remark::Reachable {
+            reach.mark(log);
+        }
+    }
+
+    /// Moves `/dev/hag`'s dirty bits into `words`; returns how many pages
+    /// that is. As `Entry::dirty_read_clear`. The pages of every workload
+    /// still in flight are marked again at once, so the next read reports
+    /// them too.
     pub(crate) fn read_and_clear(&mut self, room: u64, words: &mut KVVec<u64>) -> Result<u64> {
-        let log = self.dirty.as_mut().ok_or(ENOENT)?;
+        let log = self.logs.dev.as_mut().ok_or(ENOENT)?;
         if room < log.bitmap_bytes() as u64 {
             return Err(ENOSPC);
         }
         log.read_and_clear(words)?;
         let dirty = words.iter().map(|w| u64::from(w.count_ones())).sum();
-        let remark = self.inflight.remark(|gfn| {
-            log.mark(gfn.saturating_mul(abi::DIRTY_PAGE_SIZE));
-        });
-        if remark == Remark::Reachable {
-            self.reach.mark(log);
-        }
+        Self::remark(&self.inflight, &self.reach, log);
         Ok(dirty)
+    }
+
+    /// VFIO DMA logging: reports and clears the dirty pages of
+    /// `[iova, iova + length)`, then marks the workloads in flight again.
+    pub(crate) fn vfio_report(&mut self, iova: u64, length: u64, report: &mut dyn FnMut(u64)) -> Result {
+        let log = self.logs.vfio.as_mut().ok_or(EINVAL)?;
+        log.drain_range(iova, length, report);
+        Self::remark(&self.inflight, &self.reach, log);
+        Ok(())
     }
 
     /// Marks the reachable set for a workload not modelled.
     fn mark_reachable(&mut self) {
-        if let Some(log) = self.dirty.as_mut() {
-            self.stats.pages_marked += self.reach.mark(log);
-        }
+        self.stats.pages_marked += self.logs.mark_reach(&self.reach);
     }
 }
 
@@ -217,9 +278,10 @@ impl GvtVgpu {
             handle <- handle,
             inner <- new_mutex!(
                 GvtInner {
-                    dirty: None,
+                    logs: Logs::default(),
                     inflight: InFlight::new(),
                     reach: Reach::new(),
+                    vfio_stopped: false,
                     stats: GvtStats::default(),
                 },
                 "hag_gvt_vgpu"
@@ -245,10 +307,9 @@ impl GvtVgpu {
         inner.stats.workloads += 1;
         let mut marked = 0u64;
         let outcome = {
-            let dirty = &mut inner.dirty;
+            let logs = &mut inner.logs;
             let mut sink = |gfn: u64| {
-                let gpa = gfn.saturating_mul(abi::DIRTY_PAGE_SIZE);
-                if dirty.as_mut().is_some_and(|log| log.mark(gpa)) {
+                if logs.mark_gfn(gfn) {
                     marked += 1;
                 }
                 if kept && pages.push(gfn, GFP_KERNEL).is_err() {
@@ -295,20 +356,16 @@ impl GvtVgpu {
     pub(crate) fn guest_written(&self, gpa: u64, len: u64) {
         let mut inner = self.inner.lock();
         inner.stats.gvt_writes += 1;
-        let Some(log) = inner.dirty.as_mut() else { return };
         let page = abi::DIRTY_PAGE_SIZE;
         let first = gpa / page;
         let last = gpa.saturating_add(len.max(1) - 1) / page;
         // GVT's writes are a context image (a few pages) or a few bytes;
-        // anything longer than the log marks it whole.
-        let mut marked = 0u64;
-        if last - first >= log.bitmap_bytes() as u64 * 8 {
-            marked = log.mark_all();
+        // anything longer marks the logs whole.
+        let marked = if last - first >= MAX_GVT_WRITE_PAGES {
+            inner.logs.mark_all()
         } else {
-            for p in first..=last {
-                marked += u64::from(log.mark(p.saturating_mul(page)));
-            }
-        }
+            (first..=last).map(|gfn| u64::from(inner.logs.mark_gfn(gfn))).sum()
+        };
         inner.stats.pages_marked += marked;
     }
 
@@ -319,9 +376,7 @@ impl GvtVgpu {
         if map {
             inner.reach.map(gfn, nr);
         } else {
-            let mut marked = 0;
-            inner.reach.unmap(gfn, nr, inner.dirty.as_mut(), &mut marked);
-            inner.stats.pages_marked += marked;
+            inner.stats.pages_marked += inner.reach.unmap(gfn, nr, &mut inner.logs);
         }
     }
 
@@ -430,6 +485,102 @@ impl GvtVgpu {
             }
         }
         Ok(())
+    }
+}
+
+/// VFIO migration v2 of a GVT-g vGPU: kvmgt's VFIO device hands its
+/// migration and DMA logging to hag (scripts/gvt/0005), and glue.c runs
+/// them as for a simulated vGPU. The VMM stops the VM's vCPUs before the
+/// device, so nothing new is submitted; RUNNING -> STOP waits for GVT's
+/// queue to drain, and the snapshot is GVT's parts as `/dev/hag` saves them.
+impl GvtVgpu {
+    /// Acts on the arc `cur` -> `next` (`enum vfio_device_mig_state`).
+    pub(crate) fn mig_step(&self, cur: u32, next: u32) -> Result<MigAction> {
+        use mig_state::{RESUMING, RUNNING, STOP, STOP_COPY};
+        Ok(match (cur, next) {
+            (RUNNING, STOP) => {
+                self.handle.wait_idle()?;
+                self.inner.lock().vfio_stopped = true;
+                MigAction::None
+            }
+            (STOP, RUNNING) => {
+                self.inner.lock().vfio_stopped = false;
+                MigAction::None
+            }
+            (STOP, STOP_COPY) => MigAction::Save,
+            (STOP_COPY, STOP) => MigAction::Close,
+            (STOP, RESUMING) => MigAction::Resume,
+            (RESUMING, STOP) => MigAction::Load,
+            _ => {
+                pr_warn!(
+                    "GVT vGPU {} (hag vGPU {}): VFIO migration arc {} -> {} is not supported\n",
+                    self.gvt_id,
+                    self.id,
+                    mig_state::name(cur),
+                    mig_state::name(next)
+                );
+                return Err(EINVAL);
+            }
+        })
+    }
+
+    /// The snapshot of the stopped vGPU into `out`.
+    pub(crate) fn mig_save(&self, out: &mut [u8]) -> Result<usize> {
+        if !self.inner.lock().vfio_stopped {
+            return Err(EBUSY);
+        }
+        self.save(out)
+    }
+
+    /// Loads what the VMM wrote into the stopped vGPU.
+    pub(crate) fn mig_restore(&self, bytes: &[u8]) -> Result {
+        if !self.inner.lock().vfio_stopped {
+            return Err(EBUSY);
+        }
+        self.restore(bytes)
+    }
+
+    /// Whether a complete snapshot the VMM wrote can be restored here
+    /// (format, checksum, source and GGTT size, every part's length); 0 if
+    /// so. GVT checks the contents at the load.
+    pub(crate) fn mig_check(&self, bytes: &[u8]) -> Result<usize> {
+        let snap = Snapshot::parse(bytes).map_err(errno)?;
+        if u32::from(snap.source) != abi::VGPU_SOURCE_GVT || snap.gfx_mem_size != self.ggtt_size {
+            return Err(EINVAL);
+        }
+        for part in GvtPart::RESTORE_ORDER {
+            snap.section(part.tag(), self.handle.part_size(part)?).map_err(errno)?;
+        }
+        Ok(0)
+    }
+
+    /// Back to RUNNING without an arc (device closed or reset).
+    pub(crate) fn mig_reset(&self) {
+        self.inner.lock().vfio_stopped = false;
+    }
+
+    /// VFIO DMA logging over `[iova, iova + length)` starts.
+    pub(crate) fn dma_log_start(&self, iova: u64, length: u64) -> Result {
+        let log = DirtyLog::new(iova, length)?;
+        let old = self.inner.lock().start_vfio_log(log);
+        drop(old);
+        Ok(())
+    }
+
+    /// VFIO DMA logging stops.
+    pub(crate) fn dma_log_stop(&self) {
+        let log = self.inner.lock().logs.vfio.take();
+        drop(log);
+    }
+
+    /// VFIO DMA logging: hands out and clears the dirty pages of a range.
+    pub(crate) fn dma_log_report(&self, iova: u64, length: u64, report: &mut dyn FnMut(u64)) -> Result {
+        let mut inner = self.inner.lock();
+        if glue::gpu_dirty_withheld() {
+            // Tests only, as for a simulated vGPU.
+            return inner.vfio_report(iova, length, &mut |_| {});
+        }
+        inner.vfio_report(iova, length, report)
     }
 }
 

@@ -66,7 +66,7 @@ struct HagModule {
 impl kernel::Module for HagModule {
     fn init(_module: &'static ThisModule) -> Result<Self> {
         let state = KBox::pin_init(State::new(), GFP_KERNEL)?;
-        let registration = glue::Registration::new(state, sim::SNAPSHOT_BYTES)?;
+        let registration = glue::Registration::new(state)?;
         pr_info!(
             "hag_mdev {} loaded: /dev/{}, netlink family '{}', mdev type '{}' (ABI {})\n",
             MODULE_VERSION,

@@ -208,7 +208,7 @@ impl Entry {
         };
         match self {
             Entry::Sim(v) => merge(v.sim.lock().dirty.as_mut()),
-            Entry::Gvt(g) => merge(g.inner.lock().dirty.as_mut()),
+            Entry::Gvt(g) => merge(g.inner.lock().logs.dev.as_mut()),
         }
     }
 }
@@ -380,12 +380,19 @@ impl State {
 
     /// VFIO DMA logging: start over `[iova, iova + length)`.
     pub(crate) fn dma_log_start(&self, id: u32, iova: u64, length: u64) -> Result {
+        if let Entry::Gvt(g) = self.entry(id)? {
+            return g.dma_log_start(iova, length);
+        }
         let log = DirtyLog::new(iova, length)?;
         self.vgpu(id)?.sim.lock().start_vfio_dirty_log(log)
     }
 
     /// VFIO DMA logging: stop.
     pub(crate) fn dma_log_stop(&self, id: u32) -> Result {
+        if let Entry::Gvt(g) = self.entry(id)? {
+            g.dma_log_stop();
+            return Ok(());
+        }
         let log = self.vgpu(id)?.sim.lock().vfio_dirty.take();
         drop(log);
         Ok(())
@@ -393,6 +400,9 @@ impl State {
 
     /// VFIO DMA logging: hand out and clear the dirty pages of a range.
     pub(crate) fn dma_log_report(&self, id: u32, iova: u64, length: u64, report: &mut dyn FnMut(u64)) -> Result {
+        if let Entry::Gvt(g) = self.entry(id)? {
+            return g.dma_log_report(iova, length, report);
+        }
         let vgpu = self.vgpu(id)?;
         let mut sim = vgpu.sim.lock();
         let log = sim.vfio_dirty.as_mut().ok_or(EINVAL)?;
@@ -413,6 +423,9 @@ impl State {
     /// `VFIO_MIGRATION_STOP_COPY` exist; VFIO's core picks nothing else.
     pub(crate) fn mig_step(&self, id: u32, cur: u32, next: u32) -> Result<MigAction> {
         use mig_state::{RESUMING, RUNNING, STOP, STOP_COPY};
+        if let Entry::Gvt(g) = self.entry(id)? {
+            return g.mig_step(cur, next);
+        }
         let vgpu = self.vgpu(id)?;
         let action = match (cur, next) {
             (RUNNING, STOP) => {
@@ -462,6 +475,9 @@ impl State {
     /// VFIO migration: the snapshot of a stopped vGPU into `out`; returns
     /// the bytes used.
     pub(crate) fn mig_save(&self, id: u32, out: &mut [u8]) -> Result<usize> {
+        if let Entry::Gvt(g) = self.entry(id)? {
+            return g.mig_save(out);
+        }
         let vgpu = self.vgpu(id)?;
         let sim = vgpu.sim.lock();
         if !sim.vfio_stopped {
@@ -473,6 +489,9 @@ impl State {
     /// VFIO migration: loads a snapshot a VMM wrote into a stopped vGPU.
     /// A snapshot that does not check out is refused, the vGPU unchanged.
     pub(crate) fn mig_restore(&self, id: u32, bytes: &[u8]) -> Result {
+        if let Entry::Gvt(g) = self.entry(id)? {
+            return g.mig_restore(bytes);
+        }
         let vgpu = self.vgpu(id)?;
         let mut sim = vgpu.sim.lock();
         if !sim.vfio_stopped {
@@ -513,6 +532,19 @@ impl State {
         if bytes.len() < total {
             return Ok(total - bytes.len());
         }
+        if let Entry::Gvt(g) = self.entry(id)? {
+            if bytes.len() > total {
+                return Err(EINVAL);
+            }
+            return g.mig_check(bytes).inspect_err(|e| {
+                pr_info!(
+                    "vGPU {}: VFIO migration: GVT-g device state of {} bytes refused as it arrived (error {})\n",
+                    id,
+                    bytes.len(),
+                    e.to_errno()
+                );
+            });
+        }
         let vgpu = self.vgpu(id)?;
         let sim = vgpu.sim.lock();
         if bytes.len() > total {
@@ -537,6 +569,10 @@ impl State {
     /// VFIO migration state reset to RUNNING (close or device reset):
     /// VFIO's hold on the vGPU goes.
     pub(crate) fn mig_reset(&self, id: u32) {
+        if let Ok(Entry::Gvt(g)) = self.entry(id) {
+            g.mig_reset();
+            return;
+        }
         let Ok(vgpu) = self.vgpu(id) else { return };
         let mut sim = vgpu.sim.lock();
         if sim.vfio_stopped {
@@ -658,5 +694,13 @@ impl glue::VfioDevice for State {
 
     fn mig_reset(&self, id: u32) {
         State::mig_reset(self, id)
+    }
+
+    fn mig_data_bytes(&self, id: u32) -> Result<usize> {
+        self.entry(id)?.snapshot_bytes()
+    }
+
+    fn mig_max_bytes(&self, id: u32) -> Result<usize> {
+        usize::try_from(self.entry(id)?.snapshot_max_bytes()).map_err(|_| EINVAL)
     }
 }
