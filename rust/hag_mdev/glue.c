@@ -1084,9 +1084,15 @@ static void hag_gvt_workload_scanned(const struct intel_gvt_audit_workload *wl)
 		kfree(bbs);
 }
 
-static void hag_gvt_workload_done(struct intel_vgpu *vgpu, u64 cookie)
+static void hag_gvt_workload_done(struct intel_vgpu *vgpu, u64 cookie,
+				  bool changed)
 {
-	hag_ops->gvt_workload_done(hag_ctx, vgpu, cookie);
+	hag_ops->gvt_workload_done(hag_ctx, vgpu, cookie, changed);
+}
+
+static void hag_gvt_gtt_mapped(struct intel_vgpu *vgpu, u64 gfn, u64 nr)
+{
+	hag_ops->gvt_gtt_mapped(hag_ctx, vgpu, gfn, nr);
 }
 
 static void hag_gvt_guest_written(struct intel_vgpu *vgpu, u64 gpa, u64 len)
@@ -1107,6 +1113,7 @@ static const struct intel_gvt_audit_ops hag_gvt_ops = {
 	.workload_done = hag_gvt_workload_done,
 	.guest_written = hag_gvt_guest_written,
 	.pages_mapped = hag_gvt_pages_mapped,
+	.gtt_mapped = hag_gvt_gtt_mapped,
 	.owner = THIS_MODULE,
 	.vfio = &hag_gvt_vfio_ops,
 };

@@ -70,11 +70,13 @@ struct hag_rs_ops {
 	void (*gvt_vgpu_removed)(const void *ctx, void *vgpu);
 	void (*gvt_workload)(const void *ctx, const void *wl, void *vgpu,
 			     const struct hag_gvt_wl *w);
-	void (*gvt_workload_done)(const void *ctx, void *vgpu, u64 cookie);
+	void (*gvt_workload_done)(const void *ctx, void *vgpu, u64 cookie,
+				  bool changed);
 	void (*gvt_guest_written)(const void *ctx, void *vgpu, u64 gpa,
 				  u64 len);
 	void (*gvt_pages_mapped)(const void *ctx, void *vgpu, u64 gfn, u64 nr,
 				 bool map);
+	void (*gvt_gtt_mapped)(const void *ctx, void *vgpu, u64 gfn, u64 nr);
 };
 
 /* An event message under construction; freed by multicast or cancel. */

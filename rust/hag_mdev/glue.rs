@@ -100,13 +100,16 @@ pub(crate) trait GvtObserver {
         translate: &mut GvtTranslate,
     );
     /// Workload `cookie` of the vGPU at `vgpu` will not write guest memory
-    /// any more.
-    fn gvt_workload_done(&self, vgpu: usize, cookie: u64);
+    /// any more; `changed`: a PPGTT batch it ran differs from what was
+    /// handed over.
+    fn gvt_workload_done(&self, vgpu: usize, cookie: u64, changed: bool);
     /// GVT itself wrote `len` bytes of the vGPU's guest memory at `gpa`.
     fn gvt_guest_written(&self, vgpu: usize, gpa: u64, len: u64);
     /// GVT mapped (`map`) or is unmapping `nr` guest pages from `gfn` for
     /// the vGPU's GPU.
     fn gvt_pages_mapped(&self, vgpu: usize, gfn: u64, nr: u64, map: bool);
+    /// A GTT entry of the vGPU at `vgpu` now maps `nr` pages from `gfn`.
+    fn gvt_gtt_mapped(&self, vgpu: usize, gfn: u64, nr: u64);
 }
 
 /// Everything the registered interfaces call back.
@@ -139,9 +142,10 @@ pub(crate) struct RsOps {
     gvt_vgpu_added: extern "C" fn(*const c_void, *mut c_void, c_uint) -> c_int,
     gvt_vgpu_removed: extern "C" fn(*const c_void, *mut c_void),
     gvt_workload: extern "C" fn(*const c_void, *const c_void, *mut c_void, *const CGvtWl),
-    gvt_workload_done: extern "C" fn(*const c_void, *mut c_void, u64),
+    gvt_workload_done: extern "C" fn(*const c_void, *mut c_void, u64, bool),
     gvt_guest_written: extern "C" fn(*const c_void, *mut c_void, u64, u64),
     gvt_pages_mapped: extern "C" fn(*const c_void, *mut c_void, u64, u64, bool),
+    gvt_gtt_mapped: extern "C" fn(*const c_void, *mut c_void, u64, u64),
 }
 
 /// The table for driver `T`, as upstream's `MiscdeviceVTable<T>` builds
@@ -174,6 +178,7 @@ impl<T: Driver> Vtable<T> {
         gvt_workload_done: gvt_workload_done::<T>,
         gvt_guest_written: gvt_guest_written::<T>,
         gvt_pages_mapped: gvt_pages_mapped::<T>,
+        gvt_gtt_mapped: gvt_gtt_mapped::<T>,
     };
 
     fn build() -> &'static RsOps {
@@ -1123,9 +1128,15 @@ extern "C" fn gvt_workload<T: Driver>(ctx: *const c_void, wl: *const c_void, vgp
 }
 
 /// A workload handed over is done (completed, or dropped unrun).
-extern "C" fn gvt_workload_done<T: Driver>(ctx: *const c_void, vgpu: *mut c_void, cookie: u64) {
+extern "C" fn gvt_workload_done<T: Driver>(ctx: *const c_void, vgpu: *mut c_void, cookie: u64, changed: bool) {
     // SAFETY: as in `gvt_vgpu_added`.
-    unsafe { state::<T>(ctx) }.gvt_workload_done(vgpu as usize, cookie);
+    unsafe { state::<T>(ctx) }.gvt_workload_done(vgpu as usize, cookie, changed);
+}
+
+/// A GTT entry now maps guest pages.
+extern "C" fn gvt_gtt_mapped<T: Driver>(ctx: *const c_void, vgpu: *mut c_void, gfn: u64, nr: u64) {
+    // SAFETY: as in `gvt_vgpu_added`.
+    unsafe { state::<T>(ctx) }.gvt_gtt_mapped(vgpu as usize, gfn, nr);
 }
 
 /// GVT wrote guest memory itself.

@@ -59,6 +59,10 @@ const IN_FLIGHT: usize = 64;
 /// 2 MiB pages); a larger report makes hag lose track of the set.
 const MAX_MAP_PAGES: u64 = 512;
 
+/// Most pages kept of those GTT entries were made to map while workloads
+/// were in flight.
+const MAX_REMAPPED: usize = 65536;
+
 /// Most pages one report of a GVT write marks one by one (a context image
 /// is 20 pages on Gen9); a longer one marks the logs whole.
 const MAX_GVT_WRITE_PAGES: u64 = 1024;
@@ -80,6 +84,8 @@ pub(crate) struct GvtStats {
     pub(crate) pages_marked: u64,
     /// Guest writes GVT reported (context write-back, status buffer).
     pub(crate) gvt_writes: u64,
+    /// Workloads whose PPGTT batch the guest changed after the scan.
+    pub(crate) changed_batches: u64,
 }
 
 /// The guest pages GVT has mapped for the vGPU's GPU, each with how many
@@ -181,6 +187,11 @@ pub(crate) struct GvtInner {
     inflight: InFlight<KVVec<u64>, IN_FLIGHT>,
     /// Every page the GPU can reach.
     reach: Reach,
+    /// Pages GTT entries were made to map while workloads were in flight
+    /// (see [`GvtVgpu::gtt_mapped`]), marked again after every read.
+    remapped: KVVec<u64>,
+    /// More of them than kept: the reachable set stands in.
+    remapped_lost: bool,
     /// Stopped by VFIO migration (the VMM stopped the VM, hag drained it).
     pub(crate) vfio_stopped: bool,
     pub(crate) stats: GvtStats,
@@ -204,17 +215,19 @@ impl GvtInner {
     /// a workload already running may write a page after its copy: what
     /// the workloads in flight may write starts dirty.
     pub(crate) fn start_vfio_log(&mut self, mut log: DirtyLog) -> Option<DirtyLog> {
-        Self::remark(&self.inflight, &self.reach, &mut log);
+        self.remark(&mut log);
         self.logs.vfio.replace(log)
     }
 
     /// Marks in `log` what the workloads in flight may still write.
-    fn remark(inflight: &InFlight<KVVec<u64>, IN_FLIGHT>, reach: &Reach, log: &mut DirtyLog) {
-        let remark = inflight.remark(|gfn| {
+    fn remark(&self, log: &mut DirtyLog) {
+        let mark = |log: &mut DirtyLog, gfn: u64| {
             log.mark(gfn.saturating_mul(abi::DIRTY_PAGE_SIZE));
-        });
-        if remark == Remark::Reachable {
-            reach.mark(log);
+        };
+        let remark = self.inflight.remark(|gfn| mark(log, gfn));
+        self.remapped.iter().for_each(|&gfn| mark(log, gfn));
+        if remark == Remark::Reachable || self.remapped_lost {
+            self.reach.mark(log);
         }
     }
 
@@ -223,22 +236,26 @@ impl GvtInner {
     /// still in flight are marked again at once, so the next read reports
     /// them too.
     pub(crate) fn read_and_clear(&mut self, room: u64, words: &mut KVVec<u64>) -> Result<u64> {
-        let log = self.logs.dev.as_mut().ok_or(ENOENT)?;
-        if room < log.bitmap_bytes() as u64 {
-            return Err(ENOSPC);
+        let mut log = self.logs.dev.take().ok_or(ENOENT)?;
+        let read = if room < log.bitmap_bytes() as u64 {
+            Err(ENOSPC)
+        } else {
+            log.read_and_clear(words)
+        };
+        if read.is_ok() {
+            self.remark(&mut log);
         }
-        log.read_and_clear(words)?;
-        let dirty = words.iter().map(|w| u64::from(w.count_ones())).sum();
-        Self::remark(&self.inflight, &self.reach, log);
-        Ok(dirty)
+        self.logs.dev = Some(log);
+        read
     }
 
     /// VFIO DMA logging: reports and clears the dirty pages of
     /// `[iova, iova + length)`, then marks the workloads in flight again.
     pub(crate) fn vfio_report(&mut self, iova: u64, length: u64, report: &mut dyn FnMut(u64)) -> Result {
-        let log = self.logs.vfio.as_mut().ok_or(EINVAL)?;
+        let mut log = self.logs.vfio.take().ok_or(EINVAL)?;
         log.drain_range(iova, length, report);
-        Self::remark(&self.inflight, &self.reach, log);
+        self.remark(&mut log);
+        self.logs.vfio = Some(log);
         Ok(())
     }
 
@@ -281,6 +298,8 @@ impl GvtVgpu {
                     logs: Logs::default(),
                     inflight: InFlight::new(),
                     reach: Reach::new(),
+                    remapped: KVVec::new(),
+                    remapped_lost: false,
                     vfio_stopped: false,
                     stats: GvtStats::default(),
                 },
@@ -346,10 +365,47 @@ impl GvtVgpu {
     }
 
     /// GVT says workload `cookie` is done: its pages stay marked until the
-    /// next read, and are not marked again after it.
-    pub(crate) fn workload_done(&self, cookie: u64) {
-        let writes = self.inner.lock().inflight.done(cookie);
+    /// next read, and are not marked again after it. If a PPGTT batch it
+    /// ran was `changed` after the scan, what it wrote is not known: the
+    /// reachable set is marked now, after its last write.
+    pub(crate) fn workload_done(&self, cookie: u64, changed: bool) {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let writes = inner.inflight.done(cookie);
+        if changed {
+            inner.stats.changed_batches += 1;
+            inner.mark_reachable();
+        }
+        if inner.inflight.is_empty() {
+            // No workload scanned before these mappings runs any more.
+            inner.remapped = KVVec::new();
+            inner.remapped_lost = false;
+        }
+        drop(guard);
         drop(writes);
+    }
+
+    /// A GTT entry now maps `nr` pages from `gfn`. A workload in flight
+    /// was translated before: it may write these pages through addresses
+    /// that mapped others then. They are marked, and again after every
+    /// read, until no workload of that time is in flight.
+    pub(crate) fn gtt_mapped(&self, gfn: u64, nr: u64) {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        if inner.inflight.is_empty() {
+            return;
+        }
+        for page in gfn..gfn.saturating_add(nr.min(MAX_MAP_PAGES)) {
+            inner.stats.pages_marked += u64::from(inner.logs.mark_gfn(page));
+            if !inner.remapped_lost
+                && (inner.remapped.len() >= MAX_REMAPPED || inner.remapped.push(page, GFP_KERNEL).is_err())
+            {
+                inner.remapped_lost = true;
+            }
+        }
+        if nr > MAX_MAP_PAGES {
+            inner.remapped_lost = true;
+        }
     }
 
     /// GVT wrote `len` bytes of guest memory at `gpa` itself.
@@ -649,9 +705,15 @@ impl glue::GvtObserver for State {
         gvt.workload(engine, cookie, workload.as_ref().map_err(|why| *why), translate);
     }
 
-    fn gvt_workload_done(&self, vgpu: usize, cookie: u64) {
+    fn gvt_workload_done(&self, vgpu: usize, cookie: u64, changed: bool) {
         if let Some(gvt) = self.gvt_vgpu(vgpu) {
-            gvt.workload_done(cookie);
+            gvt.workload_done(cookie, changed);
+        }
+    }
+
+    fn gvt_gtt_mapped(&self, vgpu: usize, gfn: u64, nr: u64) {
+        if let Some(gvt) = self.gvt_vgpu(vgpu) {
+            gvt.gtt_mapped(gfn, nr);
         }
     }
 
