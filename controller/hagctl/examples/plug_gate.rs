@@ -5,6 +5,7 @@
 //! ```text
 //! plug_gate IFNAME [LIMIT-BYTES]   attach a plug to IFNAME, then obey stdin
 //! plug_gate --selfcheck            the plug on lo of a fresh network namespace
+//! plug_gate --selfcheck-here       the same on this namespace's own lo
 //! ```
 //!
 //! After attaching it prints `ok attach <counters>` and reads one command a
@@ -20,18 +21,7 @@ mod plug;
 use std::io::BufRead;
 use std::process::ExitCode;
 
-use plug::{Plug, PlugError};
-
-/// The error with its causes, on one line.
-fn chain(e: &PlugError) -> String {
-    let mut s = e.to_string();
-    let mut cause = std::error::Error::source(e);
-    while let Some(c) = cause {
-        s.push_str(&format!(": {c}"));
-        cause = c.source();
-    }
-    s
-}
+use plug::{describe as chain, Plug};
 
 fn counters(gate: &mut Plug) -> String {
     match gate.stats() {
@@ -42,8 +32,13 @@ fn counters(gate: &mut Plug) -> String {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) == Some("--selfcheck") {
-        return match plug::selfcheck::on_loopback() {
+    let selfcheck = match args.first().map(String::as_str) {
+        Some("--selfcheck") => Some(plug::selfcheck::on_loopback as fn() -> _),
+        Some("--selfcheck-here") => Some(plug::selfcheck::on_loopback_here as fn() -> _),
+        _ => None,
+    };
+    if let Some(check) = selfcheck {
+        return match check() {
             Ok(plug::selfcheck::Outcome::Passed(lines)) => {
                 for l in lines {
                     println!("selfcheck: {l}");
@@ -62,7 +57,7 @@ fn main() -> ExitCode {
         };
     }
     let (Some(ifname), 1..=2) = (args.first(), args.len()) else {
-        eprintln!("usage: plug_gate IFNAME [LIMIT-BYTES] | plug_gate --selfcheck");
+        eprintln!("usage: plug_gate IFNAME [LIMIT-BYTES] | plug_gate --selfcheck[-here]");
         return ExitCode::from(2);
     };
     let limit = match args.get(1).map(|l| l.parse::<u32>()) {

@@ -100,7 +100,7 @@ use std::io;
 use std::os::fd::AsFd;
 
 use netlink_packet_core::{
-    DefaultNla, NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_ACK, NLM_F_CREATE,
+    DefaultNla, NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_ACK, NLM_F_CREATE, NLM_F_ECHO,
     NLM_F_REPLACE, NLM_F_REQUEST,
 };
 use netlink_packet_route::tc::{TcAttribute, TcHandle, TcHeader, TcMessage, TcStats2};
@@ -264,6 +264,18 @@ pub enum PlugError {
     },
 }
 
+/// `e` and its causes on one line, `: `-separated.
+pub fn describe(e: &PlugError) -> String {
+    let mut s = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
+}
+
 /// A plug's counters (the kernel's generic qdisc statistics).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Stats {
@@ -372,7 +384,7 @@ impl Plug {
         };
         let root = plug.root(0, Step::ReadRoot)?;
         if root.as_ref().is_some_and(|s| s.handle == HANDLE) {
-            plug.request(Request::Delete, Step::RemoveLeftover)?;
+            plug.request(Request::Delete { only_plug: false }, Step::RemoveLeftover)?;
         }
         match plug.request(Request::Create { limit }, Step::Attach) {
             Err(PlugError::Netlink {
@@ -449,7 +461,7 @@ impl Plug {
     /// Deletes the plug; the kernel puts the interface's default qdisc
     /// back. What is still held is dropped.
     pub fn detach(mut self) -> Result<(), PlugError> {
-        self.request(Request::Delete, Step::Detach)?;
+        self.request(Request::Delete { only_plug: true }, Step::Detach)?;
         Ok(())
     }
 
@@ -465,8 +477,8 @@ impl Plug {
     }
 
     /// The root qdisc (`handle` 0: whatever it is; else only if it has that
-    /// handle); `None` for a built-in one (`noqueue`), which the kernel
-    /// does not report.
+    /// handle); `None` if the kernel reports none (a built-in `noqueue`
+    /// may go unreported).
     fn root(&mut self, handle: u32, step: Step) -> Result<Option<Stats>, PlugError> {
         let replies = self.request(Request::Get { handle }, step)?;
         for reply in replies {
@@ -507,13 +519,19 @@ pub enum Request {
     },
     /// `RTM_NEWQDISC` without create: change hag's plug.
     Change(Action, u32),
-    /// `RTM_GETQDISC` of the root (handle 0: whichever).
+    /// `RTM_GETQDISC` of the root (handle 0: whichever), with `NLM_F_ECHO`:
+    /// without it a kernel sends the answer only to the `RTNLGRP_TC`
+    /// group, not back to the asker.
     Get {
         /// The handle it must have, or 0.
         handle: u32,
     },
-    /// `RTM_DELQDISC` of hag's plug.
-    Delete,
+    /// `RTM_DELQDISC` of the root with hag's handle; `only_plug`: only if
+    /// it is a plug (a leftover is deleted whatever its kind).
+    Delete {
+        /// Name the kind, so the kernel refuses another.
+        only_plug: bool,
+    },
 }
 
 /// The netlink message for `request` on interface `ifindex`, sequence `seq`.
@@ -548,10 +566,13 @@ pub fn encode(request: Request, ifindex: u32, seq: u32) -> Vec<u8> {
         ),
         Request::Get { .. } => (
             RouteNetlinkMessage::GetQueueDiscipline(TcMessage::from_parts(header, vec![])),
-            0,
+            NLM_F_ECHO,
         ),
-        Request::Delete => (
-            RouteNetlinkMessage::DelQueueDiscipline(TcMessage::from_parts(header, vec![kind])),
+        Request::Delete { only_plug } => (
+            RouteNetlinkMessage::DelQueueDiscipline(TcMessage::from_parts(
+                header,
+                if only_plug { vec![kind] } else { vec![] },
+            )),
             0,
         ),
     };
@@ -750,10 +771,21 @@ mod tests {
         assert_eq!(g.len(), 36);
         assert_eq!(u16::from_ne_bytes([g[4], g[5]]), 38, "RTM_GETQDISC");
         assert_eq!(u32::from_ne_bytes(g[24..28].try_into().unwrap()), 0);
-        let d = encode(Request::Delete, 3, 3);
+        let d = encode(Request::Delete { only_plug: true }, 3, 3);
         assert_eq!(u16::from_ne_bytes([d[4], d[5]]), 37, "RTM_DELQDISC");
         assert_eq!(u32::from_ne_bytes(d[24..28].try_into().unwrap()), HANDLE);
         assert_eq!(&d[40..44], b"plug", "only hag's plug is deleted");
+        let leftover = encode(Request::Delete { only_plug: false }, 3, 4);
+        assert_eq!(
+            leftover.len(),
+            36,
+            "a leftover is deleted whatever its kind"
+        );
+        assert_eq!(
+            u16::from_ne_bytes([g[6], g[7]]),
+            0x1 | 0x4 | 0x8,
+            "GET asks for an echo, or the answer goes only to RTNLGRP_TC"
+        );
     }
 
     #[test]
