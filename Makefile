@@ -132,13 +132,14 @@ DEBUG_IF_CACHED = if scripts/build-kernel.sh --flavour debug --cached-dir >/dev/
 	$(MAKE) debug-test; else echo "debug-test: skipped: the debug kernel is not cached (make debug-test builds it, 15-35 min)"; fi
 
 controller: deps
-	@cd controller && cargo build --release --quiet
+	@cd controller && cargo build --release --quiet && cargo build --release --quiet -p hagctl --example plug_gate
 	@echo "built $(HAGCTL)"
 
 # Host-side checks of every userspace and shared crate.
 check-userspace: deps
 	cd rust && cargo fmt --check && cargo clippy --all-targets --quiet -- -D warnings && cargo test --quiet
 	cd controller && cargo fmt --check && cargo clippy --all-targets --quiet -- -D warnings && cargo test --quiet
+	qemu-tests/guest/client_check.py --self-test
 
 # The auditor's fuzz target, bounded (FUZZ_SECONDS, default 60).
 fuzz:

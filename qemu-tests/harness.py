@@ -75,6 +75,10 @@ class Build:
     needs: list = field(default_factory=list)
 
     @property
+    def plug_gate(self):
+        return self.hagctl.parent / "examples/plug_gate"
+
+    @property
     def bzimage(self):
         return self.kernel_tree / "arch/x86/boot/bzImage"
 
@@ -159,7 +163,7 @@ def build_initramfs(build, dest):
             (root / d).mkdir(parents=True, exist_ok=True)
         shutil.copy2("/bin/busybox", root / "bin/busybox")
         shutil.copy2(TESTS / "guest/init", root / "init")
-        for helper in sorted((TESTS / "guest").glob("*.sh")):
+        for helper in sorted((TESTS / "guest").glob("*.sh")) + sorted((TESTS / "guest").glob("*.py")):
             shutil.copy2(helper, root / "hag" / helper.name)
         shutil.copy2(build.module, root / "hag/hag_mdev.ko")
         shutil.copy2(build.kernel_tree / "drivers/vfio/mdev/mdev.ko", root / "hag/mdev.ko")
@@ -172,6 +176,12 @@ def build_initramfs(build, dest):
         shutil.copytree(ROOT / "scripts/libvirt", root / "hag/libvirt")
         copy_with_libraries(build.hagctl, root, "bin/hagctl")
         copy_with_libraries(build.vmm, root, "bin/hag-vmm")
+        # hag-guest's --report and its client (`hag-guest listen`) also run
+        # on test hosts; plug_gate, hagctl's example, drives the output gate
+        # by hand (scenario output_plug), when it was built (make controller).
+        copy_with_libraries(build.guest, root, "bin/hag-guest")
+        if build.plug_gate.exists():
+            copy_with_libraries(build.plug_gate, root, "bin/plug_gate")
         os.chmod(root / "init", 0o755)
         write_cpio_gz(root, dest)
 
