@@ -1,0 +1,3 @@
+//! Helpers of the hag_gvt tests.
+
+pub mod i915;
