@@ -45,7 +45,7 @@ use crate::sim::vfio::mig_state;
 use crate::State;
 use crate::handoff::{self, Limits, Outcome, Workload};
 use crate::snapshot::{self as fmt, Snapshot, SnapshotError, Writer};
-use crate::track::{InFlight, Remark, Writes};
+use crate::track::{FrameCounts, InFlight, Marked, Reach, Remark, Writes, MAX_MAP_PAGES};
 
 /// How many unmodelled workloads of one vGPU are logged with their reason
 /// (the rest are counted only).
@@ -55,9 +55,6 @@ const LOG_UNMODELLED: u64 = 8;
 /// unmodelled until done (see [`track`](crate::track)).
 const IN_FLIGHT: usize = 64;
 
-/// Most guest pages one map report may name (GVT maps 4 KiB, 64 KiB and
-/// 2 MiB pages); a larger report makes hag lose track of the set.
-const MAX_MAP_PAGES: u64 = 512;
 
 /// Most pages kept of those GTT entries were made to map while workloads
 /// were in flight.
@@ -88,60 +85,37 @@ pub(crate) struct GvtStats {
     pub(crate) changed_batches: u64,
 }
 
-/// The guest pages GVT has mapped for the vGPU's GPU, each with how many
-/// mappings hold it: everything the GPU can reach.
-pub(crate) struct Reach {
-    pages: RBTree<u64, u32>,
-    /// A map report could not be recorded: the set is not known any more,
-    /// and the whole log stands in for it.
-    lost: bool,
+/// hag's [`Reach`] storage: an rbtree of guest frame to mapping count.
+pub(crate) struct Frames(RBTree<u64, u32>);
+
+impl FrameCounts for Frames {
+    fn count_mut(&mut self, gfn: u64) -> Option<&mut u32> {
+        self.0.get_mut(&gfn)
+    }
+
+    fn insert(&mut self, gfn: u64) -> bool {
+        self.0.try_create_and_insert(gfn, 1, GFP_KERNEL).is_ok()
+    }
+
+    fn remove(&mut self, gfn: u64) {
+        self.0.remove(&gfn);
+    }
+
+    fn for_each(&self, f: &mut dyn FnMut(u64)) {
+        self.0.keys().for_each(|&gfn| f(gfn));
+    }
+
+    fn len(&self) -> usize {
+        self.0.iter().count()
+    }
 }
 
-impl Reach {
-    fn new() -> Self {
-        Reach { pages: RBTree::new(), lost: false }
-    }
-
-    fn map(&mut self, gfn: u64, nr: u64) {
-        if nr > MAX_MAP_PAGES {
-            self.lost = true;
-            return;
-        }
-        for page in gfn..gfn.saturating_add(nr) {
-            if let Some(count) = self.pages.get_mut(&page) {
-                *count = count.saturating_add(1);
-            } else if self.pages.try_create_and_insert(page, 1, GFP_KERNEL).is_err() {
-                self.lost = true;
-            }
-        }
-    }
-
-    /// GVT unmaps `nr` pages from `gfn`: the GPU may have written them
-    /// until now, so they are marked in `logs`; returns how many.
-    fn unmap(&mut self, gfn: u64, nr: u64, logs: &mut Logs) -> u64 {
-        let nr = nr.min(MAX_MAP_PAGES);
-        let mut marked = 0;
-        for page in gfn..gfn.saturating_add(nr) {
-            if let Some(count) = self.pages.get_mut(&page) {
-                *count = count.saturating_sub(1);
-                if *count == 0 {
-                    self.pages.remove(&page);
-                }
-            }
-            marked += u64::from(logs.mark_gfn(page));
-        }
-        marked
-    }
-
-    /// Marks every reachable page in `log`; returns how many were logged.
-    fn mark(&self, log: &mut DirtyLog) -> u64 {
-        if self.lost {
-            return log.mark_all();
-        }
-        self.pages
-            .keys()
-            .map(|&gfn| u64::from(log.mark(gfn.saturating_mul(abi::DIRTY_PAGE_SIZE))))
-            .sum()
+/// Marks the reachable set in `log`; returns how many pages were logged.
+fn mark_reach(reach: &Reach<Frames>, log: &mut DirtyLog) -> u64 {
+    let mut marked = 0u64;
+    match reach.mark(|gfn| marked += u64::from(log.mark(gfn.saturating_mul(abi::DIRTY_PAGE_SIZE)))) {
+        Marked::Frames(_) => marked,
+        Marked::Everything => log.mark_all(),
     }
 }
 
@@ -166,9 +140,9 @@ impl Logs {
 
     /// Marks the reachable set in both; returns the pages marked in the
     /// larger count.
-    fn mark_reach(&mut self, reach: &Reach) -> u64 {
-        let dev = self.dev.as_mut().map_or(0, |log| reach.mark(log));
-        let vfio = self.vfio.as_mut().map_or(0, |log| reach.mark(log));
+    fn mark_reach(&mut self, reach: &Reach<Frames>) -> u64 {
+        let dev = self.dev.as_mut().map_or(0, |log| mark_reach(reach, log));
+        let vfio = self.vfio.as_mut().map_or(0, |log| mark_reach(reach, log));
         dev.max(vfio)
     }
 
@@ -186,7 +160,7 @@ pub(crate) struct GvtInner {
     /// What each workload handed over and not yet done may still write.
     inflight: InFlight<KVVec<u64>, IN_FLIGHT>,
     /// Every page the GPU can reach.
-    reach: Reach,
+    reach: Reach<Frames>,
     /// Pages GTT entries were made to map while workloads were in flight
     /// (see [`GvtVgpu::gtt_mapped`]), marked again after every read.
     remapped: KVVec<u64>,
@@ -227,7 +201,7 @@ impl GvtInner {
         let remark = self.inflight.remark(|gfn| mark(log, gfn));
         self.remapped.iter().for_each(|&gfn| mark(log, gfn));
         if remark == Remark::Reachable || self.remapped_lost {
-            self.reach.mark(log);
+            mark_reach(&self.reach, log);
         }
     }
 
@@ -297,7 +271,7 @@ impl GvtVgpu {
                 GvtInner {
                     logs: Logs::default(),
                     inflight: InFlight::new(),
-                    reach: Reach::new(),
+                    reach: Reach::new(Frames(RBTree::new())),
                     remapped: KVVec::new(),
                     remapped_lost: false,
                     vfio_stopped: false,
@@ -432,7 +406,10 @@ impl GvtVgpu {
         if map {
             inner.reach.map(gfn, nr);
         } else {
-            inner.stats.pages_marked += inner.reach.unmap(gfn, nr, &mut inner.logs);
+            let logs = &mut inner.logs;
+            let mut marked = 0;
+            inner.reach.unmap(gfn, nr, |page| marked += u64::from(logs.mark_gfn(page)));
+            inner.stats.pages_marked += marked;
         }
     }
 
@@ -446,7 +423,7 @@ impl GvtVgpu {
                 self.gvt_id,
                 self.id,
                 engine,
-                inner.reach.pages.iter().count(),
+                inner.reach.len(),
                 reason
             );
         }

@@ -15,8 +15,12 @@
 //! reachable set until as many unknown workloads are done as overflowed;
 //! it never drops a workload.
 //!
+//! [`Reach`] is the bounded set that stands in for the write set of work
+//! hag cannot model: every guest page GVT has mapped for the vGPU's GPU.
+//!
 //! This file is included as a module by the kernel (`#[path]`): `core`
-//! only, no allocation (the caller owns the page lists, `P`), never panics.
+//! only, no allocation (the caller owns the page lists, `P`, and the
+//! frame storage, [`FrameCounts`]), never panics.
 
 /// What a workload in flight may still write.
 #[derive(Debug, PartialEq, Eq)]
@@ -130,5 +134,114 @@ impl<P: core::ops::Deref<Target = [u64]>, const N: usize> InFlight<P, N> {
         } else {
             Remark::Pages
         }
+    }
+}
+
+/// Guest frames with how many of GVT's mappings hold each: the storage of
+/// [`Reach`] (the kernel's is an rbtree, tests use a map).
+pub trait FrameCounts {
+    /// The count of `gfn`, if it is held.
+    fn count_mut(&mut self, gfn: u64) -> Option<&mut u32>;
+    /// Holds `gfn` once; false if there was no memory for it.
+    fn insert(&mut self, gfn: u64) -> bool;
+    /// Lets `gfn` go.
+    fn remove(&mut self, gfn: u64);
+    /// Every frame held.
+    fn for_each(&self, f: &mut dyn FnMut(u64));
+    /// How many frames are held.
+    fn len(&self) -> usize;
+    /// Whether none is.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Most pages one map report may name (GVT maps 4 KiB, 64 KiB and 2 MiB
+/// pages); a larger one makes [`Reach`] lose track.
+pub const MAX_MAP_PAGES: u64 = 512;
+
+/// What a [`Reach`] asks the caller to mark.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Marked {
+    /// The frames given to the caller, and that is all the GPU can reach.
+    Frames(u64),
+    /// The set is not known any more: mark everything.
+    Everything,
+}
+
+/// The reachable set of a vGPU: every guest page GVT has mapped for its
+/// GPU (GVT's `pages_mapped` reports), which bounds what a workload hag
+/// cannot model may write. A page is held while any mapping holds it, and
+/// is marked when the last mapping goes, since the GPU may have written it
+/// until then.
+#[derive(Debug)]
+pub struct Reach<M> {
+    pages: M,
+    lost: bool,
+}
+
+impl<M: FrameCounts> Reach<M> {
+    /// An empty set in `pages`.
+    pub fn new(pages: M) -> Self {
+        Reach { pages, lost: false }
+    }
+
+    /// Whether the set is not known any more (a map report could not be
+    /// recorded).
+    pub fn lost(&self) -> bool {
+        self.lost
+    }
+
+    /// Frames held.
+    pub fn len(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// Whether no frame is held.
+    pub fn is_empty(&self) -> bool {
+        self.pages.is_empty()
+    }
+
+    /// GVT mapped `nr` pages from `gfn`.
+    pub fn map(&mut self, gfn: u64, nr: u64) {
+        if nr > MAX_MAP_PAGES {
+            self.lost = true;
+            return;
+        }
+        for page in gfn..gfn.saturating_add(nr) {
+            if let Some(count) = self.pages.count_mut(page) {
+                *count = count.saturating_add(1);
+            } else if !self.pages.insert(page) {
+                self.lost = true;
+            }
+        }
+    }
+
+    /// GVT unmaps `nr` pages from `gfn`: each goes to `mark` (the GPU may
+    /// have written it until now), and is let go once no mapping holds it.
+    pub fn unmap(&mut self, gfn: u64, nr: u64, mut mark: impl FnMut(u64)) {
+        for page in gfn..gfn.saturating_add(nr.min(MAX_MAP_PAGES)) {
+            if let Some(count) = self.pages.count_mut(page) {
+                *count = count.saturating_sub(1);
+                if *count == 0 {
+                    self.pages.remove(page);
+                }
+            }
+            mark(page);
+        }
+    }
+
+    /// Gives `mark` every frame the GPU can reach, or says to mark
+    /// everything.
+    pub fn mark(&self, mut mark: impl FnMut(u64)) -> Marked {
+        if self.lost {
+            return Marked::Everything;
+        }
+        let mut n = 0u64;
+        self.pages.for_each(&mut |gfn| {
+            mark(gfn);
+            n += 1;
+        });
+        Marked::Frames(n)
     }
 }

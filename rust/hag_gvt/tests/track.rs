@@ -104,3 +104,99 @@ fn clear_frees_everything() {
     assert_eq!(freed, 2);
     assert!(inflight.is_empty());
 }
+
+// ---- The reachable set (issue 15, item 5): the bounded fallback.
+
+use std::collections::BTreeMap;
+
+use hag_gvt::track::{FrameCounts, Marked, Reach, MAX_MAP_PAGES};
+
+/// A map with room for `room` frames.
+struct Counts {
+    map: BTreeMap<u64, u32>,
+    room: usize,
+}
+
+impl Counts {
+    fn with_room(room: usize) -> Self {
+        Counts {
+            map: BTreeMap::new(),
+            room,
+        }
+    }
+}
+
+impl FrameCounts for Counts {
+    fn count_mut(&mut self, gfn: u64) -> Option<&mut u32> {
+        self.map.get_mut(&gfn)
+    }
+    fn insert(&mut self, gfn: u64) -> bool {
+        if self.map.len() >= self.room {
+            return false;
+        }
+        self.map.insert(gfn, 1);
+        true
+    }
+    fn remove(&mut self, gfn: u64) {
+        self.map.remove(&gfn);
+    }
+    fn for_each(&self, f: &mut dyn FnMut(u64)) {
+        self.map.keys().for_each(|&g| f(g));
+    }
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+}
+
+fn marked(reach: &Reach<Counts>) -> (Marked, BTreeSet<u64>) {
+    let mut out = BTreeSet::new();
+    let m = reach.mark(|g| {
+        out.insert(g);
+    });
+    (m, out)
+}
+
+/// The fallback marks exactly the pages GVT has mapped, each held while
+/// any mapping holds it; an unmapped page is marked as it goes.
+#[test]
+fn reachable_set_is_what_gvt_mapped() {
+    let mut reach = Reach::new(Counts::with_room(1 << 20));
+    reach.map(0x100, 1);
+    reach.map(0x200, 16); // a 64K page
+    reach.map(0x100, 1); // a second mapping of the same page
+    let (m, pages) = marked(&reach);
+    assert_eq!(m, Marked::Frames(17));
+    assert!(pages.contains(&0x100) && pages.contains(&0x20f) && !pages.contains(&0x210));
+
+    let mut unmapped = Vec::new();
+    reach.unmap(0x100, 1, |g| unmapped.push(g));
+    assert_eq!(unmapped, [0x100], "marked as it is unmapped");
+    assert!(
+        marked(&reach).1.contains(&0x100),
+        "still held by the other mapping"
+    );
+    reach.unmap(0x100, 1, |_| {});
+    assert!(!marked(&reach).1.contains(&0x100));
+    reach.unmap(0x200, 16, |_| {});
+    assert!(reach.is_empty());
+    // An unmap of a page never mapped (before hag registered) only marks.
+    let mut m = 0;
+    reach.unmap(0x900, 1, |_| m += 1);
+    assert_eq!((m, reach.len()), (1, 0));
+}
+
+/// Without memory for a frame, or with a report larger than any GPU page,
+/// the set is not known: the caller marks everything, as before.
+#[test]
+fn lost_reach_marks_everything() {
+    let mut reach = Reach::new(Counts::with_room(2));
+    reach.map(1, 3);
+    assert!(reach.lost());
+    assert_eq!(marked(&reach).0, Marked::Everything);
+
+    let mut reach = Reach::new(Counts::with_room(1 << 20));
+    reach.map(0, MAX_MAP_PAGES); // a 2 MiB page
+    assert_eq!(marked(&reach).0, Marked::Frames(MAX_MAP_PAGES));
+    reach.map(0, MAX_MAP_PAGES + 1);
+    assert_eq!(marked(&reach).0, Marked::Everything);
+}
