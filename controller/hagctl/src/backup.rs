@@ -34,11 +34,13 @@ use hag_vmm::ram::PAGE_SIZE;
 
 use crate::migrate::{tune, IncomingVm};
 use crate::secure::{self, Key, Outbox, Reader};
+use crate::vmm::qemu_copy::EpochState;
+use crate::vmm::qemu_standby;
 #[cfg(test)]
 use crate::wire::PageData;
 use crate::wire::{
-    check_context, check_hello, read_msg, session_name, Msg, Round, Sides, ENDED_PHASE, PAGE,
-    VERSION_MAX,
+    check_context, check_hello, read_msg, session_name, Msg, Round, Sides, VmmKind, ENDED_PHASE,
+    PAGE, VERSION_MAX,
 };
 
 /// `hagctl checkpoint` → `hagctl backup`.
@@ -96,6 +98,11 @@ impl StandbyRam {
     /// The pages ever written, ascending.
     pub fn written(&self) -> impl Iterator<Item = u64> + '_ {
         hag_dev::bitmap_pages(&self.written)
+    }
+
+    /// The memfd (a standby QEMU maps it as its guest RAM).
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.file)
     }
 
     /// Reads bytes at `offset`.
@@ -230,6 +237,9 @@ pub struct Limits {
     pub max_ram: u64,
     /// The failover timeout, told to the primary in HELLO_OK.
     pub timeout_ms: u32,
+    /// The VMM this backup stands by with: a primary under another is
+    /// refused at HELLO.
+    pub vmm: VmmKind,
 }
 
 /// The backup's side of the checkpoint stream.
@@ -362,7 +372,7 @@ impl<I: Image> Standby<I> {
             check_hello(CHECKPOINT, (min, max, ram_size), have).map_err(StandbyError::Invalid)?;
         let img = create(ram_size).map_err(|e| {
             StandbyError::Invalid(format!(
-                "cannot hold {} MiB of guest RAM here: {e}",
+                "cannot stand by for a VM of {} MiB here: {e}",
                 ram_size >> 20
             ))
         })?;
@@ -391,8 +401,16 @@ impl<I: Image> Standby<I> {
                     max,
                     ram_size,
                     session,
+                    vmm,
                 },
             ) => {
+                if vmm != self.limits.vmm {
+                    return Err(StandbyError::Invalid(format!(
+                        "the primary's VM runs under {}, this backup stands by with {}",
+                        vmm.name(),
+                        self.limits.vmm.name()
+                    )));
+                }
                 let reply = self.hello((min, max, ram_size, session), create)?;
                 Ok((Phase::Rounds(Round::FIRST), Some(reply)))
             }
@@ -426,17 +444,32 @@ impl<I: Image> Standby<I> {
                 Ok((Phase::Rounds(next), Some(Msg::Ok { phase: at.round })))
             }
             (Phase::Rounds(Round { round, pages: 0 }), Msg::Context(context)) => {
-                check_context(&context).map_err(StandbyError::Invalid)?;
+                match self.limits.vmm {
+                    VmmKind::HagVmm => check_context(&context).map_err(StandbyError::Invalid)?,
+                    // The vGPU's state is in QEMU's stream (VM_STATE).
+                    VmmKind::Qemu if !context.is_empty() => {
+                        return Err(StandbyError::Invalid(format!(
+                            "a QEMU epoch carries its vGPU state in VM_STATE, but CONTEXT has {} bytes",
+                            context.len()
+                        )))
+                    }
+                    VmmKind::Qemu => {}
+                }
                 Ok((Phase::GotContext { round, context }, None))
             }
-            (Phase::GotContext { round, context }, Msg::VmState(vm_state)) => Ok((
-                Phase::GotState {
-                    round,
-                    context,
-                    vm_state,
-                },
-                None,
-            )),
+            (Phase::GotContext { round, context }, Msg::VmState(vm_state)) => {
+                if self.limits.vmm == VmmKind::Qemu {
+                    EpochState::decode(&vm_state).map_err(StandbyError::Invalid)?;
+                }
+                Ok((
+                    Phase::GotState {
+                        round,
+                        context,
+                        vm_state,
+                    },
+                    None,
+                ))
+            }
             (
                 Phase::GotState {
                     round,
@@ -629,8 +662,11 @@ pub struct BackupOptions {
     pub listen: String,
     /// More `ADDR:PORT`s to listen on for heartbeats (other paths).
     pub heartbeat_listen: Vec<String>,
-    /// The backup's own hag-sim mdev.
+    /// The backup's own hag-sim mdev (hag-vmm standbys).
     pub mdev: String,
+    /// The command line of the QEMU that takes a QEMU VM over (program
+    /// first; see [`crate::vmm::qemu_standby`]); empty: hag-vmm standbys.
+    pub qemu: Vec<String>,
     /// Control socket of the VM started at takeover.
     pub control: PathBuf,
     /// The hag-vmm binary.
@@ -926,7 +962,7 @@ fn data_session(
                     st.owner = conn;
                 }
                 st.on(msg, &mut |size| {
-                    feasible(b.opts.as_ref())?;
+                    feasible_for(b.opts.as_ref(), size)?;
                     StandbyRam::new(size).map_err(|e| e.to_string())
                 })
             };
@@ -1220,7 +1256,6 @@ fn store_state(dir: &std::path::Path, value: &serde_json::Value) -> Result<(), S
 }
 
 fn start_vm(opts: &BackupOptions, ram_size: u64) -> anyhow::Result<(Child, VmClient)> {
-    use std::os::unix::process::CommandExt;
     let _ = std::fs::remove_file(&opts.control);
     let mut cmd = Command::new(&opts.vmm);
     cmd.arg("serve")
@@ -1232,17 +1267,9 @@ fn start_vm(opts: &BackupOptions, ram_size: u64) -> anyhow::Result<(Child, VmCli
         .arg("--ram-mib")
         .arg((ram_size >> 20).to_string())
         .args(&opts.vmm_args);
-    // SAFETY: the closure runs in the child between fork and exec and
-    // calls only prctl(2), which is async-signal-safe; it allocates
-    // nothing and touches no lock.
-    unsafe {
-        cmd.pre_exec(|| {
-            // The VM a takeover started ends with this backup: a VM left
-            // running by a dead controller is an unmanaged second copy.
-            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
-                .map_err(std::io::Error::from)
-        });
-    }
+    // The VM a takeover started ends with this backup: a VM left running by
+    // a dead controller is an unmanaged second copy.
+    qemu_standby::dies_with_this_process(&mut cmd);
     let mut child = cmd
         .spawn()
         .map_err(|e| anyhow::anyhow!("cannot start {}: {e}", opts.vmm.display()))?;
@@ -1271,23 +1298,142 @@ fn start_vm(opts: &BackupOptions, ram_size: u64) -> anyhow::Result<(Child, VmCli
     }
 }
 
+impl BackupOptions {
+    /// The VMM this backup stands by with.
+    pub fn vmm_kind(&self) -> VmmKind {
+        if self.qemu.is_empty() {
+            VmmKind::HagVmm
+        } else {
+            VmmKind::Qemu
+        }
+    }
+}
+
+/// Whether a takeover of a VM with `ram_size` bytes of RAM could run
+/// here, checked when a primary pairs: for QEMU, the standby started as a
+/// dry run ([`qemu_standby::dry_run`]).
+fn feasible_for(opts: &BackupOptions, ram_size: u64) -> Result<(), String> {
+    feasible(opts)?;
+    if opts.vmm_kind() == VmmKind::Qemu {
+        qemu_standby::dry_run(&opts.qemu, ram_size, &opts.status_dir)
+            .map_err(|e| format!("the QEMU that would take over does not start here: {e}"))?;
+    }
+    Ok(())
+}
+
 /// Whether a takeover could run here: the vGPU exists and the VMM is
-/// there (checked when a primary pairs, and again at takeover).
+/// there (checked at start, when a primary pairs, and again at takeover).
 fn feasible(opts: &BackupOptions) -> Result<(), String> {
+    if let Some(program) = opts.qemu.first() {
+        return if program_found(std::path::Path::new(program)) {
+            Ok(())
+        } else {
+            Err(format!("no QEMU {program} here"))
+        };
+    }
     let mdev = std::path::Path::new("/sys/bus/mdev/devices").join(&opts.mdev);
     if !mdev.exists() {
         return Err(format!("this host has no mdev {}", opts.mdev));
     }
-    let vmm_found = if opts.vmm.components().count() > 1 {
-        opts.vmm.exists()
-    } else {
-        std::env::var_os("PATH")
-            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(&opts.vmm).exists()))
-    };
-    if !vmm_found {
+    if !program_found(&opts.vmm) {
         return Err(format!("no VMM {} here", opts.vmm.display()));
     }
     Ok(())
+}
+
+/// `program` exists (a path), or is on PATH.
+fn program_found(program: &std::path::Path) -> bool {
+    if program.components().count() > 1 {
+        program.exists()
+    } else {
+        std::env::var_os("PATH")
+            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(program).exists()))
+    }
+}
+
+/// Stores a takeover's generation durably (before the fence).
+fn persist_takeover(
+    opts: &BackupOptions,
+    cp: &Checkpoint,
+    reason: &str,
+    generation: u64,
+) -> Result<(), String> {
+    store_state(
+        &opts.status_dir,
+        &serde_json::json!({
+            "pid": std::process::id(),
+            "state": "took-over",
+            "listen": opts.listen,
+            "generation": generation,
+            "epoch": cp.epoch,
+            "reason": reason,
+        }),
+    )
+}
+
+/// Tells every connection of the session, the data link's too, the new
+/// generation.
+fn fence(b: &Backup, generation: u64, epoch: u64) {
+    let mut l = b.live();
+    l.generation = generation;
+    l.broadcast(&Msg::Heartbeat { generation, epoch });
+}
+
+/// A QEMU takeover: the standby QEMU started on the image itself (its
+/// memfd is the VM's RAM), the epoch's device state loaded.
+struct QemuTakeover<'a> {
+    opts: &'a BackupOptions,
+    b: &'a Backup,
+    cp: &'a Checkpoint,
+    image: &'a StandbyRam,
+    detected: Instant,
+    report: TakeoverReport,
+    standby: Option<qemu_standby::Standby>,
+}
+
+impl TakeoverSteps for QemuTakeover<'_> {
+    fn prepare(&mut self) -> Result<(), String> {
+        feasible(self.opts)?;
+        let state = EpochState::decode(&self.cp.vm_state)?;
+        let path = qemu_standby::proc_fd_path(self.image.fd());
+        let standby = qemu_standby::start(
+            &self.opts.qemu,
+            state.ram_id,
+            &path,
+            self.image.size(),
+            &self.opts.status_dir,
+            "takeover",
+        )?;
+        let standby = self.standby.insert(standby);
+        self.report.start_vm_ms = self.detected.elapsed().as_secs_f64() * 1e3;
+        let t = Instant::now();
+        standby
+            .load(state.stream)
+            .map_err(|e| format!("restoring epoch {}: {e}", self.cp.epoch))?;
+        self.report.restore_ms = t.elapsed().as_secs_f64() * 1e3;
+        Ok(())
+    }
+    fn persist(&mut self, generation: u64) -> Result<(), String> {
+        persist_takeover(self.opts, self.cp, &self.report.reason, generation)
+    }
+    fn fence(&mut self, generation: u64) {
+        fence(self.b, generation, self.cp.epoch);
+    }
+    fn resume(&mut self) -> Result<(), String> {
+        let t = Instant::now();
+        self.standby
+            .as_mut()
+            .ok_or_else(|| "nothing prepared".to_owned())?
+            .run()?;
+        self.report.restore_ms += t.elapsed().as_secs_f64() * 1e3;
+        self.report.takeover_ms = self.detected.elapsed().as_secs_f64() * 1e3;
+        Ok(())
+    }
+    fn abandon(&mut self) {
+        if let Some(s) = &mut self.standby {
+            s.kill();
+        }
+    }
 }
 
 /// The real takeover: hag-vmm started here, the image copied in.
@@ -1340,26 +1486,10 @@ impl TakeoverSteps for Takeover<'_> {
         Ok(())
     }
     fn persist(&mut self, generation: u64) -> Result<(), String> {
-        store_state(
-            &self.opts.status_dir,
-            &serde_json::json!({
-                "pid": std::process::id(),
-                "state": "took-over",
-                "listen": self.opts.listen,
-                "generation": generation,
-                "epoch": self.cp.epoch,
-                "reason": self.report.reason,
-            }),
-        )
+        persist_takeover(self.opts, self.cp, &self.report.reason, generation)
     }
     fn fence(&mut self, generation: u64) {
-        let mut l = self.b.live();
-        l.generation = generation;
-        // Every connection of the session, the data link's too.
-        l.broadcast(&Msg::Heartbeat {
-            generation,
-            epoch: self.cp.epoch,
-        });
+        fence(self.b, generation, self.cp.epoch);
     }
     fn resume(&mut self) -> Result<(), String> {
         let t = Instant::now();
@@ -1398,6 +1528,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
     let limits = Limits {
         max_ram: opts.max_ram,
         timeout_ms: opts.failover_timeout.as_millis().min(u32::MAX as u128) as u32,
+        vmm: opts.vmm_kind(),
     };
     let b = Arc::new(Backup {
         opts: Arc::new(opts.clone()),
@@ -1417,13 +1548,16 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
         std::thread::spawn(move || heartbeat_loop(b));
     }
     eprintln!(
-        "hagctl: backup listening on {}{} (vGPU {}, failover timeout {:.1} s, generation {})",
+        "hagctl: backup listening on {}{} ({}, failover timeout {:.1} s, generation {})",
         opts.listen,
         opts.heartbeat_listen
             .iter()
             .map(|a| format!(", heartbeats also on {a}"))
             .collect::<String>(),
-        opts.mdev,
+        match opts.qemu.first() {
+            Some(q) => format!("QEMU standby: {q} …"),
+            None => format!("hag-vmm standby with vGPU {}", opts.mdev),
+        },
         opts.failover_timeout.as_secs_f64(),
         generation
     );
@@ -1495,25 +1629,40 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                     cp.generation,
                     cp.generation.max(generation) + 1
                 );
-                let mut t = Takeover {
-                    opts,
-                    b: &b,
-                    cp: &cp,
-                    image: &image,
-                    detected,
-                    report: TakeoverReport {
-                        reason,
-                        epoch: cp.epoch,
-                        ..TakeoverReport::default()
-                    },
-                    child: None,
-                    incoming: None,
+                let report = TakeoverReport {
+                    reason,
+                    epoch: cp.epoch,
+                    ..TakeoverReport::default()
                 };
                 let from = b.live().generation;
-                let new = take_over(&mut t, from)?;
-                t.report.generation = new;
-                let report = t.report.clone();
-                let mut child = t.child.take().ok_or_else(|| anyhow::anyhow!("no VM"))?;
+                let (report, mut child) = if opts.vmm_kind() == VmmKind::Qemu {
+                    let mut t = QemuTakeover {
+                        opts,
+                        b: &b,
+                        cp: &cp,
+                        image: &image,
+                        detected,
+                        report,
+                        standby: None,
+                    };
+                    t.report.generation = take_over(&mut t, from)?;
+                    let standby = t.standby.take().ok_or_else(|| anyhow::anyhow!("no VM"))?;
+                    (t.report, standby.child)
+                } else {
+                    let mut t = Takeover {
+                        opts,
+                        b: &b,
+                        cp: &cp,
+                        image: &image,
+                        detected,
+                        report,
+                        child: None,
+                        incoming: None,
+                    };
+                    t.report.generation = take_over(&mut t, from)?;
+                    let child = t.child.take().ok_or_else(|| anyhow::anyhow!("no VM"))?;
+                    (t.report, child)
+                };
                 let line = if opts.json {
                     serde_json::to_string(&report)? + "\n"
                 } else {
@@ -1569,6 +1718,7 @@ mod tests {
     const LIMITS: Limits = Limits {
         max_ram: 1 << 20,
         timeout_ms: 3000,
+        vmm: VmmKind::HagVmm,
     };
 
     fn standby(generation: u64) -> Standby<Ram> {
@@ -1619,10 +1769,11 @@ mod tests {
 
     fn hello_of(session: u128) -> Msg {
         Msg::Hello {
-            min: 2,
-            max: 2,
+            min: 3,
+            max: 3,
             ram_size: 8 * PAGE as u64,
             session,
+            vmm: VmmKind::HagVmm,
         }
     }
 
@@ -1645,7 +1796,7 @@ mod tests {
             r,
             vec![
                 Msg::HelloOk {
-                    version: 2,
+                    version: 3,
                     generation: 0,
                     timeout_ms: 3000
                 },
@@ -1754,6 +1905,60 @@ mod tests {
     /// Issue 12, item 8: a HELLO asking for more RAM than the limit (or
     /// not whole pages) is refused before anything is allocated.
     #[test]
+    fn a_primary_under_another_vmm_is_refused_at_hello() {
+        let mut s = standby(0);
+        let qemu_hello = Msg::Hello {
+            min: 3,
+            max: 3,
+            ram_size: 8 * PAGE as u64,
+            session: SESSION,
+            vmm: VmmKind::Qemu,
+        };
+        let err = feed(&mut s, vec![qemu_hello.clone()]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the primary's VM runs under QEMU, this backup stands by with hag-vmm"
+        );
+        // A QEMU standby: CONTEXT is empty (the vGPU's state is in QEMU's
+        // stream), and a non-empty one is refused.
+        let mut s = Standby::new(
+            0,
+            Limits {
+                vmm: VmmKind::Qemu,
+                ..LIMITS
+            },
+        );
+        let mut msgs = vec![qemu_hello.clone(), pages(0, &[(1, 1)])];
+        msgs.push(Msg::RoundEnd { round: 0, pages: 1 });
+        msgs.extend([
+            Msg::Context(Vec::new()),
+            Msg::VmState(
+                EpochState {
+                    ram_id: "ram0",
+                    stream: b"QEVM",
+                }
+                .encode(),
+            ),
+            Msg::EpochEnd {
+                epoch: 1,
+                generation: 0,
+            },
+        ]);
+        feed(&mut s, msgs).unwrap();
+        let cp = s.committed.as_ref().unwrap();
+        assert_eq!(EpochState::decode(&cp.vm_state).unwrap().stream, b"QEVM");
+        let mut s = Standby::new(
+            0,
+            Limits {
+                vmm: VmmKind::Qemu,
+                ..LIMITS
+            },
+        );
+        let err = feed(&mut s, vec![qemu_hello, Msg::Context(snapshot())]).unwrap_err();
+        assert!(err.to_string().contains("CONTEXT has"), "{err}");
+    }
+
+    #[test]
     fn oversized_hellos_are_refused_before_allocation() {
         let mut s = standby(0);
         let mut made = 0;
@@ -1761,10 +1966,11 @@ mod tests {
             let err = s
                 .on(
                     Msg::Hello {
-                        min: 2,
-                        max: 2,
+                        min: 3,
+                        max: 3,
                         ram_size,
                         session: 1,
+                        vmm: VmmKind::HagVmm,
                     },
                     &mut |n| {
                         made += 1;
@@ -1777,7 +1983,11 @@ mod tests {
         }
         assert_eq!(made, 0);
         let err = s.on(hello(), &mut |_| Err("ENOMEM".into())).unwrap_err();
-        assert!(err.to_string().contains("cannot hold 0 MiB"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("cannot stand by for a VM of 0 MiB"),
+            "{err}"
+        );
     }
 
     /// Issue 12, items 2 and 9: a checkpoint belongs to its pairing; a
@@ -1844,10 +2054,11 @@ mod tests {
         let err = s
             .on(
                 Msg::Hello {
-                    min: 2,
-                    max: 2,
+                    min: 3,
+                    max: 3,
                     ram_size: 4 * PAGE as u64,
                     session: SESSION,
+                    vmm: VmmKind::HagVmm,
                 },
                 &mut fresh,
             )

@@ -41,8 +41,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use hag_abi::abi;
+use hag_dev::Device;
 use hag_vmm::control::VmClient;
-use hag_vmm::ram::PAGE_SIZE;
+use hag_vmm::ram::{GuestRam, PAGE_SIZE};
 
 use crate::backup::HEARTBEAT;
 use crate::migrate::{
@@ -52,16 +53,19 @@ use crate::migrate::{
 use crate::pagehash::PageHashes;
 use crate::primary::{Action, Event, Policy, State};
 use crate::secure::{self, Key, Outbox};
+use crate::vmm::copy::{CopyVm, OutputGate, VmStatus};
+use crate::vmm::qemu::Qemu;
+use crate::vmm::qemu_copy::QemuVm;
 use crate::vmm::Vmm;
 use crate::wire::{
-    read_msg, session_name, write_msg, Msg, PageData, ENDED_PHASE, PAGE, PAGES_PER_FRAME,
+    read_msg, session_name, write_msg, Msg, PageData, VmmKind, ENDED_PHASE, PAGE, PAGES_PER_FRAME,
 };
 
 /// Options of `hagctl checkpoint`.
 #[derive(Clone, Debug)]
 pub struct CheckpointOptions {
-    /// The VM's control socket.
-    pub vm: PathBuf,
+    /// The VM.
+    pub vm: VmAt,
     /// `HOST:PORT` of `hagctl backup`.
     pub backup: String,
     /// More `HOST:PORT`s of the backup for heartbeats (other paths).
@@ -88,6 +92,25 @@ pub struct CheckpointOptions {
     pub status_dir: PathBuf,
     /// The pair's pre-shared key file.
     pub key: PathBuf,
+}
+
+/// The VM `hagctl checkpoint` protects.
+#[derive(Clone, Debug)]
+pub enum VmAt {
+    /// A `hag-vmm serve` VM: its control socket.
+    HagVmm(PathBuf),
+    /// A QEMU VM (see [`crate::vmm::qemu_copy`]).
+    Qemu {
+        /// QEMU's QMP socket (hagctl's own: QEMU serves one client per
+        /// socket).
+        qmp: PathBuf,
+        /// The network interface the VM's packets leave this host by
+        /// (its egress gets `sch_plug`, held per epoch); none: the VM's
+        /// network output is not held.
+        plug: Option<String>,
+        /// For tests: withhold the CPU dirty log (a takeover must fail).
+        withhold_cpu_dirty: bool,
+    },
 }
 
 /// One epoch.
@@ -213,9 +236,57 @@ struct Shared {
     exit: Option<(&'static str, String)>,
 }
 
+/// How another thread than the copy loop's stops the VM (a fence, a hang):
+/// on a connection of its own.
+#[derive(Clone, Debug)]
+enum Stopper {
+    /// `quit` on hag-vmm's control socket.
+    HagVmm(PathBuf),
+    /// SIGKILL to QEMU (its one QMP connection is the copy loop's): a
+    /// stopped VM must not run on, and nothing of it is needed here.
+    Qemu(i32),
+}
+
+impl Stopper {
+    fn stop(&self) -> Result<(), String> {
+        match self {
+            Stopper::HagVmm(path) => VmClient::connect(path)
+                .and_then(|mut vm| vm.quit())
+                .map_err(|e| e.to_string()),
+            Stopper::Qemu(pid) => {
+                use nix::sys::signal::{kill, Signal};
+                let pid = nix::unistd::Pid::from_raw(*pid);
+                match kill(pid, Signal::SIGKILL) {
+                    Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+                    Err(e) => return Err(format!("cannot kill QEMU (pid {pid}): {e}")),
+                }
+                // Gone once its pid is (or it is a zombie of another parent).
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while Instant::now() < deadline {
+                    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"));
+                    match stat {
+                        Err(_) => return Ok(()),
+                        Ok(s)
+                            if s.rsplit(')')
+                                .next()
+                                .is_some_and(|r| r.trim_start().starts_with('Z')) =>
+                        {
+                            return Ok(())
+                        }
+                        Ok(_) => std::thread::sleep(Duration::from_millis(10)),
+                    }
+                }
+                Err(format!(
+                    "QEMU (pid {pid}) did not exit within 10 s of SIGKILL"
+                ))
+            }
+        }
+    }
+}
+
 struct Link {
     shared: Mutex<Shared>,
-    vm_path: PathBuf,
+    stopper: Stopper,
     generation: u64,
     session: u128,
     key: Key,
@@ -279,7 +350,7 @@ impl Link {
     /// policy (which retries, output held).
     fn stop_vm(&self, why: &str) {
         eprintln!("hagctl: stopping the VM: {why}");
-        match VmClient::connect(&self.vm_path).and_then(|mut vm| vm.quit()) {
+        match self.stopper.stop() {
             Ok(()) => {
                 eprintln!("hagctl: the VM is stopped");
                 self.lock().policy.on(Event::Stopped);
@@ -707,11 +778,7 @@ impl Primary {
             g.data = self.src.stream.r.socket().ok();
         }
         self.save_status("syncing", "");
-        self.src
-            .vm
-            .client()
-            .hold_output(true)
-            .map_err(|e| EpochError::Vm(e.to_string()))?;
+        self.src.vm.hold_output(true).map_err(EpochError::Vm)?;
         eprintln!(
             "hagctl: synchronising with the backup {} (session {}, pre-copy while the VM runs)",
             self.opts.backup,
@@ -760,31 +827,38 @@ impl Primary {
         let st = self
             .src
             .vm
-            .client()
             .status()
             .map_err(|e| EpochError::Vm(e.to_string()))?;
-        let finished = match (st.state.as_str(), st.passed) {
-            ("running", _) => false,
-            ("finished", Some(true)) => true,
-            ("finished", _) => {
+        let (finished, iteration) = match st {
+            VmStatus::Running { iteration } => (false, iteration),
+            VmStatus::Finished { passed: true, .. } => (true, 0),
+            VmStatus::Finished { result, .. } => {
                 let stats = self.src.dev.vgpu_stats(self.src.vgpu_id);
                 if stats.is_ok_and(|s| s.hangs != self.hangs0) {
                     return Err(EpochError::Hung(format!(
-                        "vGPU {} hung (its hang counter moved); the VM failed: {}",
+                        "vGPU {} hung (its hang counter moved); the VM failed: {result}",
                         self.src.vgpu_id,
-                        st.result.unwrap_or_default()
                     )));
                 }
                 return Err(EpochError::Vm(format!(
-                    "the VM finished with a failure: {}",
-                    st.result.unwrap_or_default()
+                    "the VM finished with a failure: {result}"
                 )));
             }
-            (other, _) => return Err(EpochError::Vm(format!("the VM is {other}"))),
+            VmStatus::Other(other) => {
+                // A guest that hung its vGPU may have shut down over it.
+                let stats = self.src.dev.vgpu_stats(self.src.vgpu_id);
+                if stats.is_ok_and(|s| s.hangs != self.hangs0) {
+                    return Err(EpochError::Hung(format!(
+                        "vGPU {} hung (its hang counter moved); the VM is {other}",
+                        self.src.vgpu_id,
+                    )));
+                }
+                return Err(EpochError::Vm(format!("the VM is {other}")));
+            }
         };
         let mut report = EpochReport {
             epoch: self.link.lock().policy.next_epoch(),
-            iteration: st.iteration,
+            iteration,
             ..EpochReport::default()
         };
         let result = self.capture_paused(finished, &mut report);
@@ -826,25 +900,36 @@ impl Primary {
         report: &mut EpochReport,
     ) -> Result<(Vec<u64>, Vec<u8>, Vec<u8>, Vec<u8>), EpochError> {
         if !finished {
-            report.iteration = self
+            let at = self
                 .src
                 .vm
-                .client()
-                .pause()
+                .pause_at()
                 .map_err(|e| EpochError::Retry(format!("cannot pause the VM: {e}")))?;
+            if at != 0 {
+                report.iteration = at;
+            }
             self.src.paused = true;
         }
         let tq = Instant::now();
-        self.src
-            .dev
-            .quiesce(self.src.vgpu_id, self.opts.quiesce_timeout_ms)
-            .map_err(|e| EpochError::Retry(format!("the vGPU did not quiesce: {e}")))?;
-        self.src.quiesced = true;
+        if !self.src.vm.pause_stops_vgpu() {
+            self.src
+                .dev
+                .quiesce(self.src.vgpu_id, self.opts.quiesce_timeout_ms)
+                .map_err(|e| EpochError::Retry(format!("the vGPU did not quiesce: {e}")))?;
+            self.src.quiesced = true;
+        }
         report.quiesce_ms = tq.elapsed().as_secs_f64() * 1e3;
         // The vGPU is idle: its context and GTT hold still. The baselines
-        // need the GTT before they collect.
-        let context = self.src.dev.save_context(self.src.vgpu_id)?;
-        hag_abi::snapshot::Snapshot::parse(&context).map_err(MigrateError::BadContext)?;
+        // need the GTT before they collect. A QEMU VM's vGPU state goes in
+        // QEMU's own stream (VM_STATE), CONTEXT empty.
+        let context = match self.src.vm.kind() {
+            VmmKind::HagVmm => {
+                let context = self.src.dev.save_context(self.src.vgpu_id)?;
+                hag_abi::snapshot::Snapshot::parse(&context).map_err(MigrateError::BadContext)?;
+                context
+            }
+            VmmKind::Qemu => Vec::new(),
+        };
         if matches!(self.opts.gpu_dirty, GpuDirty::Full | GpuDirty::Hash) {
             self.src.gtt = Some(gtt_guest_pages(&context).map_err(MigrateError::BadContext)?);
         }
@@ -883,8 +968,7 @@ impl Primary {
         let vm_state = self
             .src
             .vm
-            .client()
-            .get_state()
+            .vm_state()
             .map_err(|e| EpochError::Retry(format!("cannot get the VM state: {e}")))?;
         let pages: Vec<u64> = self.carry.iter().copied().collect();
         let mut raw = vec![0u8; pages.len() * PAGE];
@@ -896,11 +980,8 @@ impl Primary {
             }
         }
         // Console output so far belongs to this epoch.
-        self.src
-            .vm
-            .client()
-            .mark_epoch(self.link.lock().policy.next_epoch())
-            .map_err(|e| EpochError::Vm(e.to_string()))?;
+        let next = self.link.lock().policy.next_epoch();
+        self.src.vm.mark_epoch(next).map_err(EpochError::Vm)?;
         Ok((pages, raw, context, vm_state))
     }
 
@@ -987,15 +1068,10 @@ impl Primary {
         for a in self.link.event(ev) {
             match a {
                 Action::Release(epoch) => {
-                    self.released = self
-                        .src
-                        .vm
-                        .client()
-                        .release_output(epoch)
-                        .map_err(|e| EpochError::Vm(e.to_string()))?;
+                    self.released = self.src.vm.release_output(epoch).map_err(EpochError::Vm)?;
                 }
                 Action::ReleaseAll => {
-                    let _ = self.src.vm.client().hold_output(false);
+                    let _ = self.src.vm.hold_output(false);
                 }
                 Action::SendAbort(reason) => {
                     let _ = write_msg(&mut self.src.stream, &Msg::Abort { reason });
@@ -1152,7 +1228,7 @@ impl Primary {
                 if first && !self.paired {
                     if let Err(EpochError::Link(why)) = &r {
                         // Not paired: no backup holds anything of this VM.
-                        let _ = self.src.vm.client().hold_output(false);
+                        let _ = self.src.vm.hold_output(false);
                         anyhow::bail!("cannot protect the VM: backup {}: {why}", self.opts.backup);
                     }
                 }
@@ -1184,7 +1260,7 @@ impl Primary {
                         return Ok(exit);
                     }
                 }
-                if !self.link.lock().connected && self.src.vm.client().status().is_err() {
+                if !self.link.lock().connected && self.src.vm.status().is_err() {
                     let _ = self.event(Event::VmGone("the VM is gone (unprotected)".into()));
                     return Ok(self.end("vm-stopped", "the VM is gone (unprotected); its output since the last acknowledged epoch was never released".into()));
                 }
@@ -1241,16 +1317,93 @@ impl Primary {
     }
 }
 
+/// The VM to protect, opened.
+struct OpenedVm {
+    vm: Box<dyn CopyVm>,
+    ram: GuestRam,
+    /// This host's `/dev/hag`.
+    dev: Device,
+    vgpu_id: u32,
+    /// How another thread stops it.
+    stopper: Stopper,
+}
+
+/// The VM at `at`, opened.
+fn open_vm(at: &VmAt) -> anyhow::Result<OpenedVm> {
+    match at {
+        VmAt::HagVmm(path) => {
+            let (vm, ram, dev, vgpu_id) = open_running(path)?;
+            Ok(OpenedVm {
+                vm: Box::new(vm),
+                ram,
+                dev,
+                vgpu_id,
+                stopper: Stopper::HagVmm(path.clone()),
+            })
+        }
+        VmAt::Qemu {
+            qmp,
+            plug,
+            withhold_cpu_dirty,
+        } => {
+            let mut qemu = Qemu::connect(qmp, QMP_TIMEOUT)?;
+            let state = qemu.run_state()?;
+            if !state.is_running() {
+                anyhow::bail!("{}: the VM is {state}, not running", qemu.describe());
+            }
+            let pid = qemu.qmp().peer_pid()?;
+            let gate: Option<Box<dyn OutputGate>> = match plug {
+                Some(ifname) => Some(Box::new(crate::plug::Plug::attach(ifname).map_err(
+                    |e| anyhow::anyhow!("cannot hold the VM's output on {ifname}: {e}"),
+                )?)),
+                None => None,
+            };
+            let mut opened = QemuVm::open(qemu, gate)?;
+            if *withhold_cpu_dirty {
+                eprintln!("hagctl: TEST: the CPU dirty log is withheld");
+                opened.vm.withhold_cpu_dirty();
+            }
+            let dev = Device::open()?;
+            dev.version()?;
+            let vgpu_id = dev.find_vgpu(&opened.vgpu_uuid)?.id;
+            eprintln!(
+                "hagctl: QEMU VM: {} MiB of guest RAM in {} (pid {pid}), vGPU {vgpu_id} (mdev {})",
+                opened.ram.size() >> 20,
+                opened.vm.mapping().name,
+                opened.vgpu_uuid
+            );
+            Ok(OpenedVm {
+                vm: Box::new(opened.vm),
+                ram: opened.ram,
+                dev,
+                vgpu_id,
+                stopper: Stopper::Qemu(pid),
+            })
+        }
+    }
+}
+
+/// How long a QMP command may take.
+const QMP_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// `hagctl checkpoint`.
 pub fn checkpoint(
     opts: &CheckpointOptions,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<CheckpointReport> {
     let key = Key::load(&opts.key)?;
-    let (vm, ram, dev, vgpu_id) = open_running(&opts.vm)?;
+    let OpenedVm {
+        vm,
+        ram,
+        dev,
+        vgpu_id,
+        stopper,
+    } = open_vm(&opts.vm)?;
     let stats0 = dev.vgpu_stats(vgpu_id)?;
     let mopts = MigrateOptions {
-        vm: opts.vm.clone(),
+        vm: match &opts.vm {
+            VmAt::HagVmm(p) | VmAt::Qemu { qmp: p, .. } => p.clone(),
+        },
         to: opts.backup.clone(),
         max_rounds: opts.max_rounds,
         threshold_pages: opts.threshold_pages,
@@ -1279,7 +1432,7 @@ pub fn checkpoint(
             end_confirmed: false,
             exit: None,
         }),
-        vm_path: opts.vm.clone(),
+        stopper,
         generation: opts.generation,
         session: src.session,
         key,

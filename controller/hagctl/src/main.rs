@@ -415,10 +415,23 @@ iteration, released, gpu_bytes_written, hashed_pages, hash_ms}]).
 gpu_bytes_written is what the vGPU's engine wrote since the last epoch
 (hag-sim's counter). outcome: finished, ended, handed-over, fenced,
 stop-failed or vm-stopped.")]
+    #[command(group(ArgGroup::new("protected").required(true).args(["vm", "qmp"])))]
     Checkpoint {
-        /// Control socket of the VM (hag-vmm serve --control)
+        /// Control socket of a hag-vmm VM (hag-vmm serve --control)
         #[arg(long, value_name = "SOCKET")]
-        vm: std::path::PathBuf,
+        vm: Option<std::path::PathBuf>,
+        /// QMP socket of a QEMU VM (hagctl's own -qmp socket; guest RAM in a
+        /// shared memory backend, one hag vGPU as vfio-pci)
+        #[arg(long, value_name = "SOCKET")]
+        qmp: Option<std::path::PathBuf>,
+        /// --qmp: hold the VM's network output on this interface (its packets
+        /// leave this host by its egress: sch_plug, released per
+        /// acknowledged epoch)
+        #[arg(long, value_name = "IFNAME", requires = "qmp")]
+        plug: Option<String>,
+        /// For tests only: withhold the CPU dirty log (a takeover must fail)
+        #[arg(long, hide = true, requires = "qmp")]
+        test_withhold_cpu_dirty: bool,
         /// Where `hagctl backup` listens
         #[arg(long, value_name = "HOST:PORT")]
         backup: String,
@@ -489,9 +502,9 @@ the VM's status. If the primary ends protection (its VM finished), it exits
         /// another network; repeatable)
         #[arg(long, value_name = "ADDR:PORT")]
         heartbeat_listen: Vec<String>,
-        /// This host's hag-sim mdev for the VM at takeover
-        #[arg(long, value_name = "UUID")]
-        mdev: String,
+        /// This host's hag-sim mdev for a hag-vmm VM at takeover
+        #[arg(long, value_name = "UUID", required_unless_present = "qemu")]
+        mdev: Option<String>,
         /// Control socket of the VM started at takeover
         #[arg(long, value_name = "SOCKET", default_value = "/tmp/hag-backup-vm.sock")]
         control: std::path::PathBuf,
@@ -529,6 +542,11 @@ the VM's status. If the primary ends protection (its VM finished), it exits
         /// Print the takeover report as JSON
         #[arg(long)]
         json: bool,
+        /// After --: the QEMU command line of a QEMU VM's standby, as on the
+        /// primary but with this host's mdev (hagctl adds its RAM backend,
+        /// -qmp, -incoming defer and -S)
+        #[arg(last = true, value_name = "QEMU ARGS")]
+        qemu: Vec<String>,
     },
     /// Write a new pre-shared key for a pair of hosts (mode 0600; copy it
     /// to the other host by a trusted way)
@@ -728,6 +746,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         },
         Command::Checkpoint {
             vm,
+            qmp,
+            plug,
+            test_withhold_cpu_dirty,
             backup,
             heartbeat_addr,
             interval,
@@ -744,6 +765,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             json,
         } => {
             // Before any other thread: they all inherit the mask.
+            let vm = match (vm, qmp) {
+                (Some(path), _) => checkpoint::VmAt::HagVmm(path),
+                (None, Some(qmp)) => {
+                    if gpu_dirty != migrate::GpuDirty::Audit {
+                        anyhow::bail!("--gpu-dirty {gpu_dirty:?} needs the vGPU's context outside the VMM's stream: with --qmp only audit works");
+                    }
+                    checkpoint::VmAt::Qemu {
+                        qmp,
+                        plug,
+                        withhold_cpu_dirty: test_withhold_cpu_dirty,
+                    }
+                }
+                (None, None) => anyhow::bail!("--vm or --qmp is needed"),
+            };
             let stop = vmm_migrate::watch_stop_signals_for("ending protection")?;
             let report = checkpoint::checkpoint(
                 &checkpoint::CheckpointOptions {
@@ -784,11 +819,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             max_connections,
             test_fault_file,
             json,
+            qemu,
         } => {
             let status = backup::backup(&backup::BackupOptions {
                 listen,
                 heartbeat_listen,
-                mdev,
+                mdev: mdev.unwrap_or_default(),
+                qemu,
                 control,
                 vmm,
                 vmm_args: vmm_arg,

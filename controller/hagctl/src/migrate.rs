@@ -31,6 +31,7 @@ use hag_vmm::ram::{GuestRam, PAGE_SIZE};
 
 use crate::pagehash::{PageHashes, Scan};
 use crate::secure::{self, Key};
+use crate::vmm::copy::CopyVm;
 use crate::vmm::hagvmm::HagVmm;
 use crate::vmm::{RunKind, Vmm, VmmError};
 use crate::wire::{
@@ -477,7 +478,7 @@ pub(crate) fn connect(to: &str, timeout: Duration) -> Result<TcpStream, MigrateE
 /// The source side's live connections (also the primary's, for
 /// `hagctl checkpoint`).
 pub(crate) struct Source {
-    pub(crate) vm: HagVmm,
+    pub(crate) vm: Box<dyn CopyVm>,
     pub(crate) ram: GuestRam,
     pub(crate) dev: Device,
     pub(crate) vgpu_id: u32,
@@ -539,7 +540,7 @@ impl Source {
     /// Connects to `opts.to` (retrying for `opts.connect_timeout`) to copy
     /// the VM out.
     pub(crate) fn connect(
-        vm: HagVmm,
+        vm: Box<dyn CopyVm>,
         ram: GuestRam,
         dev: Device,
         vgpu_id: u32,
@@ -747,6 +748,7 @@ impl Source {
                 max: VERSION_MAX,
                 ram_size,
                 session: self.session,
+                vmm: self.vm.kind(),
             },
             "handshake",
         )?;
@@ -869,8 +871,7 @@ impl Source {
         start: Instant,
     ) -> Result<(), MigrateError> {
         let paused_at = Instant::now();
-        // Through the client: the trait's pause has no workload iteration.
-        report.paused_at_iteration = self.vm.client().pause()?;
+        report.paused_at_iteration = self.vm.pause_at()?;
         self.paused = true;
         let tq = Instant::now();
         match self.dev.quiesce(self.vgpu_id, self.opts.quiesce_timeout_ms) {
@@ -921,7 +922,7 @@ impl Source {
             ..RoundReport::default()
         };
         self.send_round(round, pages, &mut r)?;
-        let state = self.vm.client().get_state()?;
+        let state = self.vm.vm_state()?;
         report.context_bytes = context.len() as u64;
         report.vm_state_bytes = state.len() as u64;
         if self.opts.inject_fault == Some(Fault::TruncateContext) {
@@ -1010,7 +1011,7 @@ impl Source {
 pub fn migrate(opts: &MigrateOptions) -> anyhow::Result<MigrationReport> {
     let key = Key::load(&opts.key)?;
     let (vm, ram, dev, vgpu_id) = open_running(&opts.vm)?;
-    let mut src = Source::connect(vm, ram, dev, vgpu_id, opts.clone(), &key)?;
+    let mut src = Source::connect(Box::new(vm), ram, dev, vgpu_id, opts.clone(), &key)?;
     let mut report = MigrationReport {
         to: opts.to.clone(),
         gpu_dirty: opts.gpu_dirty == GpuDirty::Audit,

@@ -16,7 +16,7 @@
 //!
 //! ```text
 //! source (hagctl migrate)                       target (hagctl receive)
-//!   HELLO magic, versions min..max, RAM size ─▶
+//!   HELLO magic, versions min..max, RAM size, VMM ─▶
 //!                                             ◀─ HELLO_OK version | ERROR
 //!   ┌ pre-copy round r (r = 0: every non-zero page;
 //!   │ then pages the CPU or the GPU dirtied)
@@ -63,6 +63,8 @@
 //! The generation counts takeovers: a backup that took over answers with a
 //! higher one, and a primary that sees it stops its VM.
 //!
+//! HELLO payload: `magic | min u16 | max u16 | RAM bytes u64 | page size
+//! u32 | session u128 | VMM u8` ([`VmmKind`]; version 3 added it).
 //! HEARTBEAT payload: `generation u64 | epoch u64`; HANG: the reason
 //! (UTF-8); EPOCH_END and EPOCH_ACK: `epoch u64 | generation u64`.
 //!
@@ -75,12 +77,45 @@
 
 use std::io::{self, Read, Write};
 
+/// Which VMM runs the VM a stream carries, named in HELLO: it says what
+/// CONTEXT and VM_STATE hold, and a backup stands by with one kind only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum VmmKind {
+    /// `hag-vmm serve`: CONTEXT is the vGPU's snapshot, VM_STATE
+    /// hag-vmm's state bytes, and every page of guest RAM is in the stream.
+    HagVmm = 0,
+    /// QEMU: CONTEXT is empty and VM_STATE is QEMU's own migration stream
+    /// without its shared RAM (`x-ignore-shared`), the vGPU's VFIO
+    /// migration data inside it; the pages come from the shared backend.
+    Qemu = 1,
+}
+
+impl VmmKind {
+    /// The kind of byte `b`.
+    pub fn from_u8(b: u8) -> Option<VmmKind> {
+        match b {
+            0 => Some(VmmKind::HagVmm),
+            1 => Some(VmmKind::Qemu),
+            _ => None,
+        }
+    }
+
+    /// Its name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            VmmKind::HagVmm => "hag-vmm",
+            VmmKind::Qemu => "QEMU",
+        }
+    }
+}
+
 /// Handshake magic.
 pub const MAGIC: [u8; 8] = *b"HAGMIG\r\n";
 /// Oldest stream version this build speaks.
-pub const VERSION_MIN: u16 = 2;
+pub const VERSION_MIN: u16 = 3;
 /// Newest stream version this build speaks.
-pub const VERSION_MAX: u16 = 2;
+pub const VERSION_MAX: u16 = 3;
 /// Bytes of a frame header.
 pub const HEADER_BYTES: usize = 12;
 /// Largest payload accepted (a compressed vGPU context must fit: a GVT-g
@@ -303,6 +338,8 @@ pub enum Msg {
         /// migration) this connection belongs to: random, chosen by the
         /// sender once per pairing.
         session: u128,
+        /// The VMM the VM runs under: what CONTEXT and VM_STATE hold.
+        vmm: VmmKind,
     },
     /// Handshake accepted (the answer to HELLO and to JOIN).
     HelloOk {
@@ -468,6 +505,7 @@ impl Msg {
                 max,
                 ram_size,
                 session,
+                vmm,
             } => {
                 p.extend_from_slice(&MAGIC);
                 p.extend_from_slice(&min.to_le_bytes());
@@ -475,6 +513,7 @@ impl Msg {
                 p.extend_from_slice(&ram_size.to_le_bytes());
                 p.extend_from_slice(&(PAGE as u32).to_le_bytes());
                 p.extend_from_slice(&session.to_le_bytes());
+                p.push(*vmm as u8);
             }
             Msg::HelloOk {
                 version,
@@ -554,11 +593,17 @@ impl Msg {
                     });
                 }
                 let session = c.u128("session")?;
+                let vmm = c.u8("VMM")?;
+                let vmm = VmmKind::from_u8(vmm).ok_or_else(|| WireError::Malformed {
+                    ty: ty.name(),
+                    what: format!("unknown VMM {vmm}"),
+                })?;
                 Msg::Hello {
                     min,
                     max,
                     ram_size,
                     session,
+                    vmm,
                 }
             }
             MsgType::HelloOk => Msg::HelloOk {
@@ -971,9 +1016,19 @@ impl Receiver {
             (
                 Receiver::AwaitHello,
                 Msg::Hello {
-                    min, max, ram_size, ..
+                    min,
+                    max,
+                    ram_size,
+                    vmm,
+                    ..
                 },
             ) => {
+                if vmm != VmmKind::HagVmm {
+                    return Err(ReceiveError::Handshake(format!(
+                        "the source's VM runs under {}: this stream carries hag-vmm VMs only (QEMU migrates its VMs itself: hagctl receive --qmp)",
+                        vmm.name()
+                    )));
+                }
                 let version = check_hello(MIGRATION, (min, max, ram_size), target.ram_size())
                     .map_err(ReceiveError::Handshake)?;
                 Ok((
@@ -1084,10 +1139,11 @@ pub(crate) mod tests {
         }
         vec![
             Msg::Hello {
-                min: 2,
-                max: 2,
+                min: 3,
+                max: 3,
                 ram_size: 16 * PAGE as u64,
                 session: 7,
+                vmm: VmmKind::HagVmm,
             },
             Msg::Pages {
                 round: 0,
@@ -1164,7 +1220,7 @@ pub(crate) mod tests {
             replies,
             vec![
                 Msg::HelloOk {
-                    version: 2,
+                    version: 3,
                     generation: 0,
                     timeout_ms: 0
                 },
@@ -1270,10 +1326,11 @@ pub(crate) mod tests {
         // Trailing bytes, bad magic.
         assert!(read_msg(&mut &frame(MsgType::Commit, &[0])[..]).is_err());
         let mut hello = Msg::Hello {
-            min: 2,
-            max: 2,
+            min: 3,
+            max: 3,
             ram_size: 1,
             session: 1,
+            vmm: VmmKind::Qemu,
         }
         .payload();
         hello[0] = b'X';
@@ -1354,11 +1411,12 @@ pub(crate) mod tests {
             max,
             ram_size,
             session: 1,
+            vmm: VmmKind::HagVmm,
         };
-        let err = run(vec![hello(32 * PAGE as u64, 2, 2)], &mut ram()).unwrap_err();
+        let err = run(vec![hello(32 * PAGE as u64, 3, 3)], &mut ram()).unwrap_err();
         assert!(matches!(err, ReceiveError::Handshake(_)), "{err}");
-        let err = run(vec![hello(16 * PAGE as u64, 3, 9)], &mut ram()).unwrap_err();
-        assert!(err.to_string().contains("versions 3..=9"), "{err}");
+        let err = run(vec![hello(16 * PAGE as u64, 4, 9)], &mut ram()).unwrap_err();
+        assert!(err.to_string().contains("versions 4..=9"), "{err}");
         // A page outside RAM; a round count that does not match.
         let out = Msg::Pages {
             round: 0,

@@ -14,7 +14,9 @@ use std::path::Path;
 use hag_vmm::control::VmClient;
 use hag_vmm::ram::GuestRam;
 
+use super::copy::{CopyVm, VmStatus};
 use super::{Feature, RunKind, RunState, SavedState, Vmm, VmmError};
+use crate::wire::VmmKind;
 
 /// A `hag-vmm serve` VM.
 pub struct HagVmm {
@@ -123,6 +125,49 @@ impl Vmm for HagVmm {
 
     fn cpu_dirty_log(&mut self) -> Result<Vec<u64>, VmmError> {
         self.client.cpu_dirty().map_err(Into::into)
+    }
+}
+
+impl CopyVm for HagVmm {
+    fn kind(&self) -> VmmKind {
+        VmmKind::HagVmm
+    }
+
+    fn status(&mut self) -> Result<VmStatus, VmmError> {
+        let st = self.client.status()?;
+        Ok(match st.state.as_str() {
+            "running" => VmStatus::Running {
+                iteration: st.iteration,
+            },
+            "finished" => VmStatus::Finished {
+                passed: st.passed == Some(true),
+                result: st.result.unwrap_or_default(),
+            },
+            _ => VmStatus::Other(st.state),
+        })
+    }
+
+    fn pause_at(&mut self) -> Result<u32, VmmError> {
+        self.client.pause().map_err(Into::into)
+    }
+
+    fn vm_state(&mut self) -> Result<Vec<u8>, VmmError> {
+        self.client.get_state().map_err(Into::into)
+    }
+
+    fn hold_output(&mut self, on: bool) -> Result<(), String> {
+        self.client.hold_output(on).map_err(|e| e.to_string())
+    }
+
+    fn mark_epoch(&mut self, epoch: u64) -> Result<(), String> {
+        self.client
+            .mark_epoch(epoch)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    }
+
+    fn release_output(&mut self, epoch: u64) -> Result<u64, String> {
+        self.client.release_output(epoch).map_err(|e| e.to_string())
     }
 }
 

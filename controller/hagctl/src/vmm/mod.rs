@@ -17,9 +17,13 @@
 //! use instead. The default bodies of the trait's methods are exactly that,
 //! so a driver only writes what it can do.
 
+pub mod copy;
 pub mod hagvmm;
 pub mod qemu;
+pub mod qemu_copy;
+pub mod qemu_standby;
 pub mod qmp;
+pub mod shared_ram;
 
 use std::os::fd::OwnedFd;
 

@@ -373,6 +373,17 @@ impl Qmp {
         &self.path
     }
 
+    /// The pid of the QEMU at the other end (`SO_PEERCRED`: the process
+    /// that made the listening socket).
+    pub fn peer_pid(&self) -> Result<i32, QmpError> {
+        nix::sys::socket::getsockopt(&self.stream, nix::sys::socket::sockopt::PeerCredentials)
+            .map(|c| c.pid())
+            .map_err(|e| QmpError::Protocol {
+                path: self.path.clone(),
+                what: format!("cannot tell QEMU's pid (SO_PEERCRED): {e}"),
+            })
+    }
+
     /// What QEMU said on connect.
     pub fn greeting(&self) -> &Greeting {
         &self.greeting

@@ -1,0 +1,86 @@
+//! What hagctl's own copy loop needs of a VM, beyond [`Vmm`]: the loop that
+//! checkpoints a VM to a backup (`crate::checkpoint`) and migrates a
+//! hag-vmm VM (`crate::migrate`) copies guest RAM itself, so it needs the
+//! VM's RAM and CPU dirty log ([`Vmm::guest_memory`],
+//! [`Vmm::cpu_dirty_log`]), its device state while paused, and a way to hold
+//! the VM's output until the epoch that produced it is acknowledged.
+//!
+//! Two VMs implement it: hag-vmm's ([`super::hagvmm::HagVmm`]: output is
+//! its console, held by hag-vmm itself) and QEMU's
+//! ([`super::qemu_copy::QemuVm`]: RAM from a shared memory backend, CPU
+//! dirty pages from soft-dirty bits, device state from an `x-ignore-shared`
+//! migration, output held by an [`OutputGate`] on its network).
+
+use super::{Vmm, VmmError};
+use crate::wire::VmmKind;
+
+/// Where the VM stands when an epoch begins.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VmStatus {
+    /// Its vCPUs run; `iteration` is the guest workload's, where the VMM
+    /// knows it (hag-vmm), else 0.
+    Running {
+        /// The workload's iteration.
+        iteration: u32,
+    },
+    /// The guest's work ended by itself (hag-vmm: `finished`).
+    Finished {
+        /// It verified.
+        passed: bool,
+        /// Its result line.
+        result: String,
+    },
+    /// Anything else, in the VMM's word (paused by someone else, shut
+    /// down, gone).
+    Other(String),
+}
+
+/// What holds a VM's output back until its epoch is acknowledged (for a
+/// QEMU VM, `sch_plug` on the interface its packets leave by).
+pub trait OutputGate {
+    /// An epoch boundary: what the VM sent so far belongs to the epoch
+    /// just captured, and goes out at the next [`OutputGate::release_one`].
+    fn buffer(&mut self) -> Result<(), String>;
+    /// The oldest buffered epoch was acknowledged: let it out.
+    fn release_one(&mut self) -> Result<(), String>;
+    /// Protection ended: let everything out, and stop holding.
+    fn release_all(&mut self) -> Result<(), String>;
+}
+
+/// A VM whose RAM hagctl copies itself (see the module docs).
+pub trait CopyVm: Vmm {
+    /// Which VMM: what its device state holds, and what a backup needs.
+    fn kind(&self) -> VmmKind;
+
+    /// Where the VM stands now.
+    fn status(&mut self) -> Result<VmStatus, VmmError>;
+
+    /// Pauses the VM; returns the guest workload's iteration where the
+    /// VMM knows it (0 otherwise).
+    fn pause_at(&mut self) -> Result<u32, VmmError> {
+        self.pause().map(|()| 0)
+    }
+
+    /// Whether pausing also stops the vGPU and waits for it to go idle
+    /// (QEMU moves it to VFIO's STOP), so hag's own quiesce is not needed.
+    fn pause_stops_vgpu(&self) -> bool {
+        false
+    }
+
+    /// With the VM paused: its device state for an epoch or a
+    /// stop-and-copy round (hag-vmm: its state bytes, the vGPU context
+    /// being read through `/dev/hag`; QEMU: its migration stream without
+    /// shared RAM, the vGPU's state inside).
+    fn vm_state(&mut self) -> Result<Vec<u8>, VmmError>;
+
+    /// Starts (`true`) or stops holding the VM's output.
+    fn hold_output(&mut self, on: bool) -> Result<(), String>;
+
+    /// The output so far belongs to `epoch`, being captured.
+    fn mark_epoch(&mut self, epoch: u64) -> Result<(), String>;
+
+    /// `epoch` was acknowledged: its output (and all before it) goes out.
+    /// Returns how much was released, in the gate's unit (console lines;
+    /// epochs for a network gate).
+    fn release_output(&mut self, epoch: u64) -> Result<u64, String>;
+}

@@ -1,0 +1,504 @@
+//! A QEMU VM that hagctl checkpoints itself ([`CopyVm`]): QEMU cannot
+//! checkpoint a VM with a VFIO device incrementally (COLO re-saves VFIO
+//! state on a data fd that stays open only for one migration;
+//! background-snapshot refuses VFIO), so hagctl copies guest RAM itself
+//! and asks QEMU only for the rest:
+//! - guest RAM: the VM's shared file memory backend
+//!   (`memory-backend-file,share=on`: QEMU leaves only a named file out
+//!   of an `x-ignore-shared` stream, not a memfd), mapped here
+//!   ([`super::shared_ram`]);
+//! - CPU dirty pages: the soft-dirty bits of QEMU's mapping of it, read and
+//!   cleared only while the VM is paused (a read and a clear are two
+//!   calls: a running VM could write between them), so a collection while
+//!   it runs pauses it for that long;
+//! - GPU dirty pages: hag's own log on `/dev/hag`, as for hag-vmm;
+//! - device state: a migration with `x-ignore-shared` into a pipe while
+//!   the VM is paused: vCPUs, devices and the vGPU's VFIO migration data,
+//!   without RAM. QEMU's `stop` already moved the vGPU to VFIO's STOP
+//!   (it waits for the engine to go idle), so hag's quiesce is not used;
+//!   the save moves it STOP → STOP_COPY → STOP and `cont` back to RUNNING;
+//! - output: an [`OutputGate`] on the network its packets leave by.
+//!
+//! `x-ignore-shared` stays set only while this lives: a later ordinary
+//! migration of the VM must carry its RAM.
+
+use std::io::Read;
+use std::os::fd::OwnedFd;
+use std::time::Duration;
+
+use hag_vmm::ram::GuestRam;
+use serde_json::{json, Value};
+
+use super::copy::{CopyVm, OutputGate, VmStatus};
+use super::qemu::Qemu;
+use super::shared_ram::Mapping;
+use super::{Feature, MigrationSettings, RunState, Vmm, VmmError};
+use crate::wire::{VmmKind, MAX_PAYLOAD};
+
+/// What a QEMU epoch's VM_STATE holds: QEMU's stream, and the id of the
+/// memory backend it leaves out, which a standby's RAM must carry too (QEMU
+/// matches RAM blocks by id: "Unknown ramblock").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EpochState<'a> {
+    /// The memory backend's id (`ram0`; libvirt's `pc.ram`).
+    pub ram_id: &'a str,
+    /// QEMU's migration stream without that RAM.
+    pub stream: &'a [u8],
+}
+
+/// `EpochState`'s magic.
+const EPOCH_STATE_MAGIC: &[u8; 8] = b"HAGQEMU1";
+/// The longest memory backend id accepted.
+const RAM_ID_MAX: usize = 64;
+
+impl EpochState<'_> {
+    /// `magic | id length u8 | id | stream`.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(9 + self.ram_id.len() + self.stream.len());
+        out.extend_from_slice(EPOCH_STATE_MAGIC);
+        out.push(self.ram_id.len() as u8);
+        out.extend_from_slice(self.ram_id.as_bytes());
+        out.extend_from_slice(self.stream);
+        out
+    }
+
+    /// Checks and splits what [`EpochState::encode`] made.
+    pub fn decode(bytes: &[u8]) -> Result<EpochState<'_>, String> {
+        let rest = bytes
+            .strip_prefix(EPOCH_STATE_MAGIC.as_slice())
+            .ok_or("not a QEMU epoch state (bad magic)")?;
+        let (&n, rest) = rest.split_first().ok_or("QEMU epoch state cut short")?;
+        let n = usize::from(n);
+        if n == 0 || n > RAM_ID_MAX || rest.len() < n {
+            return Err(format!("QEMU epoch state: a RAM backend id of {n} bytes"));
+        }
+        let (id, stream) = rest.split_at(n);
+        let ram_id = std::str::from_utf8(id)
+            .ok()
+            .filter(|id| {
+                id.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+            })
+            .ok_or("QEMU epoch state: the RAM backend id is not a QEMU id")?;
+        if stream.is_empty() {
+            return Err("QEMU epoch state without a stream".into());
+        }
+        Ok(EpochState { ram_id, stream })
+    }
+}
+
+/// A QEMU VM under hagctl's own copy loop.
+pub struct QemuVm {
+    qemu: Qemu,
+    ram: Mapping,
+    /// Its memory backend's id.
+    ram_id: String,
+    gate: Option<Box<dyn OutputGate>>,
+    /// The epoch buffered in the gate and not yet released. `sch_plug`
+    /// counts one buffered epoch: while one is, later output stays in the
+    /// gate's open epoch (held, and let out one acknowledgement later).
+    buffered: Option<u64>,
+    holding: bool,
+    /// For tests: the CPU dirty log is withheld (always empty).
+    withhold_cpu_dirty: bool,
+}
+
+/// What [`QemuVm::open`] found.
+pub struct Opened {
+    /// The VM.
+    pub vm: QemuVm,
+    /// Its guest RAM, mapped here.
+    pub ram: GuestRam,
+    /// The mdev UUID of its hag vGPU (its vfio-pci device's `sysfsdev`).
+    pub vgpu_uuid: String,
+}
+
+/// The shared memory backend among `query-memdev`'s answer: `(id, size)`.
+pub fn shared_backend(memdevs: &Value) -> Result<(String, u64), String> {
+    let list = memdevs
+        .as_array()
+        .ok_or_else(|| format!("query-memdev returned {memdevs}"))?;
+    let shared: Vec<_> = list
+        .iter()
+        .filter(|m| m.get("share").and_then(Value::as_bool) == Some(true))
+        .collect();
+    let name = |m: &Value| {
+        m.get("id")
+            .and_then(Value::as_str)
+            .unwrap_or("(no id)")
+            .to_owned()
+    };
+    match shared.as_slice() {
+        [m] => {
+            let size = m
+                .get("size")
+                .and_then(Value::as_u64)
+                .ok_or_else(|| format!("memory backend {} has no size", name(m)))?;
+            Ok((name(m), size))
+        }
+        [] => Err(format!(
+            "QEMU's guest RAM is private ({}): hagctl copies RAM from a shared file backend: \
+             -object memory-backend-file,id=ram0,mem-path=FILE,size=SIZE,share=on -machine memory-backend=ram0 \
+             (libvirt: <memoryBacking><source type='file'/><access mode='shared'/></memoryBacking>)",
+            if list.is_empty() {
+                "no memory backend".to_owned()
+            } else {
+                list.iter().map(name).collect::<Vec<_>>().join(", ")
+            }
+        )),
+        more => Err(format!(
+            "QEMU has {} shared memory backends ({}); hagctl checkpoints a VM with one (no NUMA nodes, no hotplugged memory)",
+            more.len(),
+            more.iter().map(|m| name(m)).collect::<Vec<_>>().join(", ")
+        )),
+    }
+}
+
+impl QemuVm {
+    /// Opens the VM behind `qemu` for copying: finds its shared RAM and
+    /// its hag vGPU, and sets `x-ignore-shared`.
+    pub fn open(mut qemu: Qemu, gate: Option<Box<dyn OutputGate>>) -> Result<Opened, VmmError> {
+        let protocol = |q: &Qemu, what: String| VmmError::Protocol {
+            vmm: q.describe(),
+            what,
+        };
+        let memdevs = qemu.qmp().execute("query-memdev", None)?;
+        let (id, size) = shared_backend(&memdevs).map_err(|e| protocol(&qemu, e))?;
+        let path = qemu
+            .qmp()
+            .execute(
+                "qom-get",
+                Some(json!({ "path": format!("/objects/{id}"), "property": "mem-path" })),
+            )
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned));
+        // QEMU leaves RAM out of a migration with x-ignore-shared only if
+        // it is a named file (since 8.1): a memfd's would be copied whole
+        // into every epoch's device state.
+        let Some(path) = path else {
+            return Err(protocol(
+                &qemu,
+                format!(
+                    "guest RAM ({id}) is shared but not a file: QEMU would copy it into every epoch's device state; \
+                     use -object memory-backend-file,id={id},mem-path=FILE,size=SIZE,share=on \
+                     (libvirt: <memoryBacking><source type='file'/><access mode='shared'/></memoryBacking>)"
+                ),
+            ));
+        };
+        let pid = qemu.qmp().peer_pid()?;
+        let (ram_map, ram) =
+            Mapping::open(pid, size, Some(&path)).map_err(|e| protocol(&qemu, e))?;
+        let vgpu_uuid = vgpu_of(&mut qemu)?;
+        qemu.apply(&ignore_shared(true))?;
+        Ok(Opened {
+            vm: QemuVm {
+                qemu,
+                ram: ram_map,
+                ram_id: id,
+                gate,
+                buffered: None,
+                holding: false,
+                withhold_cpu_dirty: false,
+            },
+            ram,
+            vgpu_uuid,
+        })
+    }
+
+    /// For tests: report no CPU dirty pages at all.
+    pub fn withhold_cpu_dirty(&mut self) {
+        self.withhold_cpu_dirty = true;
+    }
+
+    /// The guest RAM mapping in QEMU.
+    pub fn mapping(&self) -> &Mapping {
+        &self.ram
+    }
+}
+
+impl Drop for QemuVm {
+    fn drop(&mut self) {
+        let _ = self.qemu.apply(&ignore_shared(false));
+    }
+}
+
+fn ignore_shared(on: bool) -> MigrationSettings {
+    MigrationSettings {
+        capabilities: vec![("x-ignore-shared".into(), on)],
+        ..MigrationSettings::default()
+    }
+}
+
+/// The mdev UUID of the VM's one vfio-pci device backed by an mdev.
+fn vgpu_of(qemu: &mut Qemu) -> Result<String, VmmError> {
+    let mut found = Vec::new();
+    for parent in ["/machine/peripheral", "/machine/peripheral-anon"] {
+        let Ok(children) = qemu
+            .qmp()
+            .execute("qom-list", Some(json!({ "path": parent })))
+        else {
+            continue;
+        };
+        for c in children.as_array().into_iter().flatten() {
+            if c.get("type").and_then(Value::as_str) != Some("child<vfio-pci>") {
+                continue;
+            }
+            let Some(name) = c.get("name").and_then(Value::as_str) else {
+                continue;
+            };
+            let dev = qemu.qmp().execute(
+                "qom-get",
+                Some(json!({ "path": format!("{parent}/{name}"), "property": "sysfsdev" })),
+            )?;
+            if let Some(uuid) = dev
+                .as_str()
+                .and_then(|p| p.strip_prefix("/sys/bus/mdev/devices/"))
+            {
+                found.push(uuid.trim_end_matches('/').to_owned());
+            }
+        }
+    }
+    match found.len() {
+        1 => Ok(found.remove(0)),
+        n => Err(VmmError::Protocol {
+            vmm: qemu.describe(),
+            what: format!(
+                "the VM has {n} mdev vfio-pci devices ({}); hagctl protects a VM with one hag vGPU",
+                found.join(", ")
+            ),
+        }),
+    }
+}
+
+impl Vmm for QemuVm {
+    fn describe(&self) -> String {
+        self.qemu.describe()
+    }
+
+    fn features(&self) -> &'static [Feature] {
+        &[
+            Feature::RunState,
+            Feature::Pause,
+            Feature::Resume,
+            Feature::Quit,
+            Feature::SaveDeviceState,
+            Feature::CpuDirtyLog,
+        ]
+    }
+
+    fn run_state(&mut self) -> Result<RunState, VmmError> {
+        self.qemu.run_state()
+    }
+
+    fn pause(&mut self) -> Result<(), VmmError> {
+        self.qemu.pause()
+    }
+
+    fn resume(&mut self) -> Result<(), VmmError> {
+        self.qemu.resume()
+    }
+
+    fn quit(&mut self) -> Result<(), VmmError> {
+        self.qemu.quit()
+    }
+
+    fn save_device_state(&mut self, into: OwnedFd) -> Result<super::SavedState, VmmError> {
+        self.qemu.save_device_state(into)
+    }
+
+    /// Soft-dirty bits, read and cleared with the VM paused (paused here
+    /// for that long if it runs).
+    fn cpu_dirty_log(&mut self) -> Result<Vec<u64>, VmmError> {
+        let running = self.qemu.run_state()?.is_running();
+        if running {
+            self.qemu.pause()?;
+        }
+        let result = self
+            .ram
+            .read_soft_dirty()
+            .and_then(|bits| self.ram.clear_soft_dirty().map(|()| bits));
+        if running {
+            self.qemu.resume()?;
+        }
+        let mut bits = result.map_err(|what| VmmError::Protocol {
+            vmm: self.qemu.describe(),
+            what,
+        })?;
+        if self.withhold_cpu_dirty {
+            bits.fill(0);
+        }
+        Ok(bits)
+    }
+}
+
+impl CopyVm for QemuVm {
+    fn kind(&self) -> VmmKind {
+        VmmKind::Qemu
+    }
+
+    fn status(&mut self) -> Result<VmStatus, VmmError> {
+        let st = self.qemu.run_state()?;
+        Ok(if st.is_running() {
+            VmStatus::Running { iteration: 0 }
+        } else {
+            VmStatus::Other(st.name)
+        })
+    }
+
+    fn pause_stops_vgpu(&self) -> bool {
+        true
+    }
+
+    /// An `x-ignore-shared` migration into a pipe, read here as QEMU
+    /// writes it.
+    fn vm_state(&mut self) -> Result<Vec<u8>, VmmError> {
+        let io = |what: &str, source| VmmError::Io {
+            what: what.to_owned(),
+            source,
+        };
+        let (r, w) =
+            nix::unistd::pipe().map_err(|e| io("a pipe for the device state", e.into()))?;
+        let reader = std::thread::spawn(move || {
+            let mut state = Vec::new();
+            // One byte over the limit is enough to refuse it.
+            let got = std::fs::File::from(r)
+                .take(u64::from(MAX_PAYLOAD) + 1)
+                .read_to_end(&mut state);
+            got.map(|_| state)
+        });
+        let saved = self.qemu.save_device_state(w);
+        let state = reader
+            .join()
+            .map_err(|_| {
+                io(
+                    "reading the device state",
+                    std::io::Error::other("reader panicked"),
+                )
+            })?
+            .map_err(|e| io("reading QEMU's device state", e))?;
+        saved?;
+        let state = EpochState {
+            ram_id: &self.ram_id,
+            stream: &state,
+        }
+        .encode();
+        if state.len() > MAX_PAYLOAD as usize {
+            return Err(VmmError::Protocol {
+                vmm: self.qemu.describe(),
+                what: format!("its device state is over the stream's {MAX_PAYLOAD}-byte limit"),
+            });
+        }
+        Ok(state)
+    }
+
+    fn hold_output(&mut self, on: bool) -> Result<(), String> {
+        if !on && self.holding {
+            if let Some(g) = &mut self.gate {
+                g.release_all()?;
+            }
+            self.buffered = None;
+        }
+        self.holding = on;
+        Ok(())
+    }
+
+    fn mark_epoch(&mut self, epoch: u64) -> Result<(), String> {
+        if let (Some(g), None) = (&mut self.gate, self.buffered) {
+            g.buffer()?;
+            self.buffered = Some(epoch);
+        }
+        Ok(())
+    }
+
+    fn release_output(&mut self, epoch: u64) -> Result<u64, String> {
+        match (&mut self.gate, self.buffered) {
+            (Some(g), Some(b)) if b <= epoch => {
+                g.release_one()?;
+                self.buffered = None;
+                Ok(1)
+            }
+            _ => Ok(0),
+        }
+    }
+}
+
+/// `sch_plug` on the interface the VM's packets leave by.
+impl OutputGate for crate::plug::Plug {
+    fn buffer(&mut self) -> Result<(), String> {
+        crate::plug::Plug::buffer(self).map_err(|e| e.to_string())
+    }
+    fn release_one(&mut self) -> Result<(), String> {
+        crate::plug::Plug::release_one(self).map_err(|e| e.to_string())
+    }
+    fn release_all(&mut self) -> Result<(), String> {
+        self.release_indefinite().map_err(|e| e.to_string())
+    }
+}
+
+/// Waits up to `timeout` for `qemu` to reach a state where `ok` holds.
+pub fn wait_state(
+    qemu: &mut Qemu,
+    timeout: Duration,
+    ok: impl Fn(&RunState) -> bool,
+) -> Result<RunState, VmmError> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let st = qemu.run_state()?;
+        if ok(&st) || std::time::Instant::now() >= deadline {
+            return Ok(st);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn epoch_states_carry_the_ram_id_and_refuse_damage() {
+        let bytes = EpochState {
+            ram_id: "pc.ram",
+            stream: b"QEVM\0\0\0\x03",
+        }
+        .encode();
+        let st = EpochState::decode(&bytes).unwrap();
+        assert_eq!((st.ram_id, st.stream), ("pc.ram", &b"QEVM\0\0\0\x03"[..]));
+        assert!(EpochState::decode(b"QEVM")
+            .unwrap_err()
+            .contains("bad magic"));
+        let mut bad = bytes.clone();
+        bad[8] = 200;
+        assert!(EpochState::decode(&bad).unwrap_err().contains("200 bytes"));
+        let mut bad = bytes.clone();
+        bad[9] = b'/';
+        assert!(EpochState::decode(&bad)
+            .unwrap_err()
+            .contains("not a QEMU id"));
+        assert!(EpochState::decode(&bytes[..15])
+            .unwrap_err()
+            .contains("without a stream"));
+    }
+
+    #[test]
+    fn the_shared_backend_is_found_or_its_absence_explained() {
+        let one = json!([
+            {"id": "pc.ram", "size": 268435456u64, "share": false},
+            {"id": "ram0", "size": 268435456u64, "share": true}
+        ]);
+        assert_eq!(shared_backend(&one).unwrap(), ("ram0".into(), 256 << 20));
+        let private = json!([{"id": "pc.ram", "size": 268435456u64, "share": false}]);
+        let e = shared_backend(&private).unwrap_err();
+        assert!(
+            e.contains("private (pc.ram)") && e.contains("memory-backend-file"),
+            "{e}"
+        );
+        let two = json!([
+            {"id": "a", "size": 1u64, "share": true},
+            {"id": "b", "size": 1u64, "share": true}
+        ]);
+        assert!(shared_backend(&two)
+            .unwrap_err()
+            .contains("2 shared memory backends (a, b)"));
+    }
+}
