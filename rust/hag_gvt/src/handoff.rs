@@ -53,11 +53,34 @@ impl ShadowBb<'_> {
 
 /// Graphics memory made of a workload's shadowed batch buffers: a read
 /// succeeds only if it lies wholly inside one shadow copy of the same
-/// address space; anything else faults.
+/// address space; anything else faults. It remembers which copies were
+/// read.
 #[derive(Clone, Copy, Debug)]
 pub struct ShadowMemory<'a> {
     /// The shadow copies.
     pub bbs: &'a [ShadowBb<'a>],
+    /// Bit i: `bbs[i]` was read (up to [`MAX_SHADOWS`]).
+    read: [u64; MAX_SHADOWS / 64],
+}
+
+impl<'a> ShadowMemory<'a> {
+    /// Memory made of `bbs`, none read yet.
+    pub fn new(bbs: &'a [ShadowBb<'a>]) -> Self {
+        ShadowMemory {
+            bbs,
+            read: [0; MAX_SHADOWS / 64],
+        }
+    }
+
+    /// The first shadow copy no read touched, if any. GVT shadows a batch
+    /// because its scan reached it, so the GPU may run it: one the audit
+    /// never reached (a stream it was not handed) is not modelled.
+    pub fn unread(&self) -> Option<&ShadowBb<'a>> {
+        self.bbs.iter().enumerate().find_map(|(i, bb)| {
+            let word = self.read.get(i / 64).copied().unwrap_or(0);
+            (word & (1 << (i % 64)) == 0).then_some(bb)
+        })
+    }
 }
 
 impl ShadowMemory<'_> {
@@ -94,7 +117,10 @@ impl GfxMemory for ShadowMemory<'_> {
     ) -> Result<(), MemoryFault> {
         let fault = MemoryFault { gfx_addr };
         let want = out.len().checked_mul(4).ok_or(fault)?;
-        for bb in self.bbs.iter().filter(|bb| bb.space == space) {
+        for (i, bb) in self.bbs.iter().enumerate() {
+            if bb.space != space {
+                continue;
+            }
             let Some(off) = gfx_addr.checked_sub(bb.gma) else {
                 continue;
             };
@@ -114,6 +140,9 @@ impl GfxMemory for ShadowMemory<'_> {
                     .and_then(|b| <[u8; 4]>::try_from(b).ok());
                 *o = u32::from_le_bytes(bytes.ok_or(fault)?);
                 at += 4;
+            }
+            if let Some(word) = self.read.get_mut(i / 64) {
+                *word |= 1 << (i % 64);
             }
             return Ok(());
         }
@@ -228,6 +257,14 @@ pub enum Unmodelled {
         /// The limit.
         limit: u32,
     },
+    /// GVT shadowed a batch buffer that neither the ring nor the indirect
+    /// context led the audit to (the GPU may run it all the same).
+    UnreachedShadow {
+        /// Its address space.
+        space: AddressSpace,
+        /// Its graphics address.
+        gma: u64,
+    },
     /// More shadowed batch buffers than [`MAX_SHADOWS`].
     TooManyShadows {
         /// How many there were.
@@ -263,6 +300,11 @@ impl fmt::Display for Unmodelled {
             Unmodelled::TooManyRanges { limit } => {
                 write!(f, "writes more than {limit} ranges")
             }
+            Unmodelled::UnreachedShadow { space, gma } => write!(
+                f,
+                "a batch buffer GVT shadowed at {} {gma:#x} was not reached",
+                space_name(space)
+            ),
             Unmodelled::TooManyShadows { count } => {
                 write!(f, "{count} shadowed batch buffers, more than {MAX_SHADOWS}")
             }
@@ -380,7 +422,7 @@ pub fn hand_off<T: Translate, F: FnMut(u64)>(
             count: wl.bbs.len(),
         });
     }
-    let mut mem = ShadowMemory { bbs: wl.bbs };
+    let mut mem = ShadowMemory::new(wl.bbs);
     if let Some((i, j)) = mem.overlap() {
         let gma = |k: usize| wl.bbs.get(k).map_or(0, |bb| bb.gma);
         return unmodelled(Unmodelled::OverlappingShadows {
@@ -416,6 +458,10 @@ pub fn hand_off<T: Translate, F: FnMut(u64)>(
         }
     }
     match audit::audit(wl.ring, wl.ring_gma, &cfg, &mut mem, &mut mapper) {
+        Ok(_) if mem.unread().is_some() => unmodelled(Unmodelled::UnreachedShadow {
+            space: mem.unread().map_or(AddressSpace::Ggtt, |bb| bb.space),
+            gma: mem.unread().map_or(0, |bb| bb.gma),
+        }),
         Ok(summary) => Outcome::Audited {
             pages: mapper.pages,
             commands: commands.saturating_add(summary.commands),

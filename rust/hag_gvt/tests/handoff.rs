@@ -572,7 +572,7 @@ fn overlapping_shadows_fall_back() {
         shadow(Ppgtt, 0x20_0000, &batch),
         shadow(Ggtt, 0x20_0000, &batch),
     ];
-    assert_eq!(ShadowMemory { bbs: &bbs }.overlap(), None);
+    assert_eq!(ShadowMemory::new(&bbs).overlap(), None);
 }
 
 #[test]
@@ -693,7 +693,7 @@ fn shadow_memory_reads_inside_one_copy_only() {
     let a = bytes(&[1, 2, 3, 4]);
     let b = bytes(&[5, 6]);
     let bbs = [shadow(Ppgtt, 0x1000, &a), shadow(Ppgtt, 0x1010, &b)];
-    let mut mem = ShadowMemory { bbs: &bbs };
+    let mut mem = ShadowMemory::new(&bbs);
     let mut out = [0u32; 2];
     mem.read_dwords(Ppgtt, 0x1008, &mut out).unwrap();
     assert_eq!(out, [3, 4]);
@@ -820,4 +820,46 @@ fn indirect_ctx_srm_is_audited() {
         ),
         "{outcome:?}"
     );
+}
+
+/// A batch GVT shadowed that no stream the hand-off was given starts (as
+/// the per-context batch of an indirect context, when the indirect
+/// context is not handed over with its chaining batch start) may still
+/// run: the workload is not modelled.
+#[test]
+fn unreached_shadow_is_unmodelled() {
+    let batch = bytes(&[MI_SDI_GGTT, 0x9_0000, 0, 1, MI_BB_END]);
+    let bbs = [shadow(Ggtt, 0x8_0000, &batch)];
+    let ring = [MI_NOOP, MI_NOOP];
+    let mut gtt = FakeGtt::default().map(Ggtt, 0x9_0000, 0x99);
+    let (outcome, _) = run(&ring, &bbs, &mut gtt);
+    assert_eq!(
+        outcome,
+        Outcome::Unmodelled {
+            reason: Unmodelled::UnreachedShadow {
+                space: Ggtt,
+                gma: 0x8_0000
+            }
+        }
+    );
+
+    // Handed over with the indirect context that chains to it (GVT's
+    // `combine_wa_ctx`: MI_BATCH_BUFFER_START, GGTT, after the buffer),
+    // the same batch is audited.
+    let ictx = [MI_NOOP, MI_NOOP, 0x1880_0001, 0x8_0000, 0];
+    let wl = Workload {
+        ring: &ring,
+        ring_gma: RING,
+        hwsp_gma: HWSP,
+        bbs: &bbs,
+        ggtt_size: GGTT_SIZE,
+        indirect_ctx: Some(hag_gvt::handoff::IndirectCtx {
+            gma: 0x6_0000,
+            dwords: &ictx,
+        }),
+    };
+    let mut gfns = Vec::new();
+    let outcome = hand_off(&wl, &Limits::DEFAULT, &mut gtt, &mut |g| gfns.push(g));
+    assert!(matches!(outcome, Outcome::Audited { .. }), "{outcome:?}");
+    assert_eq!(gfns, [0x99]);
 }
