@@ -120,27 +120,68 @@ vm_initrd() { echo /tmp/hag-vm-initrd; }
 
 VM_MIB=256
 
-# vm_start NAME MDEV-UUID GUEST-ARGS [QEMU-ARG...]: starts QEMU/KVM with
-# the hag-sim vGPU MDEV-UUID (none if empty; VM_VGPU_OPTS adds vfio-pci
-# properties), booting the test kernel with hag-guest GUEST-ARGS (commas for
-# spaces). Console in /tmp/NAME.console, QMP at /tmp/NAME.qmp, QEMU's stderr
-# in /tmp/NAME.qemu.err, its pid in /tmp/NAME.pid.
+# vm_words NAME MDEV-UUID GUEST-ARGS: the QEMU command line of VM NAME, as
+# shell words for eval (no single quotes inside): QEMU/KVM with the
+# hag-sim vGPU MDEV-UUID (none if empty; VM_VGPU_OPTS adds vfio-pci
+# properties), booting the test kernel with hag-guest GUEST-ARGS (commas
+# for spaces), its console in /tmp/NAME.console. VM_NET=1 adds a virtio-net
+# NIC on tap vmtap0 (joined to br0 by /hag/vm-ifup), VM_APPEND kernel
+# command line words. The same words start a standby (hagctl backup -- …).
+vm_words() {
+	local name=$1 uuid=$2 gargs=$3 w
+	w="qemu-system-x86_64 -name $name -accel kvm -cpu host -m $VM_MIB -smp 1"
+	w="$w -machine q35 -nodefaults -no-user-config -display none -no-reboot"
+	w="$w -kernel $(vm_kernel) -initrd $(vm_initrd)"
+	w="$w -append 'console=ttyS0 panic=-1 quiet loglevel=4 hag_guest=$gargs ${VM_APPEND:-}'"
+	w="$w -serial file:/tmp/$name.console"
+	if [ -n "$uuid" ]; then
+		w="$w -device vfio-pci,sysfsdev=/sys/bus/mdev/devices/$uuid,id=vgpu0${VM_VGPU_OPTS:-}"
+	fi
+	if [ "${VM_NET:-0}" = 1 ]; then
+		w="$w -netdev tap,id=net0,ifname=vmtap0,script=/hag/vm-ifup,downscript=no"
+		w="$w -device virtio-net-pci,netdev=net0,mac=52:54:00:56:4d:01"
+	fi
+	echo "$w"
+}
+
+# vm_start NAME MDEV-UUID GUEST-ARGS [QEMU-ARG...]: starts VM NAME
+# (vm_words) daemonized, QMP at /tmp/NAME.qmp, QEMU's stderr in
+# /tmp/NAME.qemu.err, its pid in /tmp/NAME.pid. VM_SHARED_RAM=1 puts guest
+# RAM in a shared file, /tmp/NAME.ram (what hagctl checkpoint --qmp copies).
 vm_start() {
 	local name=$1 uuid=$2 gargs=$3
 	shift 3
 	rm -f "/tmp/$name.console" "/tmp/$name.qmp"
-	if [ -n "$uuid" ]; then
-		set -- -device "vfio-pci,sysfsdev=/sys/bus/mdev/devices/$uuid,id=vgpu0${VM_VGPU_OPTS:-}" "$@"
+	if [ "${VM_SHARED_RAM:-0}" = 1 ]; then
+		set -- -object "memory-backend-file,id=ram0,size=${VM_MIB}M,mem-path=/tmp/$name.ram,share=on" \
+			-machine memory-backend=ram0 "$@"
 	fi
-	in_root qemu-system-x86_64 -name "$name" -accel kvm -cpu host -m "$VM_MIB" -smp 1 \
-		-machine q35 -nodefaults -no-user-config -display none -no-reboot \
-		-kernel "$(vm_kernel)" -initrd "$(vm_initrd)" \
-		-append "console=ttyS0 panic=-1 quiet loglevel=4 hag_guest=$gargs" \
-		-serial "file:/tmp/$name.console" \
-		-qmp "unix:/tmp/$name.qmp,server=on,wait=off" \
-		-daemonize -pidfile "/tmp/$name.pid" "$@" 2>"/tmp/$name.qemu.err" ||
+	eval "set -- $(vm_words "$name" "$uuid" "$gargs") \"\$@\""
+	in_root "$@" -qmp "unix:/tmp/$name.qmp,server=on,wait=off" \
+		-daemonize -pidfile "/tmp/$name.pid" 2>"/tmp/$name.qemu.err" ||
 		fail "QEMU did not start VM $name: $(cat "/tmp/$name.qemu.err")"
 	wait_for 30 test -S "/tmp/$name.qmp" || fail "VM $name: no QMP socket"
+}
+
+# vm_net_up [ADDR/PREFIX]: the VMs' public network, eth1 bridged as br0
+# (with ADDR on this host, for a client), for VM_NET=1 VMs' taps. A VM's
+# packets leave this host by eth1's egress: what hagctl checkpoint --plug
+# holds. Needs host_root_up (vm-ifup runs in the host root).
+vm_net_up() {
+	ip addr flush dev eth1
+	ip link add br0 type bridge
+	ip link set br0 type bridge forward_delay 0 stp_state 0 2>/dev/null || true
+	ip link set eth1 master br0
+	# A MAC set by hand stays when a VM's tap (a lower random MAC) joins:
+	# VMs keep a permanent neighbour entry for it (hag_vm_neigh).
+	ip link set br0 address "$(cat /sys/class/net/eth1/address)"
+	ip link set br0 up
+	[ -z "${1:-}" ] || ip addr add "$1" dev br0
+	cat >/hag/vm-ifup <<'SH'
+#!/bin/sh
+ip link set "$1" master br0 && ip link set "$1" up
+SH
+	chmod +x /hag/vm-ifup
 }
 
 # vm_wait_console NAME SECONDS PATTERN: waits for PATTERN on NAME's console.
@@ -222,11 +263,18 @@ CONF
 }
 
 # domain_xml NAME MDEV-UUID GUEST-ARGS: a domain like vm_start's VM.
+# DOMAIN_SHARED_RAM=1 adds a shared file memory backing (what hagctl
+# checkpoint --qmp copies), DOMAIN_XML_EXTRA elements (<metadata>,
+# <qemu:commandline>) at the end.
 domain_xml() {
+	local backing=
+	[ "${DOMAIN_SHARED_RAM:-0}" != 1 ] ||
+		backing="<memoryBacking><source type='file'/><access mode='shared'/></memoryBacking>"
 	cat <<XML
-<domain type='kvm'>
+<domain type='kvm' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>
   <name>$1</name>
   <memory unit='MiB'>$VM_MIB</memory>
+  $backing
   <vcpu>1</vcpu>
   <os>
     <type arch='x86_64' machine='q35'>hvm</type>
@@ -251,6 +299,7 @@ domain_xml() {
     <video><model type='none'/></video>
     <memballoon model='none'/>
   </devices>
+  ${DOMAIN_XML_EXTRA:-}
 </domain>
 XML
 }

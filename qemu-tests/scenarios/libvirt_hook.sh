@@ -3,8 +3,8 @@
 # The libvirt qemu hook (scripts/libvirt/qemu), installed by
 # scripts/libvirt/install.sh and run the way libvirt runs it: arguments
 # DOMAIN OPERATION SUB-OP EXTRA, the domain XML on stdin, stdout read to EOF.
-# No libvirt and no QEMU here: the "domain" is a real hag-vmm VM whose control
-# socket sits where libvirt keeps the domain's QMP monitor, protected by the
+# No libvirt and no QEMU here: the "domain" is a real hag-vmm VM (its control
+# socket named by <hag:protect vm-socket=…>), protected by the
 # real hagctl checkpoint against a real hagctl backup on this same host.
 #   started  -> hagctl checkpoint runs (pidfile, process, `hagctl status`)
 #   stopped, release (after the VM is gone) -> it ends, the backup ends
@@ -66,7 +66,7 @@ EOF
 EOF
 }
 
-PROTECT="<hag:protect xmlns:hag=\"https://hag.example/1\" backup=\"$BACKUP\" interval=\"1s\" failover-timeout=\"10\"/>"
+PROTECT="<hag:protect xmlns:hag=\"https://hag.example/1\" backup=\"$BACKUP\" interval=\"1s\" failover-timeout=\"10\" vm-socket=\"$SOCK\"/>"
 
 # hook NAME OP SUB XMLFILE: runs the hook as libvirt does; its stdout must
 # be empty and reach EOF promptly (nothing left holding it), and it must
@@ -202,7 +202,7 @@ mkdir -p "$(dirname "$IN_SOCK")"
 hag-vmm serve --incoming --mdev "$vm_uuid" --control "$IN_SOCK" >/tmp/in.out 2>/tmp/in.err &
 in_pid=$!
 wait_for 30 test -S "$IN_SOCK" || fail "incoming VM did not start: $(cat /tmp/in.err)"
-domain_xml "$IN" 8 "$vm_uuid" "$PROTECT" >/tmp/in.xml
+domain_xml "$IN" 8 "$vm_uuid" "$(echo "$PROTECT" | sed "s|$SOCK|$IN_SOCK|")" >/tmp/in.xml
 hook "$IN" migrate begin /tmp/in.xml
 hook "$IN" started begin /tmp/in.xml
 retried() { grep -q "$IN supervise/-: the domain is incoming (migration or restore): retrying in 2s" "$LOG"; }

@@ -1406,11 +1406,23 @@ impl TakeoverSteps for QemuTakeover<'_> {
         )?;
         let standby = self.standby.insert(standby);
         self.report.start_vm_ms = self.detected.elapsed().as_secs_f64() * 1e3;
+        eprintln!(
+            "hagctl: takeover: QEMU (pid {}) waits for epoch {} ({:.0} ms)",
+            standby.child.id(),
+            self.cp.epoch,
+            self.report.start_vm_ms
+        );
         let t = Instant::now();
         standby
             .load(state.stream)
             .map_err(|e| format!("restoring epoch {}: {e}", self.cp.epoch))?;
         self.report.restore_ms = t.elapsed().as_secs_f64() * 1e3;
+        eprintln!(
+            "hagctl: takeover: epoch {} loaded ({} bytes of device state, {:.0} ms), the VM paused",
+            self.cp.epoch,
+            state.stream.len(),
+            self.report.restore_ms
+        );
         Ok(())
     }
     fn persist(&mut self, generation: u64) -> Result<(), String> {

@@ -1351,7 +1351,6 @@ fn open_vm(at: &VmAt) -> anyhow::Result<OpenedVm> {
             if !state.is_running() {
                 anyhow::bail!("{}: the VM is {state}, not running", qemu.describe());
             }
-            let pid = qemu.qmp().peer_pid()?;
             let gate: Option<Box<dyn OutputGate>> = match plug {
                 Some(ifname) => Some(Box::new(crate::plug::Plug::attach(ifname).map_err(
                     |e| anyhow::anyhow!("cannot hold the VM's output on {ifname}: {e}"),
@@ -1363,6 +1362,7 @@ fn open_vm(at: &VmAt) -> anyhow::Result<OpenedVm> {
                 eprintln!("hagctl: TEST: the CPU dirty log is withheld");
                 opened.vm.withhold_cpu_dirty();
             }
+            let pid = opened.vm.mapping().pid;
             let dev = Device::open()?;
             dev.version()?;
             let vgpu_id = dev.find_vgpu(&opened.vgpu_uuid)?.id;

@@ -185,11 +185,23 @@ impl QemuVm {
                 ),
             ));
         };
-        let pid = qemu.qmp().peer_pid()?;
+        let peer = qemu.qmp().peer_pid()?;
+        let pid = super::shared_ram::vm_process(peer, size).map_err(|e| protocol(&qemu, e))?;
         let (ram_map, ram) =
             Mapping::open(pid, size, Some(&path)).map_err(|e| protocol(&qemu, e))?;
         let vgpu_uuid = vgpu_of(&mut qemu)?;
         qemu.apply(&ignore_shared(true))?;
+        // An epoch's save goes into a pipe: no return path there (a VM
+        // that arrived by migration may have it set), nothing that needs
+        // more channels.
+        qemu.apply(&MigrationSettings {
+            capabilities: vec![
+                ("return-path".into(), false),
+                ("multifd".into(), false),
+                ("postcopy-ram".into(), false),
+            ],
+            ..MigrationSettings::default()
+        })?;
         Ok(Opened {
             vm: QemuVm {
                 qemu,

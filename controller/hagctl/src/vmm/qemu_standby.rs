@@ -209,6 +209,11 @@ impl Standby {
                 _ => std::thread::sleep(Duration::from_millis(5)),
             }
         };
+        // QEMU closes the fd at the end of the load; a stream it left
+        // unread must not hold the writer.
+        let _ = qemu
+            .qmp()
+            .execute("closefd", Some(json!({ "fdname": "hag-epoch" })));
         let _ = writer.join();
         result.map_err(|e| format!("{e} (QEMU: {})", log_tail(&self.log)))?;
         let st = wait_state(qemu, Duration::from_secs(10), |s| s.kind == RunKind::Paused)

@@ -1,0 +1,130 @@
+# A real VM (QEMU/KVM, Linux guest, hag-sim vGPU) on host 0 protected by
+# continuous checkpoints to host 1: `hagctl checkpoint --qmp` copies its RAM
+# from its shared memfd backend (CPU dirty pages from soft-dirty bits, GPU
+# ones from hag's log) and its device state through QEMU's own stream
+# (x-ignore-shared); `hagctl backup -- QEMU ARGS` stands by and, at
+# takeover, starts QEMU on the standby image and loads the last acknowledged
+# epoch into a fresh vGPU. The guest sends its progress and result over UDP
+# to a client on host 1 (203.0.113.1, on the VMs' network br0); host 0's
+# copy of those packets is held by sch_plug on eth1 until its epoch is
+# acknowledged. Shared by the qemu_checkpoint_* and qemu_failover_*
+# scenarios. Set by the caller:
+#   FAULT        gpu-hang | host-loss | none (the guest finishes on host 0)
+#   GUEST_ARGS   hag-guest's arguments, commas for spaces
+#   CP_ARGS      more hagctl checkpoint arguments (optional)
+#   BACKUP_ARGS  more hagctl backup arguments (optional)
+#   during_backup   if defined: run on host 1 alongside hagctl backup
+#   check_backup BACKUP-STATUS    host 1's verdict (/tmp/backup.*,
+#                                 /tmp/vm.console, /tmp/client.log)
+#   check_primary CHECKPOINT-STATUS  host 0's (/tmp/cp.*, /tmp/vm.console)
+CLIENT=203.0.113.1
+PORT=7400
+VM_NET=1
+# The client is br0 on host 1, whose MAC is its eth1's (the harness's
+# 52:54:00:4a:48:HOST).
+VM_APPEND="hag_vm_ip=203.0.113.50/24 hag_vm_neigh=$CLIENT,52:54:00:4a:48:01"
+GUEST_ARGS="$GUEST_ARGS,--report,$CLIENT:$PORT"
+backup=$(host_ip 1):7200
+peer=$(host_ip $((1 - HAG_HOST)))
+uuid=$(new_uuid)
+if [ "$HAG_HOST" = 0 ] && [ "$FAULT" = gpu-hang ]; then
+	load_hag allow_hang_injection=1
+else
+	load_hag
+fi
+ha_key
+host_root_up
+mdev_create "$uuid"
+wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
+
+if [ "$HAG_HOST" = 1 ]; then
+	vm_net_up "$CLIENT/24"
+	step "host 1: client on $CLIENT:$PORT, backup on $backup (standby QEMU with vGPU $uuid)"
+	hag-guest listen --port "$PORT" >/tmp/client.log 2>/tmp/client.err &
+	client=$!
+	eval "set -- $(vm_words vm "$uuid" "$GUEST_ARGS")"
+	# Live in the host's log: the backup's account, and the standby VM's
+	# console once a takeover started it.
+	: >/tmp/backup.err
+	tail -f /tmp/backup.err 2>/dev/null | sed 's/^/[backup] /' &
+	live=$!
+	tail -F /tmp/vm.console 2>/dev/null | sed 's/^/[standby VM] /' &
+	live="$live $!"
+	if command -v during_backup >/dev/null; then
+		during_backup >/tmp/during.out 2>&1 &
+	fi
+	# shellcheck disable=SC2086
+	hagctl backup --listen "$backup" --failover-timeout 3 --json --status-dir /tmp/hag-backup ${BACKUP_ARGS:-} \
+		-- chroot "$HOST_ROOT" "$@" >/tmp/backup.out 2>/tmp/backup.err &
+	bk=$!
+	# The guest halts when its work ends (the test kernel cannot power
+	# off): then its QEMU is ended with SIGTERM, as an operator would, and
+	# the backup must end with it.
+	n=0
+	while kill -0 "$bk" 2>/dev/null; do
+		n=$((n + 1))
+		# A guest that never ends (one resumed from a broken image may hang)
+		# is ended too.
+		if grep -q HAG-GUEST-EXIT /tmp/vm.console 2>/dev/null || [ "$n" -gt 700 ]; then
+			qemu=$(sed -n 's/.*takeover: QEMU (pid \([0-9]*\)).*/\1/p' /tmp/backup.err)
+			[ -z "$qemu" ] || kill -TERM "$qemu" 2>/dev/null || true
+			wait_for 30 sh -c "! kill -0 $bk 2>/dev/null" || {
+				echo "hagctl backup still runs 30 s after its VM ended:"
+				for t in /proc/"$bk"/task/*; do echo "$t $(cat "$t/comm") $(cat "$t/wchan")"; done
+				kill "$bk"
+			}
+			break
+		fi
+		sleep 1
+	done
+	rc=0
+	wait "$bk" || rc=$?
+	# shellcheck disable=SC2086
+	kill $live 2>/dev/null || true
+	cat /tmp/backup.out
+	for f in /tmp/hag-backup/*.log; do
+		[ -s "$f" ] && { echo "--- $f:"; cat "$f"; }
+	done
+	# The client hears the guest's last packets shortly after it ends.
+	sleep 2
+	kill "$client" 2>/dev/null || true
+	echo "--- what the client saw:"
+	cat /tmp/client.log
+	check_backup "$rc"
+else
+	vm_net_up
+	step "host 0: VM with hag-guest on vGPU $uuid, RAM in a shared memfd"
+	VM_SHARED_RAM=1 vm_start vm "$uuid" "$GUEST_ARGS"
+	vm_wait_console vm 120 HAG-GUEST-READY
+	step "host 0: hagctl checkpoint --qmp to $backup, output held on eth1"
+	# shellcheck disable=SC2086
+	hagctl checkpoint --qmp /tmp/vm.qmp --backup "$backup" --plug eth1 --interval 1s \
+		--json ${CP_ARGS:-} >/tmp/cp.out 2>/tmp/cp.err &
+	cp=$!
+	wait_for 300 grep -q '^epoch 4:' /tmp/cp.err || fail "no 4 epochs: $(cat /tmp/cp.err)"
+	hagctl status
+	case "$FAULT" in
+	gpu-hang)
+		step "host 0: inject a GPU hang"
+		hagctl inject-hang --mdev "$uuid"
+		;;
+	host-loss)
+		# At a random point of an epoch interval.
+		ms=$(($(od -An -N2 -tu2 /dev/urandom) % 1000))
+		step "host 0: lost ${ms} ms after epoch 4 was acknowledged"
+		usleep $((ms * 1000))
+		lose_this_host
+		;;
+	esac
+	if [ "$FAULT" = none ]; then
+		# The guest halts at its end; its QEMU is ended as an operator
+		# would, and protection ends with it.
+		vm_wait_console vm 600 HAG-GUEST-EXIT
+		kill -TERM "$(cat /tmp/vm.pid)"
+	fi
+	rc=0
+	wait "$cp" || rc=$?
+	cat /tmp/cp.err /tmp/cp.out
+	vm_show vm
+	check_primary "$rc"
+fi
