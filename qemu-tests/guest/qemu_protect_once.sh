@@ -96,6 +96,7 @@ else
 	step "host 0: VM with hag-guest on vGPU $uuid, RAM in a shared memfd"
 	VM_SHARED_RAM=1 vm_start vm "$uuid" "$GUEST_ARGS"
 	vm_wait_console vm 120 HAG-GUEST-READY
+	echo "QEMU pid $(cat /tmp/vm.pid)"
 	step "host 0: hagctl checkpoint --qmp to $backup, output held on eth1"
 	# shellcheck disable=SC2086
 	hagctl checkpoint --qmp /tmp/vm.qmp --backup "$backup" --plug eth1 --interval 1s \

@@ -109,22 +109,18 @@ pub fn soft_dirty_bitmap(entries: &[u8], bitmap: &mut [u64]) {
     }
 }
 
-/// Whether process `pid` runs vCPUs (QEMU names their threads `CPU N/KVM`).
-fn runs_vcpus(pid: i32) -> bool {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return false;
-    };
-    tasks.flatten().any(|t| {
-        std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with("CPU "))
-    })
+/// Whether process `pid` maps a shared file of `size` bytes (guest RAM).
+fn maps_ram(pid: i32, size: u64) -> bool {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    find_mapping(&maps, pid, size, None).is_ok()
 }
 
-/// The QEMU process that runs the VM whose QMP socket `peer` made: `peer`
-/// itself, unless that is not the one running vCPUs (QEMU made the socket
-/// before `-daemonize` forked, so the socket names the parent), then the
-/// one process that does and maps a shared file of `size` bytes.
+/// The QEMU process that holds the VM's guest RAM (`size` bytes, shared)
+/// for the QMP socket `peer` made: `peer` itself, or else (a process that
+/// made the socket and handed on, as a daemonizing QEMU may) the one
+/// process here that maps it.
 pub fn vm_process(peer: i32, size: u64) -> Result<i32, String> {
-    if runs_vcpus(peer) {
+    if maps_ram(peer, size) {
         return Ok(peer);
     }
     let mut found = Vec::new();
@@ -135,21 +131,20 @@ pub fn vm_process(peer: i32, size: u64) -> Result<i32, String> {
         let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
             continue;
         };
-        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
-        if find_mapping(&maps, pid, size, None).is_ok() && runs_vcpus(pid) {
+        if pid != std::process::id() as i32 && maps_ram(pid, size) {
             found.push(pid);
         }
     }
     match found.as_slice() {
         [pid] => Ok(*pid),
         [] => Err(format!(
-            "QEMU's QMP socket belongs to pid {peer}, which runs no vCPUs, and no process here runs vCPUs with a shared {} MiB mapping",
+            "QEMU's QMP socket belongs to pid {peer}, which maps no shared {} MiB of guest RAM, nor does any other process here",
             size >> 20
         )),
         more => Err(format!(
-            "QEMU's QMP socket belongs to pid {peer}, which runs no vCPUs; {} processes here do with a shared {} MiB mapping ({more:?}): cannot tell which is this VM",
+            "QEMU's QMP socket belongs to pid {peer}, which maps no shared {} MiB of guest RAM; {} processes here do ({more:?}): cannot tell which is this VM",
+            size >> 20,
             more.len(),
-            size >> 20
         )),
     }
 }
