@@ -339,8 +339,10 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
     timeout = scenario_header(script, "timeout", 300)
     vms = scenario_header(script, "vms", 0)
     vm_initramfs = logdir / "vm-initramfs.cpio.gz"
+    # Rebuilt when hag-guest or vm-init is newer.
+    inputs = (build.guest, TESTS / "guest/vm-init")
     if vms and (not vm_initramfs.exists() or
-                vm_initramfs.stat().st_mtime < build.guest.stat().st_mtime):
+                vm_initramfs.stat().st_mtime < max(p.stat().st_mtime for p in inputs)):
         build_vm_initramfs(build, vm_initramfs)
     start = time.monotonic()
     # Two independent segments: eth0 carries the data, eth1 is a second
