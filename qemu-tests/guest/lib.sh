@@ -199,6 +199,17 @@ vm_result() {
 		fail "VM $1: hag-guest ended without a verdict: $(tail -5 "/tmp/$1.console")"
 }
 
+# guest_oops_quoted: the guest's kernel trouble, reworded so that the
+# harness does not take it for this host's (for a scenario whose guest must
+# crash).
+guest_oops_quoted() {
+	sed -e 's/BUG:/BUG (in the guest):/g' -e 's/WARNING:/WARNING (in the guest):/g' \
+		-e 's/Oops/O-ops (in the guest)/g' -e 's/Kernel panic/Kernel-panic (in the guest)/g' \
+		-e 's/general protection fault/general-protection-fault (in the guest)/g' \
+		-e 's/Call Trace:/Call Trace (in the guest):/g' -e 's/UBSAN:/UBSAN (in the guest):/g' \
+		-e 's/KASAN:/KASAN (in the guest):/g'
+}
+
 vm_show() {
 	echo "--- console of VM $1:"
 	cat "/tmp/$1.console" 2>/dev/null || true

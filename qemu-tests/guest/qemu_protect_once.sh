@@ -48,7 +48,12 @@ if [ "$HAG_HOST" = 1 ]; then
 	: >/tmp/backup.err
 	tail -f /tmp/backup.err 2>/dev/null | sed 's/^/[backup] /' &
 	live=$!
-	tail -F /tmp/vm.console 2>/dev/null | sed 's/^/[standby VM] /' &
+	# GUEST_MAY_CRASH=1: the standby guest's kernel trouble is expected.
+	if [ "${GUEST_MAY_CRASH:-0}" = 1 ]; then
+		tail -F /tmp/vm.console 2>/dev/null | guest_oops_quoted | sed 's/^/[standby VM] /' &
+	else
+		tail -F /tmp/vm.console 2>/dev/null | sed 's/^/[standby VM] /' &
+	fi
 	live="$live $!"
 	if command -v during_backup >/dev/null; then
 		during_backup >/tmp/during.out 2>&1 &
