@@ -1,0 +1,64 @@
+# hosts: 2
+# timeout: 900
+# vms: yes
+# Protection started by hag's qemu hook under real libvirtd: on host 0 a
+# domain with a hag-sim mdev hostdev, guest RAM in a shared memfd
+# (<memoryBacking>), a second QMP socket for hagctl (<qemu:commandline>)
+# and <hag:protect backup=… qmp-socket=…> in its <metadata> is defined and
+# started with virsh; libvirtd runs the hook, which starts hagctl checkpoint
+# --qmp against hagctl backup on host 1. Epochs must be acknowledged
+# (hagctl status says the VM is protected); `virsh destroy` must end the
+# protection: the hook's checkpoint ends, and the backup ends without a
+# takeover.
+DOM=gpu-guest
+GUEST_ARGS="--seconds=300,--mib=8,--cpu-mib=8"
+HOOK_LOG=$HOST_ROOT/var/log/hag/libvirt-hook.log
+CP_LOG=$HOST_ROOT/var/log/hag/checkpoint-$DOM.log
+backup=$(host_ip 1):7200
+peer=$(host_ip $((1 - HAG_HOST)))
+uuid=$(new_uuid)
+load_hag
+ha_key
+mdev_create "$uuid"
+wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
+
+if [ "$HAG_HOST" = 1 ]; then
+	host_root_up
+	step "host 1: backup on $backup (standby QEMU with vGPU $uuid)"
+	eval "set -- $(vm_words vm "$uuid" "$GUEST_ARGS")"
+	rc=0
+	hagctl backup --listen "$backup" --failover-timeout 10 --status-dir /tmp/hag-backup \
+		-- chroot "$HOST_ROOT" "$@" >/tmp/backup.out 2>/tmp/backup.err || rc=$?
+	cat /tmp/backup.err /tmp/backup.out
+	expect_eq "hagctl backup exit status" "$rc" 0
+	grep -q 'epoch [0-9]* applied' /tmp/backup.err || fail "no epoch reached the backup"
+	grep -q 'backup done: protection ends' /tmp/backup.err ||
+		fail "the backup did not end with the protection"
+	! grep -q '^takeover' /tmp/backup.out || fail "the backup took over"
+else
+	libvirt_up
+	mkdir -p "$HOST_ROOT/etc/hag"
+	cp /etc/hag/pair.key "$HOST_ROOT/etc/hag/pair.key"
+	# libvirtd runs hooks with PATH=/bin:/sbin:/usr/bin.
+	echo "HAGCTL=/usr/local/bin/hagctl" >"$HOST_ROOT/etc/hag/hag.conf"
+	qmp=/tmp/hag-$DOM.qmp
+	DOMAIN_SHARED_RAM=1
+	DOMAIN_XML_EXTRA="<metadata><hag:protect xmlns:hag='https://hag.example/1' backup='$backup' interval='1s' failover-timeout='10' qmp-socket='$qmp'/></metadata>
+  <qemu:commandline><qemu:arg value='-qmp'/><qemu:arg value='unix:$qmp,server=on,wait=off'/></qemu:commandline>"
+	step "host 0: virsh define + start (vGPU $uuid, <hag:protect backup='$backup'>)"
+	domain_xml "$DOM" "$uuid" "$GUEST_ARGS" >/tmp/$DOM.xml
+	cat /tmp/$DOM.xml
+	in_root virsh define "/tmp/$DOM.xml"
+	in_root virsh start "$DOM" || fail "virsh start: $(tail -5 "$HOST_ROOT/var/log/libvirt/qemu/$DOM.log")"
+	wait_for 60 grep -q "$DOM started/begin: protecting vGPU" "$HOOK_LOG" ||
+		{ cat "$HOOK_LOG"; fail "the hook did not start protection"; }
+	wait_for 300 grep -q '^epoch 3:' "$CP_LOG" || { cat "$CP_LOG"; fail "no 3 epochs acknowledged"; }
+	in_root /usr/local/bin/hagctl status
+	in_root /usr/local/bin/hagctl status | grep -q "protected, last epoch" || fail "hagctl status does not show the VM protected"
+	step "host 0: virsh destroy: protection ends"
+	in_root virsh destroy "$DOM"
+	wait_for 120 grep -q "$DOM supervise/-: protection ended" "$HOOK_LOG" ||
+		{ cat "$HOOK_LOG" "$CP_LOG"; fail "protection did not end after virsh destroy"; }
+	cat "$HOOK_LOG" "$CP_LOG"
+	grep -q "$DOM stopped/end: ending protection" "$HOOK_LOG" || fail "the hook did not see the domain stop"
+fi
