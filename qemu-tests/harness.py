@@ -17,10 +17,10 @@ With HAG_FLAVOUR=gvt, hosts boot the GVT-g kernel (scripts/build-kernel.sh
 `make gvt` built against it, and kvmgt.ko in the initramfs for lib.sh to
 load before it; i915 finds no Intel GPU there, so no GVT-g device exists.
 
-A scenario whose header says `# vms: yes` runs real VMs inside its test
-hosts: the hosts get `-cpu max` (TCG emulates AMD SVM, so KVM works inside
-them; a VM is never run under TCG inside TCG), more memory, a distinct
-SMBIOS UUID each, and this machine's root directory read-only over 9p
+Every host's CPU is `-cpu max`: its RDRAND seeds the kernel's random pool at
+boot, and it emulates AMD SVM, so KVM works inside the hosts. A scenario
+whose header says `# vms: yes` runs real VMs there (never TCG inside TCG);
+its hosts get more memory, a distinct SMBIOS UUID each, and this machine's root directory read-only over 9p
 (mount tag `hostroot`), from which lib.sh's `host_root_up` makes a writable
 root with QEMU 10 and libvirt in it, as virtme-ng does. The VMs boot the
 test kernel with the initramfs `build_vm_initramfs` writes (guest/vm-init
@@ -312,7 +312,6 @@ def vm_host_args(index, vm_initramfs, build):
     """QEMU arguments and kernel command-line words for a test host that
     runs real VMs (`# vms: yes`)."""
     args = [
-        "-cpu", "max",
         "-fsdev", "local,id=hostroot,path=/,readonly=on,security_model=none,multidevs=remap",
         "-device", "virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot",
         # libvirt refuses to migrate to a host with its own UUID.
@@ -365,6 +364,11 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
             extra, words = vm_host_args(i, vm_initramfs.resolve(), build) if vms else ([], "")
             cmd = [
                 "qemu-system-x86_64", "-accel", "tcg", "-m", str(VM_HOST_MIB if vms else 512),
+                # -cpu max for every host: its RDRAND seeds the kernel's
+                # random pool at boot. Without it the pool took up to 309 s
+                # to seed on a busy machine, and anything calling
+                # getrandom(2) (hagctl's Noise handshake) blocked that long.
+                "-cpu", "max",
                 "-smp", "1", "-nodefaults", "-display", "none", "-no-reboot", "-monitor", "none",
                 "-kernel", str(build.bzimage), "-initrd", str(initramfs),
                 "-append", f"console=ttyS0 panic=-1 quiet loglevel=4 hag_scenario={name} "

@@ -1156,7 +1156,10 @@ impl Primary {
         };
         self.report.finish();
         self.save_status(outcome, &detail);
-        if matches!(outcome, "finished" | "ended" | "vm-stopped") {
+        if matches!(
+            outcome,
+            "finished" | "finished-unconfirmed" | "ended" | "vm-stopped"
+        ) {
             let _ = std::fs::remove_file(status_path(&self.opts.status_dir, self.src.vgpu_id));
         }
         std::mem::take(&mut self.report)
@@ -1166,6 +1169,20 @@ impl Primary {
     /// it discarded its checkpoint.
     fn end_protection(&mut self, why: &str) -> CheckpointReport {
         let _ = self.event(Event::Signal(why.to_owned()));
+        self.await_end(("vm-stopped", format!("{why}: protection ended")))
+    }
+
+    /// The VM finished: end protection as at a signal, so that the
+    /// backup does not take the closed connections for a lost host.
+    fn end_finished(&mut self) -> CheckpointReport {
+        let _ = self.event(Event::Finished);
+        self.await_end(("finished", "the VM finished".into()))
+    }
+
+    /// ABORT is out: waits (up to the failover timeout) for the backup's
+    /// confirmation and ends as the policy says, or with `otherwise` if
+    /// the policy was past ending already.
+    fn await_end(&mut self, otherwise: (&'static str, String)) -> CheckpointReport {
         let deadline = Instant::now() + self.link.lock().policy.timeout();
         let mut confirmed = self.link.lock().end_confirmed;
         if !confirmed && self.link.lock().connected {
@@ -1187,11 +1204,11 @@ impl Primary {
         } else {
             Event::EndUnconfirmed
         };
-        let outcome = match self.event(ev) {
+        let (outcome, detail) = match self.event(ev) {
             Err(EpochError::Exit(o, d)) => (o, d),
-            _ => ("vm-stopped", format!("{why}: protection ended")),
+            _ => otherwise,
         };
-        self.end(outcome.0, outcome.1)
+        self.end(outcome, detail)
     }
 
     /// After a hang: the VM is stopped and the backup told; it confirms
@@ -1298,10 +1315,7 @@ impl Primary {
                 Some(self.hand_over())
             }
             EpochError::Exit(outcome, detail) => Some(self.end(outcome, detail)),
-            EpochError::Finished => match self.event(Event::Finished) {
-                Err(EpochError::Exit(o, d)) => Some(self.end(o, d)),
-                _ => Some(self.end("finished", "the VM finished".into())),
-            },
+            EpochError::Finished => Some(self.end_finished()),
             EpochError::Vm(why) => {
                 // The VM failed or stopped by itself: protection ends as at
                 // a signal. Its unacknowledged output (a FAIL line) goes

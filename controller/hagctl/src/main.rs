@@ -413,8 +413,10 @@ ack_ms_mean, epoch_bytes, gpu_dirty_mode, compress, per_epoch [{epoch,
 pause_ms, quiesce_ms, pages, cpu_dirty, gpu_dirty, bytes, raw_bytes, ack_ms,
 iteration, released, gpu_bytes_written, hashed_pages, hash_ms}]).
 gpu_bytes_written is what the vGPU's engine wrote since the last epoch
-(hag-sim's counter). outcome: finished, ended, handed-over, fenced,
-stop-failed or vm-stopped.")]
+(hag-sim's counter). outcome: finished, finished-unconfirmed (the VM
+finished but the backup did not confirm the end: it may still resume the
+last epoch), ended, handed-over, fenced, stop-failed or vm-stopped; hagctl
+exits non-zero on finished-unconfirmed, fenced and stop-failed.")]
     #[command(group(ArgGroup::new("protected").required(true).args(["vm", "qmp"])))]
     Checkpoint {
         /// Control socket of a hag-vmm VM (hag-vmm serve --control)
@@ -800,7 +802,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 stop,
             )?;
             print_report(json, &report, report.text())?;
-            if matches!(report.outcome.as_str(), "fenced" | "stop-failed") {
+            if matches!(
+                report.outcome.as_str(),
+                "finished-unconfirmed" | "fenced" | "stop-failed"
+            ) {
                 anyhow::bail!("{}", report.detail);
             }
         }

@@ -20,6 +20,9 @@
 //!   of the session; confirmed, output is released and the VM runs on
 //!   unprotected; unconfirmed within the failover timeout, the backup may
 //!   take over, so the VM is stopped.
+//! - The VM finishing ends protection the same way (ABORT, then the
+//!   confirmation), never by just closing the connections: the backup
+//!   would take the silence for a lost host and resume a finished VM.
 //!
 //! The policy works for any VMM driver: it speaks of epochs and output,
 //! not of how an epoch is captured.
@@ -36,7 +39,12 @@ pub enum State {
     /// The link to the backup failed; retrying. Output stays held.
     Unprotected(String),
     /// Protection is ending (ABORT sent), waiting for the backup to say so.
-    Ending(String),
+    Ending {
+        /// Why (a signal, or the VM finished).
+        why: String,
+        /// The VM finished by itself: there is nothing to stop.
+        vm_finished: bool,
+    },
     /// A newer generation runs the VM elsewhere.
     Fenced(u64),
     /// The vGPU hung: the VM is stopped, the backup told to take over.
@@ -227,7 +235,7 @@ impl Policy {
             }
             Event::Heard { .. } => vec![],
             Event::Acked { epoch, .. } => {
-                if matches!(self.state, State::HandedOver(_) | State::Ending(_)) {
+                if matches!(self.state, State::HandedOver(_) | State::Ending { .. }) {
                     return vec![];
                 }
                 if epoch <= self.acked {
@@ -243,7 +251,6 @@ impl Policy {
                     self.state = State::Unprotected(why);
                     vec![Cut]
                 }
-                State::Ending(_) => vec![],
                 _ => vec![],
             },
             Event::Hung(why) => {
@@ -254,14 +261,30 @@ impl Policy {
                 vec![self.stop(format!("its vGPU hung: {why}")), SendHang(why)]
             }
             Event::Signal(why) => match self.state {
-                State::Ending(_) | State::HandedOver(_) => vec![],
+                State::Ending { .. } | State::HandedOver(_) => vec![],
                 _ => {
-                    self.state = State::Ending(why.clone());
+                    self.state = State::Ending {
+                        why: why.clone(),
+                        vm_finished: false,
+                    };
                     vec![SendAbort(format!("protection ends: {why}"))]
                 }
             },
             Event::EndConfirmed => match &self.state {
-                State::Ending(why) => {
+                State::Ending {
+                    vm_finished: true, ..
+                } => {
+                    self.state = State::Done;
+                    vec![
+                        ReleaseAll,
+                        Cut,
+                        Exit(
+                            "finished",
+                            "the VM finished; its last epoch was acknowledged and its output released; the backup discarded its checkpoint".into(),
+                        ),
+                    ]
+                }
+                State::Ending { why, .. } => {
                     let why = why.clone();
                     self.state = State::Done;
                     vec![
@@ -276,7 +299,20 @@ impl Policy {
                 _ => vec![],
             },
             Event::EndUnconfirmed => match &self.state {
-                State::Ending(why) => {
+                State::Ending {
+                    vm_finished: true, ..
+                } => {
+                    self.state = State::Done;
+                    vec![
+                        ReleaseAll,
+                        Cut,
+                        Exit(
+                            "finished-unconfirmed",
+                            format!("the VM finished and its output was released, but the backup did not confirm the end within the failover timeout: it may resume epoch {} (the finished VM's last) unless it is stopped", self.acked),
+                        ),
+                    ]
+                }
+                State::Ending { why, .. } => {
                     let why = why.clone();
                     self.state = State::Done;
                     vec![
@@ -293,18 +329,19 @@ impl Policy {
                 }
                 _ => vec![],
             },
-            Event::Finished => {
-                self.state = State::Done;
-                vec![
-                    SendAbort("protection ends: finished".into()),
-                    Cut,
-                    Exit(
-                        "finished",
-                        "the VM finished; its last epoch was acknowledged and its output released"
-                            .into(),
-                    ),
-                ]
-            }
+            // The backup must hear the end before the connections close,
+            // or it takes the silence for a lost host and resumes a VM that
+            // finished: ABORT, then wait for its confirmation as at a signal.
+            Event::Finished => match self.state {
+                State::Ending { .. } | State::HandedOver(_) | State::Done => vec![],
+                _ => {
+                    self.state = State::Ending {
+                        why: "the VM finished".into(),
+                        vm_finished: true,
+                    };
+                    vec![SendAbort("protection ends: finished".into())]
+                }
+            },
             Event::VmGone(why) => {
                 if self.final_state() {
                     return vec![];
@@ -557,9 +594,15 @@ mod tests {
             })
             .is_empty());
         assert_eq!(p.released(), 3);
+        // Finishing says ABORT and waits: closing at once would leave the
+        // backup to take the silence for a lost host and resume the VM.
         let a = p.on(Event::Finished);
-        assert!(matches!(&a[0], SendAbort(_)));
+        assert_eq!(a, vec![SendAbort("protection ends: finished".into())]);
+        let a = p.clone().on(Event::EndConfirmed);
         assert!(matches!(a.last(), Some(Exit("finished", _))));
+        let a = p.on(Event::EndUnconfirmed);
+        assert!(!a.iter().any(|x| matches!(x, StopVm(_))));
+        assert!(matches!(a.last(), Some(Exit("finished-unconfirmed", _))));
         // A VM gone by itself, unprotected: its held output stays held.
         let mut q = protected();
         q.on(Event::LinkLost("x".into()));
