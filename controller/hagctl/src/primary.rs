@@ -193,6 +193,17 @@ impl Policy {
             )
     }
 
+    /// Protection is over and nothing can contradict the output: release
+    /// it, close the connections and exit.
+    fn release_and_exit(&mut self, outcome: &'static str, detail: String) -> Vec<Action> {
+        self.state = State::Done;
+        vec![
+            Action::ReleaseAll,
+            Action::Cut,
+            Action::Exit(outcome, detail),
+        ]
+    }
+
     fn stop(&mut self, why: String) -> Action {
         self.vm_stopped = true;
         Action::StopVm(why)
@@ -273,28 +284,13 @@ impl Policy {
             Event::EndConfirmed => match &self.state {
                 State::Ending {
                     vm_finished: true, ..
-                } => {
-                    self.state = State::Done;
-                    vec![
-                        ReleaseAll,
-                        Cut,
-                        Exit(
-                            "finished",
-                            "the VM finished; its last epoch was acknowledged and its output released; the backup discarded its checkpoint".into(),
-                        ),
-                    ]
-                }
+                } => self.release_and_exit(
+                    "finished",
+                    "the VM finished; its last epoch was acknowledged and its output released; the backup discarded its checkpoint".into(),
+                ),
                 State::Ending { why, .. } => {
-                    let why = why.clone();
-                    self.state = State::Done;
-                    vec![
-                        ReleaseAll,
-                        Cut,
-                        Exit(
-                            "ended",
-                            format!("{why}; the backup discarded its checkpoint, output released, the VM runs on unprotected"),
-                        ),
-                    ]
+                    let detail = format!("{why}; the backup discarded its checkpoint, output released, the VM runs on unprotected");
+                    self.release_and_exit("ended", detail)
                 }
                 _ => vec![],
             },
@@ -302,15 +298,8 @@ impl Policy {
                 State::Ending {
                     vm_finished: true, ..
                 } => {
-                    self.state = State::Done;
-                    vec![
-                        ReleaseAll,
-                        Cut,
-                        Exit(
-                            "finished-unconfirmed",
-                            format!("the VM finished and its output was released, but the backup did not confirm the end within the failover timeout: it may resume epoch {} (the finished VM's last) unless it is stopped", self.acked),
-                        ),
-                    ]
+                    let detail = format!("the VM finished and its output was released, but the backup did not confirm the end within the failover timeout: it may resume epoch {} (the finished VM's last) unless it is stopped", self.acked);
+                    self.release_and_exit("finished-unconfirmed", detail)
                 }
                 State::Ending { why, .. } => {
                     let why = why.clone();
