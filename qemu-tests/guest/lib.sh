@@ -124,16 +124,24 @@ VM_MIB=256
 # shell words for eval (no single quotes inside): QEMU/KVM with the
 # hag-sim vGPU MDEV-UUID (none if empty; VM_VGPU_OPTS adds vfio-pci
 # properties), booting the test kernel with hag-guest GUEST-ARGS (commas
-# for spaces), its console in /tmp/NAME.console. VM_NET=1 adds a virtio-net
-# NIC on tap vmtap0 (joined to br0 by /hag/vm-ifup), VM_APPEND kernel
-# command line words. The same words start a standby (hagctl backup -- …).
+# for spaces), its console in /tmp/NAME.console. VM_CONSOLE_SOCKET=1 gives
+# the console to a socket chardev, /tmp/NAME.console.sock (what hagctl
+# checkpoint --console holds), QEMU still logging all of it, unheld, to
+# /tmp/NAME.console for the scenario. VM_NET=1 adds a virtio-net NIC on tap
+# vmtap0 (joined to br0 by /hag/vm-ifup), VM_APPEND kernel command line
+# words. The same words start a standby (hagctl backup -- …).
 vm_words() {
 	local name=$1 uuid=$2 gargs=$3 w
 	w="qemu-system-x86_64 -name $name -accel kvm -cpu host -m $VM_MIB -smp 1"
 	w="$w -machine q35 -nodefaults -no-user-config -display none -no-reboot"
 	w="$w -kernel $(vm_kernel) -initrd $(vm_initrd)"
 	w="$w -append 'console=ttyS0 panic=-1 quiet loglevel=4 hag_guest=$gargs ${VM_APPEND:-}'"
-	w="$w -serial file:/tmp/$name.console"
+	if [ "${VM_CONSOLE_SOCKET:-0}" = 1 ]; then
+		w="$w -chardev socket,id=con0,path=/tmp/$name.console.sock,server=on,wait=off,logfile=/tmp/$name.console"
+		w="$w -serial chardev:con0"
+	else
+		w="$w -serial file:/tmp/$name.console"
+	fi
 	if [ -n "$uuid" ]; then
 		w="$w -device vfio-pci,sysfsdev=/sys/bus/mdev/devices/$uuid,id=vgpu0${VM_VGPU_OPTS:-}"
 	fi
@@ -275,12 +283,16 @@ CONF
 
 # domain_xml NAME MDEV-UUID GUEST-ARGS: a domain like vm_start's VM.
 # DOMAIN_SHARED_RAM=1 adds a shared file memory backing (what hagctl
-# checkpoint --qmp copies), DOMAIN_XML_EXTRA elements (<metadata>,
-# <qemu:commandline>) at the end.
+# checkpoint --qmp copies), DOMAIN_CONSOLE_SOCKET=1 a serial console on
+# the unix socket /tmp/NAME.console.sock instead of the file
+# /tmp/NAME.console (what hagctl checkpoint --console holds),
+# DOMAIN_XML_EXTRA elements (<metadata>, <qemu:commandline>) at the end.
 domain_xml() {
-	local backing=
+	local backing= serial="<serial type='file'><source path='/tmp/$1.console' append='on'/></serial>"
 	[ "${DOMAIN_SHARED_RAM:-0}" != 1 ] ||
 		backing="<memoryBacking><source type='file'/><access mode='shared'/></memoryBacking>"
+	[ "${DOMAIN_CONSOLE_SOCKET:-0}" != 1 ] ||
+		serial="<serial type='unix'><source mode='bind' path='/tmp/$1.console.sock'/></serial>"
 	cat <<XML
 <domain type='kvm' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>
   <name>$1</name>
@@ -298,9 +310,7 @@ domain_xml() {
   <on_reboot>destroy</on_reboot>
   <devices>
     <emulator>/usr/bin/qemu-system-x86_64</emulator>
-    <serial type='file'>
-      <source path='/tmp/$1.console' append='on'/>
-    </serial>
+    $serial
     <hostdev mode='subsystem' type='mdev' managed='no' model='vfio-pci' display='off'>
       <source>
         <address uuid='$2'/>

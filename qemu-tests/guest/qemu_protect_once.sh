@@ -1,6 +1,6 @@
 # A real VM (QEMU/KVM, Linux guest, hag-sim vGPU) on host 0 protected by
 # continuous checkpoints to host 1: `hagctl checkpoint --qmp` copies its RAM
-# from its shared memfd backend (CPU dirty pages from soft-dirty bits, GPU
+# from its shared file backend (CPU dirty pages from soft-dirty bits, GPU
 # ones from hag's log) and its device state through QEMU's own stream
 # (x-ignore-shared); `hagctl backup -- QEMU ARGS` stands by and, at
 # takeover, starts QEMU on the standby image and loads the last acknowledged
@@ -13,7 +13,12 @@
 #   GUEST_ARGS   hag-guest's arguments, commas for spaces
 #   CP_ARGS      more hagctl checkpoint arguments (optional)
 #   BACKUP_ARGS  more hagctl backup arguments (optional)
+#   CONSOLE=1    the VM's console is a socket chardev that hagctl checkpoint
+#                holds too (--console), released to /tmp/vm.console.held;
+#                QEMU logs all of it, unheld, to /tmp/vm.console
 #   during_backup   if defined: run on host 1 alongside hagctl backup
+#   during_primary  if defined: run on host 0 alongside hagctl checkpoint
+#                   (its output in /tmp/during.out)
 #   check_backup BACKUP-STATUS    host 1's verdict (/tmp/backup.*,
 #                                 /tmp/vm.console, /tmp/client.log)
 #   check_primary CHECKPOINT-STATUS  host 0's (/tmp/cp.*, /tmp/vm.console)
@@ -24,6 +29,10 @@ VM_NET=1
 # 52:54:00:4a:48:HOST).
 VM_APPEND="hag_vm_ip=203.0.113.50/24 hag_vm_neigh=$CLIENT,52:54:00:4a:48:01"
 GUEST_ARGS="$GUEST_ARGS,--report,$CLIENT:$PORT"
+if [ "${CONSOLE:-0}" = 1 ]; then
+	VM_CONSOLE_SOCKET=1
+	CP_ARGS="${CP_ARGS:-} --console /tmp/vm.console.sock --console-log /tmp/vm.console.held"
+fi
 backup=$(host_ip 1):7200
 peer=$(host_ip $((1 - HAG_HOST)))
 uuid=$(new_uuid)
@@ -98,7 +107,7 @@ if [ "$HAG_HOST" = 1 ]; then
 	check_backup "$rc"
 else
 	vm_net_up
-	step "host 0: VM with hag-guest on vGPU $uuid, RAM in a shared memfd"
+	step "host 0: VM with hag-guest on vGPU $uuid, RAM in a shared file"
 	VM_SHARED_RAM=1 vm_start vm "$uuid" "$GUEST_ARGS"
 	vm_wait_console vm 120 HAG-GUEST-READY
 	echo "QEMU pid $(cat /tmp/vm.pid)"
@@ -107,6 +116,10 @@ else
 	hagctl checkpoint --qmp /tmp/vm.qmp --backup "$backup" --plug eth1 --interval 1s \
 		--json ${CP_ARGS:-} >/tmp/cp.out 2>/tmp/cp.err &
 	cp=$!
+	if command -v during_primary >/dev/null; then
+		during_primary >/tmp/during.out 2>&1 &
+		during=$!
+	fi
 	wait_for 300 grep -q '^epoch 4:' /tmp/cp.err || fail "no 4 epochs: $(cat /tmp/cp.err)"
 	hagctl status
 	case "$FAULT" in
@@ -126,10 +139,16 @@ else
 		# The guest halts at its end; its QEMU is ended as an operator
 		# would, and protection ends with it.
 		vm_wait_console vm 600 HAG-GUEST-EXIT
+		if [ "${CONSOLE:-0}" = 1 ]; then
+			# Held: it comes out once its epoch is acknowledged.
+			wait_for 60 grep -q HAG-GUEST-EXIT /tmp/vm.console.held ||
+				fail "the guest's last console lines were never released: $(tail -3 /tmp/vm.console.held)"
+		fi
 		kill -TERM "$(cat /tmp/vm.pid)"
 	fi
 	rc=0
 	wait "$cp" || rc=$?
+	[ -z "${during:-}" ] || kill "$during" 2>/dev/null || true
 	cat /tmp/cp.err /tmp/cp.out
 	vm_show vm
 	check_primary "$rc"

@@ -4,16 +4,19 @@
 # Protection started by hag's qemu hook under real libvirtd: on host 0 a
 # domain with a hag-sim mdev hostdev, guest RAM in a shared memfd
 # (<memoryBacking>), a second QMP socket for hagctl (<qemu:commandline>)
-# and <hag:protect backup=… qmp-socket=…> in its <metadata> is defined and
-# started with virsh; libvirtd runs the hook, which starts hagctl checkpoint
-# --qmp against hagctl backup on host 1. Epochs must be acknowledged
-# (hagctl status says the VM is protected); `virsh destroy` must end the
+# and <hag:protect backup=… qmp-socket=… console-socket=…> in its
+# <metadata>, its serial console a unix socket, is defined and started with
+# virsh; libvirtd runs the hook, which starts hagctl checkpoint --qmp
+# --console against hagctl backup on host 1. Epochs must be acknowledged
+# (hagctl status says the VM is protected), the guest's console lines
+# must reach the hook's console log as their epochs are; `virsh destroy` must end the
 # protection: the hook's checkpoint ends, and the backup ends without a
 # takeover.
 DOM=gpu-guest
 GUEST_ARGS="--seconds=300,--mib=8,--cpu-mib=8"
 HOOK_LOG=$HOST_ROOT/var/log/hag/libvirt-hook.log
 CP_LOG=$HOST_ROOT/var/log/hag/checkpoint-$DOM.log
+CONSOLE_LOG=$HOST_ROOT/var/log/hag/console-$DOM.log
 backup=$(host_ip 1):7200
 peer=$(host_ip $((1 - HAG_HOST)))
 uuid=$(new_uuid)
@@ -43,7 +46,8 @@ else
 	echo "HAGCTL=/usr/local/bin/hagctl" >"$HOST_ROOT/etc/hag/hag.conf"
 	qmp=/tmp/hag-$DOM.qmp
 	DOMAIN_SHARED_RAM=1
-	DOMAIN_XML_EXTRA="<metadata><hag:protect xmlns:hag='https://hag.example/1' backup='$backup' interval='1s' failover-timeout='10' qmp-socket='$qmp'/></metadata>
+	DOMAIN_CONSOLE_SOCKET=1
+	DOMAIN_XML_EXTRA="<metadata><hag:protect xmlns:hag='https://hag.example/1' backup='$backup' interval='1s' failover-timeout='10' qmp-socket='$qmp' console-socket='/tmp/$DOM.console.sock'/></metadata>
   <qemu:commandline><qemu:arg value='-qmp'/><qemu:arg value='unix:$qmp,server=on,wait=off'/></qemu:commandline>"
 	step "host 0: virsh define + start (vGPU $uuid, <hag:protect backup='$backup'>)"
 	domain_xml "$DOM" "$uuid" "$GUEST_ARGS" >/tmp/$DOM.xml
@@ -55,6 +59,9 @@ else
 	wait_for 300 grep -q '^epoch 3:' "$CP_LOG" || { cat "$CP_LOG"; fail "no 3 epochs acknowledged"; }
 	in_root /usr/local/bin/hagctl status
 	in_root /usr/local/bin/hagctl status | grep -q "protected, last epoch" || fail "hagctl status does not show the VM protected"
+	wait_for 120 grep -q 'hag-guest: iteration' "$CONSOLE_LOG" ||
+		fail "the guest's console never reached $CONSOLE_LOG: $(cat "$CONSOLE_LOG" 2>&1)"
+	echo "console released to $CONSOLE_LOG: $(wc -l <"$CONSOLE_LOG") lines, the last: $(tail -1 "$CONSOLE_LOG")"
 	step "host 0: virsh destroy: protection ends"
 	in_root virsh destroy "$DOM"
 	wait_for 120 grep -q "$DOM supervise/-: protection ended" "$HOOK_LOG" ||

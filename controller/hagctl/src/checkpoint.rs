@@ -46,6 +46,7 @@ use hag_vmm::control::VmClient;
 use hag_vmm::ram::{GuestRam, PAGE_SIZE};
 
 use crate::backup::HEARTBEAT;
+use crate::console::ConsoleGate;
 use crate::migrate::{
     connect, gtt_guest_pages, open_running, secure_connect, tune, GpuDirty, MigrateError,
     MigrateOptions, MigrationReport, Source,
@@ -55,7 +56,7 @@ use crate::primary::{Action, Event, Policy, State};
 use crate::secure::{self, Key, Outbox};
 use crate::vmm::copy::{CopyVm, OutputGate, VmStatus};
 use crate::vmm::qemu::Qemu;
-use crate::vmm::qemu_copy::QemuVm;
+use crate::vmm::qemu_copy::{PlugGate, QemuVm};
 use crate::vmm::Vmm;
 use crate::wire::{
     read_msg, session_name, write_msg, Msg, PageData, VmmKind, ENDED_PHASE, PAGE, PAGES_PER_FRAME,
@@ -108,6 +109,9 @@ pub enum VmAt {
         /// (its egress gets `sch_plug`, held per epoch); none: the VM's
         /// network output is not held.
         plug: Option<String>,
+        /// The VM's console socket (a QEMU socket chardev) and the log its
+        /// released output is appended to; none: the console is not held.
+        console: Option<(PathBuf, PathBuf)>,
         /// For tests: withhold the CPU dirty log (a takeover must fail).
         withhold_cpu_dirty: bool,
     },
@@ -1358,6 +1362,7 @@ fn open_vm(at: &VmAt) -> anyhow::Result<OpenedVm> {
         VmAt::Qemu {
             qmp,
             plug,
+            console,
             withhold_cpu_dirty,
         } => {
             let mut qemu = Qemu::connect(qmp, QMP_TIMEOUT)?;
@@ -1365,13 +1370,18 @@ fn open_vm(at: &VmAt) -> anyhow::Result<OpenedVm> {
             if !state.is_running() {
                 anyhow::bail!("{}: the VM is {state}, not running", qemu.describe());
             }
-            let gate: Option<Box<dyn OutputGate>> = match plug {
-                Some(ifname) => Some(Box::new(crate::plug::Plug::attach(ifname).map_err(
-                    |e| anyhow::anyhow!("cannot hold the VM's output on {ifname}: {e}"),
-                )?)),
-                None => None,
-            };
-            let mut opened = QemuVm::open(qemu, gate)?;
+            let mut gates: Vec<Box<dyn OutputGate>> = Vec::new();
+            if let Some(ifname) = plug {
+                let plug = crate::plug::Plug::attach(ifname)
+                    .map_err(|e| anyhow::anyhow!("cannot hold the VM's output on {ifname}: {e}"))?;
+                gates.push(Box::new(PlugGate::new(plug)));
+            }
+            if let Some((socket, log)) = console {
+                gates.push(Box::new(
+                    ConsoleGate::connect(socket, log).map_err(anyhow::Error::msg)?,
+                ));
+            }
+            let mut opened = QemuVm::open(qemu, gates)?;
             if *withhold_cpu_dirty {
                 eprintln!("hagctl: TEST: the CPU dirty log is withheld");
                 opened.vm.withhold_cpu_dirty();

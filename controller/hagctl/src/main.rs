@@ -37,6 +37,7 @@
 mod backup;
 mod checkpoint;
 mod commands;
+mod console;
 mod events;
 mod migrate;
 mod output;
@@ -372,15 +373,17 @@ Every line of stdout is flushed as soon as it is printed.")]
         #[arg(long)]
         json: bool,
     },
-    /// Protect a hag-vmm VM with continuous checkpoints to a `hagctl backup`
+    /// Protect a VM (QEMU/KVM or hag-vmm) with continuous checkpoints to a `hagctl backup`
     #[command(after_long_help = "\
 The first checkpoint is a full copy while the VM runs (pre-copy rounds, as
 in migrate), then an epoch. Every --interval, an epoch: pause the VM,
 quiesce the vGPU, copy the pages the CPU and the GPU dirtied since the last
 epoch, the vGPU context and the VM state, resume the vGPU and the VM, then
 stream the epoch and wait for the backup's acknowledgement (the VM runs
-meanwhile). The VM's console output (hag-vmm serve --progress lines and the
-PASS/FAIL line) is held until the epoch it belongs to is acknowledged.
+meanwhile). The VM's output is held until the epoch it belongs to is
+acknowledged: a hag-vmm VM's console (its --progress lines and PASS/FAIL
+line); a QEMU VM's network packets on --plug's interface and its serial
+console with --console (released to --console-log).
 
 Per epoch, on stderr:
   epoch 12: pause 14.2 ms (quiesce 0.3), 310 pages (cpu 200, gpu 150), 0.31 MiB, acked in 9.8 ms
@@ -431,6 +434,14 @@ exits non-zero on finished-unconfirmed, fenced and stop-failed.")]
         /// acknowledged epoch)
         #[arg(long, value_name = "IFNAME", requires = "qmp")]
         plug: Option<String>,
+        /// --qmp: hold the VM's serial console, a QEMU socket chardev
+        /// (-chardev socket,id=con0,path=SOCKET,server=on,wait=off -serial
+        /// chardev:con0), released per acknowledged epoch to --console-log
+        #[arg(long, value_name = "SOCKET", requires_all = ["qmp", "console_log"])]
+        console: Option<std::path::PathBuf>,
+        /// The file the console's released output is appended to
+        #[arg(long, value_name = "FILE", requires = "console")]
+        console_log: Option<std::path::PathBuf>,
         /// For tests only: withhold the CPU dirty log (a takeover must fail)
         #[arg(long, hide = true, requires = "qmp")]
         test_withhold_cpu_dirty: bool,
@@ -750,6 +761,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             vm,
             qmp,
             plug,
+            console,
+            console_log,
             test_withhold_cpu_dirty,
             backup,
             heartbeat_addr,
@@ -776,6 +789,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     checkpoint::VmAt::Qemu {
                         qmp,
                         plug,
+                        console: console.zip(console_log),
                         withhold_cpu_dirty: test_withhold_cpu_dirty,
                     }
                 }

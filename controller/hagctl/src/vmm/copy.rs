@@ -36,13 +36,15 @@ pub enum VmStatus {
 }
 
 /// What holds a VM's output back until its epoch is acknowledged (for a
-/// QEMU VM, `sch_plug` on the interface its packets leave by).
+/// QEMU VM, `sch_plug` on the interface its packets leave by, and its
+/// console: [`crate::console::ConsoleGate`]).
 pub trait OutputGate {
-    /// An epoch boundary: what the VM sent so far belongs to the epoch
-    /// just captured, and goes out at the next [`OutputGate::release_one`].
-    fn buffer(&mut self) -> Result<(), String>;
-    /// The oldest buffered epoch was acknowledged: let it out.
-    fn release_one(&mut self) -> Result<(), String>;
+    /// An epoch boundary, taken while the VM is paused: what the VM sent
+    /// so far belongs to `epoch` (or an earlier one).
+    fn mark(&mut self, epoch: u64) -> Result<(), String>;
+    /// `epoch` was acknowledged: the output of it and of every earlier
+    /// epoch goes out. Returns whether anything went out.
+    fn release(&mut self, epoch: u64) -> Result<bool, String>;
     /// Protection ended: let everything out, and stop holding.
     fn release_all(&mut self) -> Result<(), String>;
 }

@@ -17,7 +17,8 @@
 //!   without RAM. QEMU's `stop` already moved the vGPU to VFIO's STOP
 //!   (it waits for the engine to go idle), so hag's quiesce is not used;
 //!   the save moves it STOP → STOP_COPY → STOP and `cont` back to RUNNING;
-//! - output: an [`OutputGate`] on the network its packets leave by.
+//! - output: [`OutputGate`]s on the network its packets leave by
+//!   ([`PlugGate`]) and on its console ([`crate::console::ConsoleGate`]).
 //!
 //! `x-ignore-shared` stays set only while this lives: a later ordinary
 //! migration of the VM must carry its RAM.
@@ -93,11 +94,7 @@ pub struct QemuVm {
     ram: Mapping,
     /// Its memory backend's id.
     ram_id: String,
-    gate: Option<Box<dyn OutputGate>>,
-    /// The epoch buffered in the gate and not yet released. `sch_plug`
-    /// counts one buffered epoch: while one is, later output stays in the
-    /// gate's open epoch (held, and let out one acknowledgement later).
-    buffered: Option<u64>,
+    gates: Vec<Box<dyn OutputGate>>,
     holding: bool,
     /// For tests: the CPU dirty log is withheld (always empty).
     withhold_cpu_dirty: bool,
@@ -157,7 +154,7 @@ pub fn shared_backend(memdevs: &Value) -> Result<(String, u64), String> {
 impl QemuVm {
     /// Opens the VM behind `qemu` for copying: finds its shared RAM and
     /// its hag vGPU, and sets `x-ignore-shared`.
-    pub fn open(mut qemu: Qemu, gate: Option<Box<dyn OutputGate>>) -> Result<Opened, VmmError> {
+    pub fn open(mut qemu: Qemu, gates: Vec<Box<dyn OutputGate>>) -> Result<Opened, VmmError> {
         let protocol = |q: &Qemu, what: String| VmmError::Protocol {
             vmm: q.describe(),
             what,
@@ -207,8 +204,7 @@ impl QemuVm {
                 qemu,
                 ram: ram_map,
                 ram_id: id,
-                gate,
-                buffered: None,
+                gates,
                 holding: false,
                 withhold_cpu_dirty: false,
             },
@@ -405,45 +401,70 @@ impl CopyVm for QemuVm {
 
     fn hold_output(&mut self, on: bool) -> Result<(), String> {
         if !on && self.holding {
-            if let Some(g) = &mut self.gate {
+            for g in &mut self.gates {
                 g.release_all()?;
             }
-            self.buffered = None;
         }
         self.holding = on;
         Ok(())
     }
 
     fn mark_epoch(&mut self, epoch: u64) -> Result<(), String> {
-        if let (Some(g), None) = (&mut self.gate, self.buffered) {
-            g.buffer()?;
+        self.gates.iter_mut().try_for_each(|g| g.mark(epoch))
+    }
+
+    /// How many gates let something out.
+    fn release_output(&mut self, epoch: u64) -> Result<u64, String> {
+        let mut released = 0;
+        for g in &mut self.gates {
+            released += u64::from(g.release(epoch)?);
+        }
+        Ok(released)
+    }
+}
+
+/// `sch_plug` on the interface the VM's packets leave by.
+pub struct PlugGate {
+    plug: crate::plug::Plug,
+    /// The epoch buffered in the plug and not yet released. `sch_plug`
+    /// counts one buffered epoch: while one is, later output stays in the
+    /// plug's open epoch (held, and let out one acknowledgement later).
+    buffered: Option<u64>,
+}
+
+impl PlugGate {
+    /// A gate on `plug` (which holds from its attach).
+    pub fn new(plug: crate::plug::Plug) -> PlugGate {
+        PlugGate {
+            plug,
+            buffered: None,
+        }
+    }
+}
+
+impl OutputGate for PlugGate {
+    fn mark(&mut self, epoch: u64) -> Result<(), String> {
+        if self.buffered.is_none() {
+            self.plug.buffer().map_err(|e| e.to_string())?;
             self.buffered = Some(epoch);
         }
         Ok(())
     }
 
-    fn release_output(&mut self, epoch: u64) -> Result<u64, String> {
-        match (&mut self.gate, self.buffered) {
-            (Some(g), Some(b)) if b <= epoch => {
-                g.release_one()?;
+    fn release(&mut self, epoch: u64) -> Result<bool, String> {
+        match self.buffered {
+            Some(b) if b <= epoch => {
+                self.plug.release_one().map_err(|e| e.to_string())?;
                 self.buffered = None;
-                Ok(1)
+                Ok(true)
             }
-            _ => Ok(0),
+            _ => Ok(false),
         }
     }
-}
 
-/// `sch_plug` on the interface the VM's packets leave by.
-impl OutputGate for crate::plug::Plug {
-    fn buffer(&mut self) -> Result<(), String> {
-        crate::plug::Plug::buffer(self).map_err(|e| e.to_string())
-    }
-    fn release_one(&mut self) -> Result<(), String> {
-        crate::plug::Plug::release_one(self).map_err(|e| e.to_string())
-    }
     fn release_all(&mut self) -> Result<(), String> {
-        self.release_indefinite().map_err(|e| e.to_string())
+        self.buffered = None;
+        self.plug.release_indefinite().map_err(|e| e.to_string())
     }
 }
 
