@@ -34,7 +34,9 @@ setup() {
 	hag) uuid=$(new_uuid) ;;
 	fallback)
 		uuid=$(new_uuid)
-		VM_VGPU_OPTS=,x-device-dirty-page-tracking=off
+		# enable-migration=on: with the default (auto) QEMU adds a
+		# migration blocker for a device without dirty tracking.
+		VM_VGPU_OPTS=,x-device-dirty-page-tracking=off,enable-migration=on
 		flags="--max-downtime 60000 --parameter avail-switchover-bandwidth=12500000"
 		;;
 	*) fail "unknown variant $1" ;;
