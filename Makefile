@@ -8,7 +8,8 @@
 #                 the evaluation harness's own tests, then `make gvt-test`, then
 #                 `make debug-test` if the debug kernel is already cached
 #   make eval     the evaluation (qemu-tests/eval/run, ~40 min, then the real-VM
-#                 migration benchmark qemu-tests/eval/qemu-migration) into
+#                 migration benchmark qemu-tests/eval/qemu-migration and the
+#                 real-VM checkpoint benchmark qemu-tests/eval/qemu-checkpoint) into
 #                 $(EVAL_OUT): report.md, results.json, plots; `make
 #                 eval-quick` does the same in short; `make eval-report`
 #                 redraws them
@@ -152,19 +153,26 @@ test: all check-userspace fuzz
 	@$(DEBUG_IF_CACHED)
 
 # Then the real-VM migration benchmark (qemu-tests/eval/qemu-migration):
-# the same QEMU/KVM VM without a vGPU, with hag's, and with QEMU's fallback.
+# the same QEMU/KVM VM without a vGPU, with hag's, and with QEMU's fallback;
+# then the real-VM checkpoint benchmark (qemu-tests/eval/qemu-checkpoint):
+# a QEMU/KVM VM unprotected and under hagctl checkpoint --qmp at 100 ms ..
+# 5 s, the pause floor, takeover after a GPU hang and after host loss.
 eval: all
 	qemu-tests/eval/run --out $(EVAL_OUT) --readme README.md
 	qemu-tests/eval/qemu-migration --runs 5 --out $(EVAL_OUT) --readme README.md
+	qemu-tests/eval/qemu-checkpoint --runs 2 --out $(EVAL_OUT) --readme README.md
 
 eval-quick: all
 	qemu-tests/eval/run --quick --out $(EVAL_OUT) --readme README.md
 	qemu-tests/eval/qemu-migration --runs 3 --out $(EVAL_OUT) --readme README.md
+	qemu-tests/eval/qemu-checkpoint --quick --out $(EVAL_OUT) --readme README.md
 
 eval-report: deps
 	qemu-tests/eval/run --report-only --out $(EVAL_OUT) --readme README.md
 	[ ! -e $(EVAL_OUT)/qemu-migration.json ] || \
 		qemu-tests/eval/qemu-migration --report-only --out $(EVAL_OUT) --readme README.md
+	[ ! -e $(EVAL_OUT)/qemu-checkpoint.json ] || \
+		qemu-tests/eval/qemu-checkpoint --report-only --out $(EVAL_OUT) --readme README.md
 
 demo: all
 	qemu-tests/demo

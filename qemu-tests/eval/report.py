@@ -607,13 +607,29 @@ QEMU_MIGRATION_BEGIN = "<!-- qemu-migration:begin (written by qemu-tests/eval/qe
 QEMU_MIGRATION_END = "<!-- qemu-migration:end -->"
 
 
+def included_section(out, name, begin, end):
+    """DIR/NAME (a benchmark's own section of the report) between its
+    markers, or nothing if it is not there."""
+    part = Path(out) / name
+    if not part.exists():
+        return ""
+    return f"\n{begin}\n{part.read_text()}{end}\n"
+
+
 def qemu_migration_section(out):
     """The real-VM migration benchmark's section (qemu-tests/eval/qemu-migration
     writes qemu-migration.md), between its markers, or nothing."""
-    part = Path(out) / "qemu-migration.md"
-    if not part.exists():
-        return ""
-    return f"\n{QEMU_MIGRATION_BEGIN}\n{part.read_text()}{QEMU_MIGRATION_END}\n"
+    return included_section(out, "qemu-migration.md", QEMU_MIGRATION_BEGIN, QEMU_MIGRATION_END)
+
+
+QEMU_CHECKPOINT_BEGIN = "<!-- qemu-checkpoint:begin (written by qemu-tests/eval/qemu-checkpoint) -->"
+QEMU_CHECKPOINT_END = "<!-- qemu-checkpoint:end -->"
+
+
+def qemu_checkpoint_section(out):
+    """The real-VM checkpoint benchmark's section (qemu-tests/eval/qemu-checkpoint
+    writes qemu-checkpoint.md), between its markers, or nothing."""
+    return included_section(out, "qemu-checkpoint.md", QEMU_CHECKPOINT_BEGIN, QEMU_CHECKPOINT_END)
 
 
 def render(res, out):
@@ -625,4 +641,4 @@ def render(res, out):
                      ("bandwidth", plot_bandwidth), ("bytes_per_epoch", plot_bytes), ("precision", plot_precision),
                      ("dirty_sweep", plot_sweep), ("takeover", plot_takeover)]:
         fn(plt, res, out)
-    (out / "report.md").write_text(report_md(res) + qemu_migration_section(out))
+    (out / "report.md").write_text(report_md(res) + qemu_migration_section(out) + qemu_checkpoint_section(out))

@@ -1,0 +1,218 @@
+# hosts: 2
+# timeout: 3600
+# vms: yes
+# The QEMU checkpoint benchmark's scenario (not a test:
+# qemu-tests/eval/qemu-checkpoint runs it, with PLAN, WINDOW and WARM set
+# in front of this text). One real VM after another (QEMU 10/KVM, Linux
+# guest running hag-guest on a hag-sim vGPU, RAM in a shared file, its
+# progress sent over UDP to a client on host 1) on host 0, once per PLAN
+# line "ID MODE":
+#   none       unprotected: the workload for WINDOW s after WARM s
+#   100ms, 500ms, 2s, 5s
+#              protected by hagctl checkpoint --qmp --plug eth1 at that
+#              interval to hagctl backup on host 1; the window of WINDOW s
+#              starts once epoch 2 is acknowledged (epoch 1 closes the
+#              first synchronisation); then SIGTERM ends protection (ABORT,
+#              the backup confirms, no takeover)
+#   idle       protected at 2 s, but hag-guest ends (verified, halted)
+#              before protection starts: epochs with almost nothing dirty,
+#              the pause floor
+#   hang       protected at 2 s; after epoch 2 a GPU hang is injected:
+#              host 1 takes over and the guest must verify there
+#   loss       protected at 2 s; host 0 is lost at a random point of an
+#              interval after epoch 2 (the harness kills it): host 1 takes
+#              over after its 3 s failover timeout. Last in a PLAN
+# Throughput is read on host 0's own clock (/proc/uptime), not the guest's:
+# each line of the VM's serial console (a file QEMU writes, never held) is
+# stamped as it appears, so "hag-guest: iteration N" lines give iterations
+# per host second; the guest's clock stops while QEMU has the VM stopped
+# and would hide the pauses.
+# Lines for the driver, host 0: QCPCON id UPTIME LINE (progress lines),
+# QCPEPOCH id UPTIME LINE (hagctl checkpoint's epoch lines), QCPWIN id T0
+# T1, QCPCP id {checkpoint json}; host 1: QCPTAKE id {backup json},
+# QCPGUEST id RESULT-LINE; both QCPDONE id.
+CLIENT=203.0.113.1
+PORT=7400
+VM_NET=1
+VM_APPEND="hag_vm_ip=203.0.113.50/24 hag_vm_neigh=$CLIENT,52:54:00:4a:48:01"
+WORK="--mib=8,--cpu-mib=8,--progress=1,--report,$CLIENT:$PORT"
+peer=$(host_ip $((1 - HAG_HOST)))
+bhost=$(host_ip 1)
+# Hang injection is allowed on host 0 for the whole boot (it only permits
+# hagctl inject-hang).
+if [ "$HAG_HOST" = 0 ]; then
+	load_hag allow_hang_injection=1
+else
+	load_hag
+fi
+ha_key
+host_root_up
+wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
+if [ "$HAG_HOST" = 1 ]; then
+	vm_net_up "$CLIENT/24"
+else
+	vm_net_up
+fi
+
+up() { read -r u _ </proc/uptime && echo "$u"; }
+
+# stamp FILE PID: FILE's lines as they are written, each after this host's
+# uptime (/proc/uptime, as `up`), until process PID ends: the host root's
+# Python polls it every 50 ms.
+cat >/tmp/stamp.py <<'PY'
+import os, sys, time
+path, pid = sys.argv[1], sys.argv[2]
+def up():
+    with open("/proc/uptime") as u:
+        return u.read().split()[0]
+f = open(path, "rb")
+rest = b""
+while True:
+    alive = os.path.exists("/proc/" + pid)
+    data = f.read()
+    if data:
+        t = up()
+        *lines, rest = (rest + data).split(b"\n")
+        for line in lines:
+            sys.stdout.write(t + " " + line.decode(errors="replace").rstrip() + "\n")
+        sys.stdout.flush()
+    elif not alive:
+        break
+    else:
+        time.sleep(0.05)
+PY
+stamp() {
+	: >>"$1"
+	in_root python3 /tmp/stamp.py "$1" "$2"
+}
+
+# guest MODE: hag-guest's arguments.
+guest() {
+	case $1 in
+	idle) echo "--seconds=1,--iterations=1,$WORK" ;;
+	hang | loss) echo "--seconds=120,$WORK" ;;
+	*) echo "--seconds=$GUEST_SECONDS,$WORK" ;;
+	esac
+}
+
+interval() {
+	case $1 in
+	none) echo - ;;
+	idle | hang | loss) echo 2s ;;
+	*) echo "$1" ;;
+	esac
+}
+
+primary() {
+	id=$1 mode=$2
+	iv=$(interval "$mode")
+	uuid=$(new_uuid)
+	mdev_create "$uuid"
+	VM_SHARED_RAM=1 vm_start "vm$id" "$uuid" "$(guest "$mode")"
+	qpid=$(cat "/tmp/vm$id.pid")
+	stamp "/tmp/vm$id.console" "$qpid" >"/tmp/con$id.st" &
+	vm_wait_console "vm$id" 180 HAG-GUEST-READY
+	[ "$mode" != idle ] || vm_wait_console "vm$id" 120 HAG-GUEST-EXIT
+	await_ready "$bhost" $((7600 + id)) 600
+	cp=
+	if [ "$iv" = - ]; then
+		sleep "$WARM"
+	else
+		hagctl checkpoint --qmp "/tmp/vm$id.qmp" --backup "$bhost:$((7200 + id))" --plug eth1 \
+			--interval "$iv" --json >"/tmp/cp$id.out" 2>"/tmp/cp$id.err" &
+		cp=$!
+		stamp "/tmp/cp$id.err" "$cp" >"/tmp/ep$id.st" &
+		wait_for 300 grep -q '^epoch 2:' "/tmp/cp$id.err" || {
+			cat "/tmp/cp$id.err"
+			fail "item $id ($mode): no epoch 2"
+		}
+	fi
+	case $mode in
+	hang | loss)
+		if [ "$mode" = hang ]; then
+			echo "QCPHANG $id $(up)"
+			hagctl inject-hang --mdev "$uuid"
+		else
+			ms=$(($(od -An -N2 -tu2 /dev/urandom) % 2000))
+			usleep $((ms * 1000))
+			echo "QCPLOSS $id $(up) ${ms} ms after epoch 2"
+			lose_this_host
+		fi
+		;;
+	*)
+		t0=$(up)
+		if [ "$mode" = idle ]; then sleep "$IDLE_WINDOW"; else sleep "$WINDOW"; fi
+		t1=$(up)
+		echo "QCPWIN $id $t0 $t1"
+		[ -z "$cp" ] || kill -TERM "$cp"
+		;;
+	esac
+	if [ -n "$cp" ]; then
+		rc=0
+		wait "$cp" || rc=$?
+		[ "$rc" = 0 ] || { echo "item $id: hagctl checkpoint exited $rc:"; tail -5 "/tmp/cp$id.err"; }
+		echo "QCPCP $id $(cat "/tmp/cp$id.out")"
+	fi
+	kill -TERM "$qpid" 2>/dev/null || true
+	wait_for 30 sh -c "! kill -0 $qpid 2>/dev/null" || kill -KILL "$qpid" 2>/dev/null || true
+	sleep 0.5
+	grep 'hag-guest: iteration' "/tmp/con$id.st" | sed "s/^/QCPCON $id /"
+	[ ! -s "/tmp/ep$id.st" ] || grep ' epoch [0-9]*:' "/tmp/ep$id.st" | sed "s/^/QCPEPOCH $id /"
+	grep HAG-GUEST-RESULT "/tmp/vm$id.console" | sed "s/^/QCPGUEST $id /" || true
+	rm -f "/tmp/vm$id.ram"
+	wait_for 30 sh -c "echo 1 >/sys/bus/mdev/devices/$uuid/remove" || echo "item $id: mdev $uuid not removed"
+	await_ready "$bhost" $((7800 + id)) 900
+}
+
+backup() {
+	id=$1 mode=$2
+	iv=$(interval "$mode")
+	uuid=$(new_uuid)
+	mdev_create "$uuid"
+	hag-guest listen --port "$PORT" >"/tmp/client$id.log" 2>/dev/null &
+	client=$!
+	bk=
+	if [ "$iv" != - ]; then
+		eval "set -- $(vm_words "vm$id" "$uuid" "$(guest "$mode")")"
+		hagctl backup --listen "$bhost:$((7200 + id))" --failover-timeout 3 --json \
+			--status-dir "/tmp/hag-backup$id" -- chroot "$HOST_ROOT" "$@" \
+			>"/tmp/backup$id.out" 2>"/tmp/backup$id.err" &
+		bk=$!
+		wait_for 60 port_listening $((7200 + id)) || fail "item $id: the backup does not listen"
+	fi
+	timeout 600 nc -l -p $((7600 + id)) </dev/null >/dev/null || fail "item $id: host 0 never started"
+	case $mode in
+	hang | loss)
+		wait_for 300 grep -q 'takeover: epoch .* loaded' "/tmp/backup$id.err" || {
+			cat "/tmp/backup$id.err"
+			fail "item $id ($mode): no takeover"
+		}
+		wait_for 300 grep -q HAG-GUEST-EXIT "/tmp/vm$id.console" ||
+			echo "item $id: the taken-over guest did not end: $(grep 'hag-guest: iteration' "/tmp/vm$id.console" | tail -1)"
+		grep HAG-GUEST-RESULT "/tmp/vm$id.console" | sed "s/^/QCPGUEST $id /" || true
+		qemu=$(sed -n 's/.*takeover: QEMU (pid \([0-9]*\)).*/\1/p' "/tmp/backup$id.err")
+		[ -z "$qemu" ] || kill -TERM "$qemu" 2>/dev/null || true
+		;;
+	esac
+	# Host 0 is done with the item (a lost host 0 never says so).
+	[ "$mode" = loss ] || timeout 900 nc -l -p $((7800 + id)) </dev/null >/dev/null || echo "item $id: no end from host 0"
+	if [ -n "$bk" ]; then
+		wait_for 60 sh -c "! kill -0 $bk 2>/dev/null" || { echo "item $id: hagctl backup still runs"; kill "$bk"; }
+		wait "$bk" || echo "item $id: hagctl backup exited $?: $(tail -3 "/tmp/backup$id.err")"
+		grep '^{' "/tmp/backup$id.out" | sed "s/^/QCPTAKE $id /" || true
+		grep 'takeover' "/tmp/backup$id.err" | sed "s/^/QCPTAKELOG $id /" || true
+	fi
+	kill "$client" 2>/dev/null || true
+	wait_for 30 sh -c "echo 1 >/sys/bus/mdev/devices/$uuid/remove" || echo "item $id: mdev $uuid not removed"
+}
+
+echo "$PLAN" | while read -r id mode; do
+	[ -n "$id" ] || continue
+	step "item $id: $mode"
+	if [ "$HAG_HOST" = 0 ]; then
+		primary "$id" "$mode" </dev/null
+	else
+		backup "$id" "$mode" </dev/null
+	fi
+	echo "QCPDONE $id"
+done
