@@ -92,13 +92,18 @@ fn vgpu_stats(state: &State, arg: usize) -> Result {
         Entry::Sim(vgpu) => vgpu,
         Entry::Gvt(gvt) => {
             // GVT's scanner rejects, hangs are GVT's: hag counts workloads.
-            let s = gvt.inner.lock().stats;
+            let (s, coverage) = {
+                let inner = gvt.inner.lock();
+                (inner.stats, inner.coverage())
+            };
             let answer = abi::HagVgpuStats {
                 vgpu_id: req.vgpu_id,
                 state: abi::VGPU_STATE_IDLE,
                 submissions: s.workloads,
                 commands: s.commands,
                 pages_marked: s.pages_marked,
+                precise_workloads: coverage.precise,
+                fallback_workloads: coverage.fallback,
                 ..Default::default()
             };
             return write_user(arg, &answer);
@@ -119,6 +124,8 @@ fn vgpu_stats(state: &State, arg: usize) -> Result {
             watchdog_ms: sim.watchdog_ms,
             reserved: 0,
             bytes_written: s.bytes_written,
+            precise_workloads: s.precise,
+            fallback_workloads: 0,
         }
     };
     write_user(arg, &answer)
