@@ -101,7 +101,10 @@ pub const IOC_INJECT_HANG: u32 = ioc(IOC_WRITE, 0x07, core::mem::size_of::<HagVg
 /// stopped engine counts as idle (it runs nothing). The hold belongs to the
 /// open file of `/dev/hag` that took it (the last to quiesce or restore):
 /// when that file is released (closed, or its process died) the vGPU is
-/// resumed.
+/// resumed. If the hold goes while the call waits (the VMM closed the
+/// device, which resets it, or another opener resumed it) it fails with
+/// `ECANCELED`. Every per-vGPU ioctl fails with `ENODEV` once its vGPU is
+/// removed, also one already in progress when the remove happened (ABI 3).
 pub const IOC_QUIESCE: u32 = ioc(IOC_WRITE, 0x08, core::mem::size_of::<HagQuiesce>());
 /// `_IOW(IOC_MAGIC, 9, HagVgpuRef)`: release a quiesced vGPU; submissions
 /// held meanwhile start.
