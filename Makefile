@@ -105,7 +105,8 @@ gvt-test: gvt controller
 DEBUG_BUILD := build/debug-module
 DEBUG_MODULE := $(DEBUG_BUILD)/rust/hag_mdev/hag_mdev.ko
 DEBUG_SCENARIOS := module_load_unload mdev_lifecycle netlink_events sim_workloads \
-	sim_hang_and_reject hostile_guest quiesce_under_load vfio_dma_logging vfio_migration_v2
+	sim_hang_and_reject hostile_guest quiesce_under_load vfio_dma_logging vfio_migration_v2 \
+	vgpu_removed_in_flight
 
 debug-kernel: deps
 	@command -v clang >/dev/null && command -v ld.lld >/dev/null || \

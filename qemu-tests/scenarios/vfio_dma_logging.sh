@@ -67,5 +67,5 @@ echo "$json"
 echo "$json" | grep -q '"stats":{"submissions":[1-9][0-9]*,' || fail "no submissions counted: $json"
 echo "$json" | grep -q '"pages_marked":[1-9]' || fail "no marked pages counted: $json"
 echo "$json" | grep -q '"hangs":[1-9]' || fail "the hang workload's hang is not counted: $json"
-hagctl status | grep -q "^ *submissions [1-9][0-9]*, rejected [1-9][0-9]*, commands " ||
+hagctl status | grep -q "^ *submissions [1-9][0-9]*, rejected [1-9][0-9]*, precise [1-9][0-9]*, fallback 0, commands " ||
 	fail "text status lacks the counters line"

@@ -13,7 +13,8 @@ use kernel::uaccess::UserSlice;
 use crate::abi;
 use crate::dirty::DirtyLog;
 use crate::events::Event;
-use crate::vgpu::Entry;
+use crate::vgpu::{Entry, Vgpu};
+use kernel::sync::Arc;
 use crate::State;
 
 impl crate::glue::FileOps for State {
@@ -53,13 +54,12 @@ fn dirty_start(state: &State, arg: usize) -> Result {
         return Err(EINVAL);
     }
     let log = DirtyLog::new(req.gpa, req.size)?;
-    state.entry(req.vgpu_id)?.dirty_start(log)
+    named(state, req.vgpu_id)?.dirty_start(log)
 }
 
 fn dirty_stop(state: &State, arg: usize) -> Result {
     let req = read_vgpu_ref(arg)?;
-    state.entry(req.vgpu_id)?.dirty_stop();
-    Ok(())
+    named(state, req.vgpu_id)?.dirty_stop()
 }
 
 fn dirty_read_clear(state: &State, arg: usize) -> Result {
@@ -67,7 +67,7 @@ fn dirty_read_clear(state: &State, arg: usize) -> Result {
     if req.reserved != 0 {
         return Err(EINVAL);
     }
-    let vgpu = state.entry(req.vgpu_id)?;
+    let vgpu = named(state, req.vgpu_id)?;
     let mut words = KVVec::new();
     req.dirty_pages = vgpu.dirty_read_clear(req.bitmap_bytes, &mut words)?;
     // The copy happens without the lock: it may fault on user memory. If it
@@ -88,24 +88,29 @@ fn dirty_read_clear(state: &State, arg: usize) -> Result {
 
 fn vgpu_stats(state: &State, arg: usize) -> Result {
     let req: abi::HagVgpuStats = read_user(arg)?;
-    let vgpu = match state.entry(req.vgpu_id)? {
+    let vgpu = match named(state, req.vgpu_id)? {
         Entry::Sim(vgpu) => vgpu,
         Entry::Gvt(gvt) => {
             // GVT's scanner rejects, hangs are GVT's: hag counts workloads.
-            let s = gvt.inner.lock().stats;
+            let (s, coverage) = {
+                let inner = gvt.inner.lock();
+                (inner.stats, inner.coverage())
+            };
             let answer = abi::HagVgpuStats {
                 vgpu_id: req.vgpu_id,
                 state: abi::VGPU_STATE_IDLE,
                 submissions: s.workloads,
                 commands: s.commands,
                 pages_marked: s.pages_marked,
+                precise_workloads: coverage.precise,
+                fallback_workloads: coverage.fallback,
                 ..Default::default()
             };
             return write_user(arg, &answer);
         }
     };
     let answer = {
-        let sim = vgpu.sim.lock();
+        let sim = vgpu.lock()?;
         let s = &sim.stats;
         abi::HagVgpuStats {
             vgpu_id: req.vgpu_id,
@@ -119,6 +124,8 @@ fn vgpu_stats(state: &State, arg: usize) -> Result {
             watchdog_ms: sim.watchdog_ms,
             reserved: 0,
             bytes_written: s.bytes_written,
+            precise_workloads: s.precise,
+            fallback_workloads: 0,
         }
     };
     write_user(arg, &answer)
@@ -129,7 +136,7 @@ fn set_watchdog(state: &State, arg: usize) -> Result {
     if !(abi::WATCHDOG_MIN_MS..=abi::WATCHDOG_MAX_MS).contains(&req.timeout_ms) {
         return Err(EINVAL);
     }
-    state.vgpu(req.vgpu_id)?.sim.lock().watchdog_ms = req.timeout_ms;
+    named_sim(state, req.vgpu_id)?.lock()?.watchdog_ms = req.timeout_ms;
     Ok(())
 }
 
@@ -138,7 +145,7 @@ fn inject_hang(state: &State, arg: usize) -> Result {
     if !crate::glue::hang_injection_allowed() {
         return Err(EPERM);
     }
-    state.vgpu(req.vgpu_id)?.sim.lock().hang("injected through /dev/hag");
+    named_sim(state, req.vgpu_id)?.lock()?.hang("injected through /dev/hag");
     Ok(())
 }
 
@@ -178,6 +185,29 @@ fn list_vgpus(state: &State, arg: usize) -> Result {
     write_user(arg, &request)
 }
 
+/// The vGPU an ioctl names. Its `Arc` is held from here to the end of the
+/// ioctl, across user copies that may fault and sleep: a remove meanwhile
+/// makes every later use of it fail with `ENODEV` ([`Vgpu::lock`]). The
+/// test-only parameter `test_hold_vgpu_ms` stretches that window, as a user
+/// copy that blocks would.
+fn named(state: &State, id: u32) -> Result<Entry> {
+    let entry = state.entry(id)?;
+    let hold = crate::glue::test_hold_vgpu_ms();
+    if hold > 0 {
+        crate::glue::msleep(hold);
+    }
+    Ok(entry)
+}
+
+/// As [`named`], for what only a simulated vGPU has (`EOPNOTSUPP` for a
+/// GVT-g one).
+fn named_sim(state: &State, id: u32) -> Result<Arc<Vgpu>> {
+    match named(state, id)? {
+        Entry::Sim(v) => Ok(v),
+        Entry::Gvt(_) => Err(crate::errno(kernel::bindings::EOPNOTSUPP)),
+    }
+}
+
 fn read_user<T: FromBytes>(addr: usize) -> Result<T> {
     UserSlice::new(addr, core::mem::size_of::<T>()).reader().read()
 }
@@ -191,7 +221,7 @@ fn quiesce(state: &State, opener: u64, arg: usize) -> Result {
     if req.timeout_ms > abi::QUIESCE_MAX_MS {
         return Err(EINVAL);
     }
-    let vgpu = state.entry(req.vgpu_id)?;
+    let vgpu = named(state, req.vgpu_id)?;
     match &vgpu {
         Entry::Sim(sim) => sim.quiesce(req.timeout_ms, Some(opener))?,
         // GVT's own wait: it does not hold new workloads, and its
@@ -204,13 +234,13 @@ fn quiesce(state: &State, opener: u64, arg: usize) -> Result {
 
 fn resume(state: &State, arg: usize) -> Result {
     let req = read_vgpu_ref(arg)?;
-    let vgpu = match state.entry(req.vgpu_id)? {
+    let vgpu = match named(state, req.vgpu_id)? {
         Entry::Sim(vgpu) => vgpu,
         // Quiescing a GVT-g vGPU holds nothing: nothing to let go.
         Entry::Gvt(_) => return Ok(()),
     };
     {
-        let mut sim = vgpu.sim.lock();
+        let mut sim = vgpu.lock()?;
         // A VMM stopped it for VFIO migration: only the VMM restarts it.
         if sim.vfio_stopped {
             return Err(EBUSY);
@@ -226,7 +256,7 @@ fn save_context(state: &State, arg: usize) -> Result {
     if req.reserved != 0 {
         return Err(EINVAL);
     }
-    let vgpu = state.entry(req.vgpu_id)?;
+    let vgpu = named(state, req.vgpu_id)?;
     let need = vgpu.snapshot_bytes()?;
     if req.buf_bytes < need as u64 {
         req.used_bytes = need as u64;
@@ -246,7 +276,7 @@ fn restore_context(state: &State, opener: u64, arg: usize) -> Result {
     if req.reserved != 0 {
         return Err(EINVAL);
     }
-    let vgpu = state.entry(req.vgpu_id)?;
+    let vgpu = named(state, req.vgpu_id)?;
     if req.buf_bytes > vgpu.snapshot_max_bytes() {
         return Err(EINVAL);
     }

@@ -52,6 +52,16 @@ module_param(corrupt_mig_data, bool, 0444);
 MODULE_PARM_DESC(corrupt_mig_data,
 		 "Flip one byte of every vGPU state this host hands out through VFIO migration (tests only: the target must refuse it; default off)");
 
+static unsigned int test_hold_vgpu_ms;
+module_param(test_hold_vgpu_ms, uint, 0444);
+MODULE_PARM_DESC(test_hold_vgpu_ms,
+		 "Hold each /dev/hag ioctl this long (ms, at most 10000) after it looked its vGPU up, as a user copy that blocks would (tests only: a vGPU removed meanwhile must refuse it; default 0)");
+
+u32 hag_glue_test_hold_vgpu_ms(void)
+{
+	return min(READ_ONCE(test_hold_vgpu_ms), 10000U);
+}
+
 void hag_glue_msleep(u32 ms)
 {
 	msleep(ms);

@@ -106,6 +106,7 @@ void hag_glue_eventfd_signal(struct eventfd_ctx *ctx);
 void hag_glue_eventfd_put(struct eventfd_ctx *ctx);
 bool hag_glue_hang_injection_allowed(void);
 bool hag_glue_gpu_dirty_withheld(void);
+u32 hag_glue_test_hold_vgpu_ms(void);
 void hag_glue_msleep(u32 ms);
 void hag_glue_cond_resched(void);
 void hag_glue_iova_bitmap_set(void *dirty, u64 iova, u64 length);

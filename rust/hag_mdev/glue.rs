@@ -229,6 +229,7 @@ extern "C" {
     fn hag_glue_eventfd_put(ctx: *mut CEventfd);
     fn hag_glue_hang_injection_allowed() -> bool;
     fn hag_glue_gpu_dirty_withheld() -> bool;
+    fn hag_glue_test_hold_vgpu_ms() -> u32;
     fn hag_glue_msleep(ms: u32);
     fn hag_glue_cond_resched();
     fn hag_glue_iova_bitmap_set(dirty: *mut c_void, iova: u64, length: u64);
@@ -559,10 +560,13 @@ extern "C" fn mig_max_bytes<T: Driver>(ctx: *const c_void, id: u32) -> c_long {
 /// The C object lives from probe until glue.c's remove has called
 /// the table's `vgpu_remove` (after stopping VFIO access and cancelling the
 /// work), but `Arc<Vgpu>` clones may outlive that (a quiesce holds one for
-/// up to a minute). So the pointer is cleared at remove ([`Self::forget`]),
-/// with the vGPU's mutex held, and every use checks it with that mutex held:
-/// a use either runs before the remove finishes with the object, or finds
-/// nothing to use.
+/// up to a minute, any `/dev/hag` ioctl one across its user copies). So the
+/// pointer is cleared at remove ([`Self::forget`]), with the vGPU's mutex
+/// held, and every use checks it with that mutex held: a use either runs
+/// before the remove finishes with the object, or finds nothing to use.
+/// The logic takes the vGPU's mutex only through a lock that checks
+/// [`Self::is_live`] first, so a clone that outlives the remove reaches
+/// neither the C object nor the device model (`ENODEV`).
 pub(crate) struct VgpuHandle {
     vgpu: AtomicPtr<CVgpu>,
 }
@@ -581,6 +585,12 @@ impl VgpuHandle {
         } else {
             Ok(vgpu)
         }
+    }
+
+    /// Whether the vGPU is still there (not yet removed). With the vGPU's
+    /// mutex held the answer stays true until it is released.
+    pub(crate) fn is_live(&self) -> bool {
+        self.live().is_ok()
     }
 
     /// The vGPU is being removed: no use reaches the C object from now on.
@@ -634,6 +644,12 @@ pub(crate) fn hang_injection_allowed() -> bool {
 pub(crate) fn gpu_dirty_withheld() -> bool {
     // SAFETY: reads a module parameter; no preconditions.
     unsafe { hag_glue_gpu_dirty_withheld() }
+}
+
+/// The test-only module parameter `test_hold_vgpu_ms` (at most 10 s).
+pub(crate) fn test_hold_vgpu_ms() -> u32 {
+    // SAFETY: reads a module parameter; no preconditions.
+    unsafe { hag_glue_test_hold_vgpu_ms() }
 }
 
 /// Sleeps (process context only).

@@ -45,7 +45,7 @@ use crate::sim::vfio::mig_state;
 use crate::State;
 use crate::handoff::{self, Limits, Outcome, Workload};
 use crate::snapshot::{self as fmt, Snapshot, SnapshotError, Writer};
-use crate::track::{FrameCounts, InFlight, Marked, Reach, Remark, Writes, MAX_MAP_PAGES};
+use crate::track::{Coverage, FrameCounts, InFlight, Marked, Reach, Remark, Writes, MAX_MAP_PAGES};
 
 /// How many unmodelled workloads of one vGPU are logged with their reason
 /// (the rest are counted only).
@@ -69,8 +69,6 @@ const MAX_GVT_WRITE_PAGES: u64 = 1024;
 pub(crate) struct GvtStats {
     /// Workloads GVT handed over.
     pub(crate) workloads: u64,
-    /// Workloads whose write set was audited and translated in full.
-    pub(crate) audited: u64,
     /// Workloads hag could not model (the reachable set marked).
     pub(crate) unmodelled: u64,
     /// Commands validated in audited workloads.
@@ -233,6 +231,12 @@ impl GvtInner {
         Ok(())
     }
 
+    /// How many workloads were modelled precisely and how many took the
+    /// fallback (see [`Coverage`]: counted once each is final).
+    pub(crate) fn coverage(&self) -> Coverage {
+        self.inflight.coverage()
+    }
+
     /// Marks the reachable set for a workload not modelled.
     fn mark_reachable(&mut self) {
         self.stats.pages_marked += self.logs.mark_reach(&self.reach);
@@ -314,7 +318,6 @@ impl GvtVgpu {
         inner.stats.pages_marked += marked;
         let writes = match outcome {
             Ok(Outcome::Audited { commands, .. }) => {
-                inner.stats.audited += 1;
                 inner.stats.commands += u64::from(commands);
                 if kept {
                     Writes::Pages(pages)
@@ -345,7 +348,7 @@ impl GvtVgpu {
     pub(crate) fn workload_done(&self, cookie: u64, changed: bool) {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        let writes = inner.inflight.done(cookie);
+        let writes = inner.inflight.done(cookie, changed);
         if changed {
             inner.stats.changed_batches += 1;
             inner.mark_reachable();
@@ -429,17 +432,23 @@ impl GvtVgpu {
         }
     }
 
-    /// Logs the counters (the stats ioctl has no field for them).
+    /// Logs the counters (`IOC_VGPU_STATS` has the main ones; this line
+    /// also splits why workloads took the fallback).
     pub(crate) fn log_stats(&self, why: &str) {
-        let s = self.inner.lock().stats;
+        let (s, c) = {
+            let inner = self.inner.lock();
+            (inner.stats, inner.coverage())
+        };
         pr_info!(
-            "GVT vGPU {} (hag vGPU {}) {}: {} workloads, {} audited, {} not modelled, {} commands, {} pages marked, {} GVT writes\n",
+            "GVT vGPU {} (hag vGPU {}) {}: {} workloads, {} precise, {} fallback ({} not modelled, {} PPGTT batches changed), {} commands, {} pages marked, {} GVT writes\n",
             self.gvt_id,
             self.id,
             why,
             s.workloads,
-            s.audited,
+            c.precise,
+            c.fallback,
             s.unmodelled,
+            s.changed_batches,
             s.commands,
             s.pages_marked,
             s.gvt_writes

@@ -75,6 +75,10 @@ pub(crate) struct Stats {
     pub(crate) hangs: u64,
     /// Bytes the engine wrote to guest memory (sim/engine.rs).
     pub(crate) bytes_written: u64,
+    /// Submissions the auditor accepted and whose write set was marked
+    /// before they ran: all of hag-sim's work is modelled precisely (what
+    /// the auditor cannot model it rejects), so it has no fallback count.
+    pub(crate) precise: u64,
 }
 
 /// The guest-visible registers that are plain storage.
@@ -448,6 +452,7 @@ impl Sim {
             return;
         };
         self.run = Some(Submission::new(cmds, pages, tail));
+        self.stats.precise += 1;
         self.mark_running_write_set();
         self.last_progress_ns = Ktime::ktime_get().to_ns();
         handle.kick(0);

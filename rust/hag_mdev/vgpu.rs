@@ -16,6 +16,7 @@
 //! then lock the vGPU.
 
 use kernel::prelude::*;
+use kernel::sync::lock::{mutex::MutexBackend, Guard};
 use kernel::sync::{Arc, Mutex};
 use kernel::time::Ktime;
 use kernel::uaccess::UserSlice;
@@ -36,28 +37,50 @@ pub(crate) const MAX_VGPUS: usize = 32;
 const MIG_QUIESCE_MS: u32 = 2000;
 
 /// One vGPU: its C side and its simulated device.
+///
+/// The device model is reached only through [`Vgpu::lock`], which refuses
+/// once the vGPU was removed: callers look a vGPU up and may hold its `Arc`
+/// long after (a quiesce's wait, a `/dev/hag` ioctl's user copies), and
+/// every use after the remove must find nothing, not a device whose VM and
+/// C object are gone.
 #[pin_data]
 pub(crate) struct Vgpu {
     pub(crate) id: u32,
     pub(crate) uuid: [u8; 16],
     pub(crate) handle: VgpuHandle,
     #[pin]
-    pub(crate) sim: Mutex<Sim>,
+    sim: Mutex<Sim>,
 }
 
 impl Vgpu {
+    /// Locks the simulated device; `ENODEV` once the vGPU was removed
+    /// (its handle forgotten, which happens under this mutex, so the
+    /// answer holds for as long as the guard lives).
+    pub(crate) fn lock(&self) -> Result<Guard<'_, Sim, MutexBackend>> {
+        let sim = self.sim.lock();
+        if !self.handle.is_live() {
+            return Err(ENODEV);
+        }
+        Ok(sim)
+    }
+
     /// Holds new submissions and waits up to `timeout_ms` for the one in
     /// flight to end (sleeping, so process context only). On timeout the
     /// hold this call took is let go again and `ETIMEDOUT` returned: work
-    /// in flight is never snapshotted. A hold taken for a `/dev/hag`
-    /// opener (`holder`) is that opener's: it goes when the opener's file
-    /// is released.
+    /// in flight is never snapshotted. If the hold goes while it waits
+    /// (the VMM closed the device, which resets it, or `IOC_RESUME`), it
+    /// fails with `ECANCELED`; once the vGPU is removed, with `ENODEV`. A
+    /// hold taken for a `/dev/hag` opener (`holder`) is that opener's: it
+    /// goes when the opener's file is released.
     pub(crate) fn quiesce(&self, timeout_ms: u32, holder: Option<u64>) -> Result {
-        let held_before = core::mem::replace(&mut self.sim.lock().quiesced, true);
+        let held_before = core::mem::replace(&mut self.lock()?.quiesced, true);
         let deadline = Ktime::ktime_get().to_ns() + i64::from(timeout_ms) * 1_000_000;
         loop {
             {
-                let mut sim = self.sim.lock();
+                let mut sim = self.lock()?;
+                if !sim.quiesced {
+                    return Err(crate::errno(kernel::bindings::ECANCELED));
+                }
                 if !sim.busy() {
                     if holder.is_some() {
                         sim.held_by = holder;
@@ -115,7 +138,7 @@ impl Entry {
     pub(crate) fn dirty_start(&self, log: DirtyLog) -> Result {
         match self {
             Entry::Sim(v) => {
-                v.sim.lock().start_dirty_log(log);
+                v.lock()?.start_dirty_log(log);
                 Ok(())
             }
             Entry::Gvt(g) => g.inner.lock().start_dirty_log(log),
@@ -123,10 +146,10 @@ impl Entry {
     }
 
     /// Stops the `/dev/hag` dirty log.
-    pub(crate) fn dirty_stop(&self) {
+    pub(crate) fn dirty_stop(&self) -> Result {
         // Freed after the lock is released.
         let log = match self {
-            Entry::Sim(v) => v.sim.lock().dirty.take(),
+            Entry::Sim(v) => v.lock()?.dirty.take(),
             Entry::Gvt(g) => {
                 let log = g.inner.lock().stop_dirty_log();
                 g.log_stats("dirty log stopped");
@@ -134,6 +157,7 @@ impl Entry {
             }
         };
         drop(log);
+        Ok(())
     }
 
     /// Moves the dirty bits into `words` and clears them; returns how many
@@ -142,7 +166,7 @@ impl Entry {
     pub(crate) fn dirty_read_clear(&self, room: u64, words: &mut KVVec<u64>) -> Result<u64> {
         match self {
             Entry::Sim(v) => {
-                let mut sim = v.sim.lock();
+                let mut sim = v.lock()?;
                 let log = sim.dirty.as_mut().ok_or(ENOENT)?;
                 if room < log.bitmap_bytes() as u64 {
                     return Err(ENOSPC);
@@ -178,7 +202,7 @@ impl Entry {
     /// Writes the context snapshot into `out`; returns the bytes used.
     pub(crate) fn save(&self, out: &mut [u8]) -> Result<usize> {
         match self {
-            Entry::Sim(v) => v.sim.lock().save(out),
+            Entry::Sim(v) => v.lock()?.save(out),
             Entry::Gvt(g) => g.save(out),
         }
     }
@@ -189,7 +213,7 @@ impl Entry {
     pub(crate) fn restore(&self, bytes: &[u8], opener: u64) -> Result {
         match self {
             Entry::Sim(v) => {
-                let mut sim = v.sim.lock();
+                let mut sim = v.lock()?;
                 sim.restore(bytes)?;
                 sim.held_by = Some(opener);
                 Ok(())
@@ -207,7 +231,12 @@ impl Entry {
             }
         };
         match self {
-            Entry::Sim(v) => merge(v.sim.lock().dirty.as_mut()),
+            // Removed meanwhile: the bits have no log to go back to.
+            Entry::Sim(v) => {
+                if let Ok(mut sim) = v.lock() {
+                    merge(sim.dirty.as_mut());
+                }
+            }
             Entry::Gvt(g) => merge(g.inner.lock().logs.dev.as_mut()),
         }
     }
@@ -290,8 +319,11 @@ impl State {
     pub(crate) fn vgpu_removed(&self, id: u32) {
         let removed = self.table.lock().remove(|e| matches!(e, Entry::Sim(v) if v.id == id));
         if let Some(Entry::Sim(vgpu)) = &removed {
-            // Clones of the vGPU may live on (a quiesce in flight): from
-            // here their uses of the C side find nothing.
+            // Clones of the vGPU may live on (a quiesce in flight, an
+            // ioctl in a user copy): from here their uses of the C side and
+            // of the device model find nothing (`Vgpu::lock`). The one lock
+            // not taken through `Vgpu::lock`: it ends the vGPU's liveness,
+            // under the mutex every use holds.
             let _sim = vgpu.sim.lock();
             vgpu.handle.forget();
         }
@@ -343,7 +375,7 @@ impl State {
         for entry in vgpus.iter().flatten() {
             let Entry::Sim(vgpu) = entry else { continue };
             let released = {
-                let mut sim = vgpu.sim.lock();
+                let Ok(mut sim) = vgpu.lock() else { continue };
                 let held = sim.quiesced && sim.held_by == Some(opener) && !sim.vfio_stopped;
                 if held {
                     sim.resume(&vgpu.handle);
@@ -359,7 +391,9 @@ impl State {
     /// Records that a VMM opened (or closed) the vGPU's VFIO device.
     pub(crate) fn vgpu_opened(&self, id: u32, open: bool) {
         let Ok(vgpu) = self.vgpu(id) else { return };
-        vgpu.sim.lock().set_open(open);
+        let Ok(mut sim) = vgpu.lock() else { return };
+        sim.set_open(open);
+        drop(sim);
         let what = if open { "opened" } else { "closed" };
         Event::new(abi::EVENT_STATE_CHANGED, id, &vgpu.uuid).message(what).send();
     }
@@ -367,14 +401,14 @@ impl State {
     /// A VFIO region access.
     pub(crate) fn vfio_rw(&self, id: u32, user: UserSlice, count: usize, pos: u64, write: bool) -> Result<usize> {
         let vgpu = self.vgpu(id)?;
-        let mut sim = vgpu.sim.lock();
+        let mut sim = vgpu.lock()?;
         sim.region_rw(&vgpu.handle, user, count, pos, write)
     }
 
     /// A VFIO device ioctl.
     pub(crate) fn vfio_ioctl(&self, id: u32, cmd: u32, arg: usize) -> Result<i64> {
         let vgpu = self.vgpu(id)?;
-        let mut sim = vgpu.sim.lock();
+        let mut sim = vgpu.lock()?;
         vfio::vfio_ioctl(&mut sim, cmd, arg)
     }
 
@@ -404,7 +438,7 @@ impl State {
             return g.dma_log_report(iova, length, report);
         }
         let vgpu = self.vgpu(id)?;
-        let mut sim = vgpu.sim.lock();
+        let mut sim = vgpu.lock()?;
         let log = sim.vfio_dirty.as_mut().ok_or(EINVAL)?;
         if glue::gpu_dirty_withheld() {
             // Tests only: the bits are taken and dropped, so the VMM sees a
@@ -437,7 +471,7 @@ impl State {
                     );
                     return Err(e);
                 }
-                let mut sim = vgpu.sim.lock();
+                let mut sim = vgpu.lock()?;
                 // IOC_RESUME may have let it go meanwhile.
                 if !sim.quiesced || sim.busy() {
                     return Err(EBUSY);
@@ -448,7 +482,7 @@ impl State {
                 MigAction::None
             }
             (STOP, RUNNING) => {
-                let mut sim = vgpu.sim.lock();
+                let mut sim = vgpu.lock()?;
                 sim.vfio_stopped = false;
                 sim.resume(&vgpu.handle);
                 drop(sim);
@@ -479,7 +513,7 @@ impl State {
             return g.mig_save(out);
         }
         let vgpu = self.vgpu(id)?;
-        let sim = vgpu.sim.lock();
+        let sim = vgpu.lock()?;
         if !sim.vfio_stopped {
             return Err(EBUSY);
         }
@@ -493,7 +527,7 @@ impl State {
             return g.mig_restore(bytes);
         }
         let vgpu = self.vgpu(id)?;
-        let mut sim = vgpu.sim.lock();
+        let mut sim = vgpu.lock()?;
         if !sim.vfio_stopped {
             return Err(EBUSY);
         }
@@ -546,7 +580,7 @@ impl State {
             });
         }
         let vgpu = self.vgpu(id)?;
-        let sim = vgpu.sim.lock();
+        let sim = vgpu.lock()?;
         if bytes.len() > total {
             pr_info!(
                 "vGPU {}: VFIO migration: {} bytes of device state written, its header says {}\n",
@@ -574,7 +608,7 @@ impl State {
             return;
         }
         let Ok(vgpu) = self.vgpu(id) else { return };
-        let mut sim = vgpu.sim.lock();
+        let Ok(mut sim) = vgpu.lock() else { return };
         if sim.vfio_stopped {
             sim.vfio_stopped = false;
             sim.resume(&vgpu.handle);
@@ -584,7 +618,8 @@ impl State {
     /// The vGPU's work item ran.
     pub(crate) fn vgpu_tick(&self, id: u32) {
         let Ok(vgpu) = self.vgpu(id) else { return };
-        vgpu.sim.lock().tick(&vgpu.handle);
+        let Ok(mut sim) = vgpu.lock() else { return };
+        sim.tick(&vgpu.handle);
     }
 
     /// Every vGPU now, in slot order: clones, so callers may lock the vGPUs
@@ -615,7 +650,11 @@ impl State {
                 Entry::Sim(vgpu) => abi::HagVgpuInfo {
                     id: vgpu.id,
                     source: abi::VGPU_SOURCE_SIM,
-                    state: vgpu.sim.lock().vgpu_state(),
+                    // Removed since the table was read: not listed.
+                    state: match vgpu.lock() {
+                        Ok(sim) => sim.vgpu_state(),
+                        Err(_) => continue,
+                    },
                     reserved: 0,
                     uuid: vgpu.uuid,
                     gfx_mem_size: abi::SIM_GFX_MEM_SIZE,

@@ -20,6 +20,7 @@
 //! line on stderr, `hag-vmm: <what>: <why>`.
 
 mod ctx_check;
+mod remove_check;
 mod vfio_migration;
 
 use std::collections::BTreeSet;
@@ -90,6 +91,35 @@ step, then 'PASS quiesce-check: …'.")]
         #[arg(long, value_name = "MS", default_value_t = 500,
               value_parser = clap::value_parser!(u32).range(1..=10_000))]
         timeout_ms: u32,
+    },
+    /// Check that calls still in flight when their vGPU is removed, and
+    /// every later call for its id, are refused
+    #[command(after_long_help = "\
+With --mdev: a batch loops on the vGPU, IOC_QUIESCE (30 s) waits for it, and
+the mdev's sysfs remove waits for the VMM (this process) to close; both must
+still wait after 0.5 s. The VMM then closes: the remove must finish and the
+quiesce be refused (ENODEV, or ECANCELED: the close let its hold go) within
+seconds, and every per-vGPU ioctl for the id must fail with ENODEV. The
+module must be loaded with allow_hang_injection=1.
+
+With --held: the module must be loaded with test_hold_vgpu_ms=--hold-ms
+(each /dev/hag ioctl then waits that long after it found its vGPU, as a
+blocked user copy would) and allow_hang_injection=1. For each of ten
+per-vGPU ioctls, on a fresh mdev set up so that it would succeed: start it,
+remove the mdev while it is held; it must fail with ENODEV.
+
+One 'ok:' line per step, then 'PASS remove-check: …'.")]
+    RemoveCheck {
+        /// UUID of the hag-sim mdev to quiesce and remove (it is removed)
+        #[arg(long, value_name = "UUID", required_unless_present = "held")]
+        mdev: Option<String>,
+        /// Hold each ioctl past a remove (test_hold_vgpu_ms)
+        #[arg(long, conflicts_with = "mdev")]
+        held: bool,
+        /// The module's test_hold_vgpu_ms
+        #[arg(long, value_name = "MS", default_value_t = 1500,
+              value_parser = clap::value_parser!(u64).range(100..=10_000))]
+        hold_ms: u64,
     },
     /// Move a vGPU's context between two mdevs through VFIO migration v2
     /// and check the module's side of it
@@ -463,6 +493,14 @@ fn main() -> ExitCode {
         Command::VfioMigrationCheck { mdev, mdev2 } => vfio_migration::run(&mdev, &mdev2),
         Command::ContextCheck { mdev, mdev2 } => ctx_check::context_check(&mdev, &mdev2),
         Command::QuiesceCheck { mdev, timeout_ms } => ctx_check::quiesce_check(&mdev, timeout_ms),
+        Command::RemoveCheck {
+            mdev,
+            held,
+            hold_ms,
+        } => match mdev {
+            Some(mdev) if !held => remove_check::quiesce_across_remove(&mdev),
+            _ => remove_check::held_across_remove(hold_ms),
+        },
         Command::Run {
             mdev,
             workload,

@@ -18,11 +18,11 @@
 //!
 //! ```text
 //! $ hagctl status
-//! hag_mdev 0.1.0, ABI 2, features: sim
+//! hag_mdev 0.1.0, ABI 3, features: sim
 //! 1 vGPU
 //!   ID  UUID                                  SOURCE  STATE  GFX-MEM
 //!    1  83b8f4f2-509f-382f-3c1e-e6bfe0fa1001  sim     idle   64 MiB
-//!       submissions 0, rejected 0, commands 0, pages marked 0, interrupts 0, hangs 0, watchdog 2000 ms
+//!       submissions 0, rejected 0, precise 0, fallback 0, commands 0, pages marked 0, interrupts 0, hangs 0, watchdog 2000 ms
 //! $ hagctl events --count 1
 //! vgpu-created vgpu=1 uuid=83b8f4f2-509f-382f-3c1e-e6bfe0fa1001 message="created"
 //! ```
@@ -242,17 +242,23 @@ enum Command {
 Text output: a line 'hag_mdev VERSION, ABI N, features: LIST', a count, and a
 table with the columns ID, UUID, SOURCE (sim, gvt), STATE (idle, open) and
 GFX-MEM. Under each vGPU's row, a line of its counters (IOC_VGPU_STATS):
-  submissions 8, rejected 0, commands 528, pages marked 129, interrupts 8, hangs 0, watchdog 2000 ms
-submissions are audited doorbell writes, rejected those the auditor refused,
-commands those the engine ran, pages marked the dirty-log markings of audited
-write sets, hangs the watchdog's (or injected) hangs; watchdog is the vGPU's
-hang timeout. A vGPU removed while hagctl reads shows 'no counters'.
+  submissions 8, rejected 0, precise 8, fallback 0, commands 528, pages marked 129, interrupts 8, hangs 0, watchdog 2000 ms
+submissions are audited doorbell writes (GVT-g: workloads GVT handed over),
+rejected those the auditor refused, precise the workloads whose write set was
+modelled exactly, fallback those for which every page the vGPU can reach was
+marked instead (GVT-g only: hag-sim rejects what it cannot model; a GVT-g
+workload counts when GVT says it is done), commands those the engine ran,
+pages marked the dirty-log markings of audited write sets, hangs the
+watchdog's (or injected) hangs; watchdog is the vGPU's hang timeout. A vGPU
+removed while hagctl reads shows 'no counters'.
 
 JSON output (--json), one object:
-  {\"abi_version\": 1, \"module_version\": \"0.1.0\", \"features\": [\"sim\"],
+  {\"abi_version\": 3, \"module_version\": \"0.1.0\", \"features\": [\"sim\"],
    \"vgpus\": [{\"id\": 1, \"uuid\": \"…\", \"source\": \"sim\", \"state\": \"idle\",
                \"gfx_mem_size\": 67108864,
-               \"stats\": {\"submissions\": 8, \"rejected\": 0, \"commands\": 528,
+               \"stats\": {\"submissions\": 8, \"rejected\": 0,
+                         \"precise_workloads\": 8, \"fallback_workloads\": 0,
+                         \"commands\": 528,
                          \"pages_marked\": 129, \"interrupts\": 8, \"hangs\": 0,
                          \"watchdog_ms\": 2000}}]}
 gfx_mem_size is in bytes; stats is null for a vGPU removed while hagctl reads.")]

@@ -46,11 +46,22 @@ pub fn format_size(bytes: u64) -> String {
 
 /// A vGPU's counters on one line, as `hagctl status` shows them under its
 /// row (`None`: the vGPU went away before its counters were read).
+/// "precise" and "fallback" count workloads whose write set was modelled
+/// exactly and those for which every page the vGPU can reach was marked
+/// instead (GVT-g; a hag-sim vGPU has no fallback).
 pub fn stats_text(stats: Option<&HagVgpuStats>) -> String {
     match stats {
         Some(s) => format!(
-            "submissions {}, rejected {}, commands {}, pages marked {}, interrupts {}, hangs {}, watchdog {} ms",
-            s.submissions, s.rejected, s.commands, s.pages_marked, s.interrupts, s.hangs, s.watchdog_ms
+            "submissions {}, rejected {}, precise {}, fallback {}, commands {}, pages marked {}, interrupts {}, hangs {}, watchdog {} ms",
+            s.submissions,
+            s.rejected,
+            s.precise_workloads,
+            s.fallback_workloads,
+            s.commands,
+            s.pages_marked,
+            s.interrupts,
+            s.hangs,
+            s.watchdog_ms
         ),
         None => "no counters (the vGPU went away)".to_owned(),
     }
@@ -153,6 +164,8 @@ struct VgpuJson {
 struct StatsJson {
     submissions: u64,
     rejected: u64,
+    precise_workloads: u64,
+    fallback_workloads: u64,
     commands: u64,
     pages_marked: u64,
     interrupts: u64,
@@ -165,6 +178,8 @@ impl From<&HagVgpuStats> for StatsJson {
         StatsJson {
             submissions: s.submissions,
             rejected: s.rejected,
+            precise_workloads: s.precise_workloads,
+            fallback_workloads: s.fallback_workloads,
             commands: s.commands,
             pages_marked: s.pages_marked,
             interrupts: s.interrupts,
@@ -298,6 +313,8 @@ mod tests {
             watchdog_ms: 2000,
             reserved: 0,
             bytes_written: 0,
+            precise_workloads: n.saturating_sub(1),
+            fallback_workloads: n / 4,
         }
     }
 
@@ -309,13 +326,13 @@ mod tests {
         ];
         assert_eq!(
             status_text(&module(), &vgpus, &[Some(stats(1, 0)), Some(stats(2, 8))]),
-            "hag_mdev 0.1.0, ABI 2, features: sim\n\
+            "hag_mdev 0.1.0, ABI 3, features: sim\n\
              2 vGPUs\n\
              \x20 ID  UUID                                  SOURCE  STATE  GFX-MEM\n\
              \x20  1  83b8f4f2-509f-382f-3c1e-e6bfe0fa1001  sim     idle   64 MiB\n\
-             \x20     submissions 0, rejected 1, commands 0, pages marked 1, interrupts 0, hangs 2, watchdog 2000 ms\n\
+             \x20     submissions 0, rejected 1, precise 0, fallback 0, commands 0, pages marked 1, interrupts 0, hangs 2, watchdog 2000 ms\n\
              \x20  2  83b8f4f2-509f-382f-3c1e-e6bfe0fa1002  sim     open   64 MiB\n\
-             \x20     submissions 8, rejected 1, commands 528, pages marked 129, interrupts 8, hangs 2, watchdog 2000 ms\n"
+             \x20     submissions 8, rejected 1, precise 7, fallback 2, commands 528, pages marked 129, interrupts 8, hangs 2, watchdog 2000 ms\n"
         );
     }
 
@@ -324,7 +341,7 @@ mod tests {
         let vgpus = [vgpu(12, 0x01, abi::VGPU_STATE_IDLE)];
         assert_eq!(
             status_text(&module(), &vgpus, &[None]),
-            "hag_mdev 0.1.0, ABI 2, features: sim\n\
+            "hag_mdev 0.1.0, ABI 3, features: sim\n\
              1 vGPU\n\
              \x20 ID  UUID                                  SOURCE  STATE  GFX-MEM\n\
              \x20 12  83b8f4f2-509f-382f-3c1e-e6bfe0fa1001  sim     idle   64 MiB\n\
@@ -343,7 +360,7 @@ mod tests {
         m.features = 0;
         assert_eq!(
             status_text(&m, &[], &[]),
-            "hag_mdev 0.1.0, ABI 2, features: none\nno vGPUs\n"
+            "hag_mdev 0.1.0, ABI 3, features: none\nno vGPUs\n"
         );
     }
 
@@ -355,7 +372,7 @@ mod tests {
         ];
         assert_eq!(
             status_json(&module(), &vgpus, &[Some(stats(1, 8)), None]),
-            r#"{"abi_version":2,"module_version":"0.1.0","features":["sim"],"vgpus":[{"id":1,"uuid":"83b8f4f2-509f-382f-3c1e-e6bfe0fa1001","source":"sim","state":"idle","gfx_mem_size":67108864,"stats":{"submissions":8,"rejected":1,"commands":528,"pages_marked":129,"interrupts":8,"hangs":2,"watchdog_ms":2000}},{"id":2,"uuid":"83b8f4f2-509f-382f-3c1e-e6bfe0fa1002","source":"sim","state":"open","gfx_mem_size":67108864,"stats":null}]}"#
+            r#"{"abi_version":3,"module_version":"0.1.0","features":["sim"],"vgpus":[{"id":1,"uuid":"83b8f4f2-509f-382f-3c1e-e6bfe0fa1001","source":"sim","state":"idle","gfx_mem_size":67108864,"stats":{"submissions":8,"rejected":1,"precise_workloads":7,"fallback_workloads":2,"commands":528,"pages_marked":129,"interrupts":8,"hangs":2,"watchdog_ms":2000}},{"id":2,"uuid":"83b8f4f2-509f-382f-3c1e-e6bfe0fa1002","source":"sim","state":"open","gfx_mem_size":67108864,"stats":null}]}"#
         );
     }
 
@@ -363,7 +380,7 @@ mod tests {
     fn status_json_with_no_vgpus() {
         assert_eq!(
             status_json(&module(), &[], &[]),
-            r#"{"abi_version":2,"module_version":"0.1.0","features":["sim"],"vgpus":[]}"#
+            r#"{"abi_version":3,"module_version":"0.1.0","features":["sim"],"vgpus":[]}"#
         );
     }
 

@@ -7,7 +7,10 @@
 
 /// The version of everything in this file. Bump on any change to a number,
 /// a layout or a meaning; `hagctl` refuses a module of another version.
-pub const ABI_VERSION: u32 = 2;
+/// Structures grow only at their end (3: [`HagVgpuStats`] gained
+/// `precise_workloads` and `fallback_workloads`), so every field keeps its
+/// offset across versions.
+pub const ABI_VERSION: u32 = 3;
 
 /// The misc device's name; userspace opens `/dev/` + this.
 pub const DEVICE_NAME: &str = "hag";
@@ -98,7 +101,10 @@ pub const IOC_INJECT_HANG: u32 = ioc(IOC_WRITE, 0x07, core::mem::size_of::<HagVg
 /// stopped engine counts as idle (it runs nothing). The hold belongs to the
 /// open file of `/dev/hag` that took it (the last to quiesce or restore):
 /// when that file is released (closed, or its process died) the vGPU is
-/// resumed.
+/// resumed. If the hold goes while the call waits (the VMM closed the
+/// device, which resets it, or another opener resumed it) it fails with
+/// `ECANCELED`. Every per-vGPU ioctl fails with `ENODEV` once its vGPU is
+/// removed, also one already in progress when the remove happened (ABI 3).
 pub const IOC_QUIESCE: u32 = ioc(IOC_WRITE, 0x08, core::mem::size_of::<HagQuiesce>());
 /// `_IOW(IOC_MAGIC, 9, HagVgpuRef)`: release a quiesced vGPU; submissions
 /// held meanwhile start.
@@ -235,6 +241,19 @@ pub struct HagVgpuStats {
     /// counted, rewrites too; hag-sim only, 0 for a GVT-g vGPU). Against
     /// `pages_marked` it shows how much the audit over-approximates.
     pub bytes_written: u64,
+    /// Workloads whose write set the audit modelled precisely: only their
+    /// own audited pages were marked. hag-sim: every submission the
+    /// auditor accepted (it runs only audited commands, so there is no
+    /// other kind). GVT-g: counted when GVT says the workload is done
+    /// (until then it may still take the fallback).
+    pub precise_workloads: u64,
+    /// Workloads that took the fallback: hag could not model them (on
+    /// Gen9, 3D, compute and media work), or lost track of them, and
+    /// marked every page the vGPU can reach instead. GVT-g only; always 0
+    /// for hag-sim, which rejects what it cannot model. `submissions -
+    /// precise_workloads - fallback_workloads` are still in flight (GVT-g)
+    /// or were rejected (hag-sim: `rejected`).
+    pub fallback_workloads: u64,
 }
 
 /// Argument of [`IOC_SET_WATCHDOG`].
@@ -442,7 +461,12 @@ mod tests {
         assert_eq!(size_of::<HagVgpuRef>(), 8);
         assert_eq!(size_of::<HagDirtyStart>(), 24);
         assert_eq!(size_of::<HagDirtyRead>(), 32);
-        assert_eq!(size_of::<HagVgpuStats>(), 72);
+        assert_eq!(size_of::<HagVgpuStats>(), 88);
+        // Fields are only ever appended: the ones of ABI 2 keep their
+        // offsets.
+        assert_eq!(core::mem::offset_of!(HagVgpuStats, bytes_written), 64);
+        assert_eq!(core::mem::offset_of!(HagVgpuStats, precise_workloads), 72);
+        assert_eq!(core::mem::offset_of!(HagVgpuStats, fallback_workloads), 80);
         assert_eq!(size_of::<HagWatchdog>(), 8);
         assert_eq!(size_of::<HagQuiesce>(), 8);
         assert_eq!(size_of::<HagContextBuf>(), 32);
@@ -453,6 +477,9 @@ mod tests {
         // _IOR(0xB8, 0, 48) and _IOWR(0xB8, 1, 16) as computed by <linux/ioctl.h>.
         assert_eq!(IOC_VERSION, 0x8030_B800);
         assert_eq!(IOC_LIST_VGPUS, 0xC010_B801);
+        // _IOWR(0xB8, 5, 88): the size is in the number, so an ABI 2 caller
+        // (72 bytes) gets ENOTTY rather than a short answer.
+        assert_eq!(IOC_VGPU_STATS, 0xC058_B805);
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //! let v = HagVersion::default();
 //! assert_eq!(core::mem::size_of_val(&v), 48);
 //! assert_ne!(IOC_VERSION, 0);
-//! assert_eq!(ABI_VERSION, 2);
+//! assert_eq!(ABI_VERSION, 3);
 //! ```
 #![no_std]
 

@@ -15,6 +15,10 @@
 //! reachable set until as many unknown workloads are done as overflowed;
 //! it never drops a workload.
 //!
+//! The table also counts how each workload was covered ([`Coverage`]):
+//! precisely, by its own audited write set, or by the fallback, the
+//! reachable set. It decides both, so the counts say what was marked.
+//!
 //! [`Reach`] is the bounded set that stands in for the write set of work
 //! hag cannot model: every guest page GVT has mapped for the vGPU's GPU.
 //!
@@ -31,12 +35,29 @@ pub enum Writes<P> {
     Reachable,
 }
 
+/// How the workloads of one vGPU were covered, as `IOC_VGPU_STATS`
+/// reports them. A workload counts once its cover is final: a fallback
+/// when it is recorded as [`Writes::Reachable`] or finds the table full
+/// (the reachable set is marked then), or when it is done after GVT saw
+/// its PPGTT batch changed; precise when it is done with its audited
+/// pages and nothing changed. So `precise + fallback` is the workloads
+/// handed over less those audited and still in flight (and those a
+/// [`InFlight::clear`] forgot).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Coverage {
+    /// Workloads whose own audited write set was all that was marked.
+    pub precise: u64,
+    /// Workloads for which the reachable set was marked instead.
+    pub fallback: u64,
+}
+
 /// The workloads of one vGPU handed over and not yet done.
 #[derive(Debug)]
 pub struct InFlight<P, const N: usize> {
     slots: [Option<(u64, Writes<P>)>; N],
     /// Workloads that found the table full.
     overflow: u32,
+    coverage: Coverage,
 }
 
 impl<P, const N: usize> Default for InFlight<P, N> {
@@ -61,7 +82,16 @@ impl<P, const N: usize> InFlight<P, N> {
         InFlight {
             slots: [const { None }; N],
             overflow: 0,
+            coverage: Coverage {
+                precise: 0,
+                fallback: 0,
+            },
         }
+    }
+
+    /// How the workloads so far were covered.
+    pub fn coverage(&self) -> Coverage {
+        self.coverage
     }
 
     /// Workloads in flight, overflowed ones included.
@@ -76,10 +106,13 @@ impl<P, const N: usize> InFlight<P, N> {
     }
 
     /// Records workload `cookie`. If the table is full, the workload is
-    /// counted as one that may write anything reachable, and `writes` is
-    /// handed back for the caller to free.
+    /// counted as one that may write anything reachable (the caller marks
+    /// the reachable set), and `writes` is handed back for the caller to
+    /// free. A workload recorded as [`Writes::Reachable`], or overflowed,
+    /// counts as a fallback now.
     pub fn scanned(&mut self, cookie: u64, writes: Writes<P>) -> Option<Writes<P>> {
-        match self.slots.iter_mut().find(|s| s.is_none()) {
+        let reachable = matches!(writes, Writes::Reachable);
+        let rest = match self.slots.iter_mut().find(|s| s.is_none()) {
             Some(slot) => {
                 *slot = Some((cookie, writes));
                 None
@@ -88,16 +121,32 @@ impl<P, const N: usize> InFlight<P, N> {
                 self.overflow = self.overflow.saturating_add(1);
                 Some(writes)
             }
+        };
+        if reachable || rest.is_some() {
+            self.coverage.fallback = self.coverage.fallback.saturating_add(1);
         }
+        rest
     }
 
     /// Workload `cookie` is done; returns what it recorded, for the
     /// caller to free. A cookie not in the table ends one overflowed
     /// workload, if there are any (one of them is the one that is done).
-    pub fn done(&mut self, cookie: u64) -> Option<Writes<P>> {
+    /// `changed`: GVT saw a PPGTT batch of it change after the scan (the
+    /// caller marks the reachable set). A workload recorded with its
+    /// pages counts now: precise, or a fallback if `changed`.
+    pub fn done(&mut self, cookie: u64, changed: bool) -> Option<Writes<P>> {
         for slot in self.slots.iter_mut() {
             if matches!(slot, Some((c, _)) if *c == cookie) {
-                return slot.take().map(|(_, writes)| writes);
+                let writes = slot.take().map(|(_, writes)| writes);
+                if let Some(Writes::Pages(_)) = writes {
+                    let count = if changed {
+                        &mut self.coverage.fallback
+                    } else {
+                        &mut self.coverage.precise
+                    };
+                    *count = count.saturating_add(1);
+                }
+                return writes;
             }
         }
         self.overflow = self.overflow.saturating_sub(1);

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 
-use hag_gvt::track::{InFlight, Remark, Writes};
+use hag_gvt::track::{Coverage, InFlight, Remark, Writes};
 
 /// A dirty log with read-and-clear, and the reader's protocol around it:
 /// clear, then mark again what is still in flight.
@@ -47,7 +47,7 @@ fn pages_stay_marked_until_done() {
     assert!(inflight.scanned(1, Writes::Pages(vec![7, 8])).is_none());
     assert_eq!(log.read_and_clear(&inflight), set(&[7, 8]));
     assert_eq!(log.read_and_clear(&inflight), set(&[7, 8]));
-    assert_eq!(inflight.done(1), Some(Writes::Pages(vec![7, 8])));
+    assert_eq!(inflight.done(1, false), Some(Writes::Pages(vec![7, 8])));
     // The GPU may have written them after the last read.
     assert_eq!(log.read_and_clear(&inflight), set(&[7, 8]));
     assert_eq!(log.read_and_clear(&inflight), set(&[]));
@@ -66,7 +66,7 @@ fn unmodelled_marks_reachable_while_in_flight() {
     let mut want = set(&REACHABLE);
     want.insert(0x200);
     assert_eq!(log.read_and_clear(&inflight), want);
-    assert_eq!(inflight.done(9), Some(Writes::Reachable));
+    assert_eq!(inflight.done(9, false), Some(Writes::Reachable));
     assert_eq!(log.read_and_clear(&inflight), want);
     assert_eq!(log.read_and_clear(&inflight), set(&[0x200]));
 }
@@ -83,13 +83,13 @@ fn overflow_is_reachable_until_done() {
     );
     assert_eq!(inflight.len(), 2);
     assert_eq!(inflight.remark(|_| {}), Remark::Reachable);
-    assert_eq!(inflight.done(2), None);
+    assert_eq!(inflight.done(2, false), None);
     assert_eq!(inflight.remark(|_| {}), Remark::Pages);
-    assert_eq!(inflight.done(1), Some(Writes::Pages(vec![1])));
+    assert_eq!(inflight.done(1, false), Some(Writes::Pages(vec![1])));
     assert!(inflight.is_empty());
     // A done for a workload never seen (scanned before hag registered)
     // with nothing overflowed changes nothing.
-    assert_eq!(inflight.done(77), None);
+    assert_eq!(inflight.done(77, false), None);
     assert!(inflight.is_empty());
 }
 
@@ -103,6 +103,104 @@ fn clear_frees_everything() {
     inflight.clear(|_| freed += 1);
     assert_eq!(freed, 2);
     assert!(inflight.is_empty());
+}
+
+// ---- Per-vGPU counts of precise and fallback workloads (issue 15, item 5).
+
+fn coverage(precise: u64, fallback: u64) -> Coverage {
+    Coverage { precise, fallback }
+}
+
+/// An audited workload counts as precise when it is done, not before
+/// (it could still turn into a fallback); an unmodelled one is a fallback
+/// as soon as it is recorded, and its done counts nothing more.
+#[test]
+fn coverage_counts_each_workload_once_when_final() {
+    let mut inflight = InFlight::<Vec<u64>, 4>::new();
+    assert_eq!(inflight.coverage(), coverage(0, 0));
+    inflight.scanned(1, Writes::Pages(vec![7]));
+    inflight.scanned(2, Writes::Reachable);
+    // 1 in flight, 2 final.
+    assert_eq!(inflight.coverage(), coverage(0, 1));
+    assert!(inflight.done(1, false).is_some());
+    assert_eq!(inflight.coverage(), coverage(1, 1));
+    // A changed batch under an unmodelled workload: still one fallback.
+    assert_eq!(inflight.done(2, true), Some(Writes::Reachable));
+    assert_eq!(inflight.coverage(), coverage(1, 1));
+    // A done GVT reports twice, or for a workload never handed over.
+    assert_eq!(inflight.done(1, false), None);
+    assert_eq!(inflight.done(99, true), None);
+    assert_eq!(inflight.coverage(), coverage(1, 1));
+}
+
+/// A PPGTT batch changed after the scan makes an audited workload a
+/// fallback (the reachable set is marked at done): never also precise.
+#[test]
+fn changed_batch_makes_an_audited_workload_a_fallback() {
+    let mut inflight = InFlight::<Vec<u64>, 4>::new();
+    inflight.scanned(1, Writes::Pages(vec![7]));
+    inflight.scanned(2, Writes::Pages(vec![8]));
+    inflight.done(2, true);
+    inflight.done(1, false);
+    assert_eq!(inflight.coverage(), coverage(1, 1));
+}
+
+/// A workload that finds the table full is a fallback at once (the
+/// caller marks the reachable set), and its done counts nothing more;
+/// workloads forgotten by clear are counted neither way.
+#[test]
+fn overflow_and_clear_in_the_counts() {
+    let mut inflight = InFlight::<Vec<u64>, 1>::new();
+    inflight.scanned(1, Writes::Pages(vec![1]));
+    assert!(inflight.scanned(2, Writes::Pages(vec![2])).is_some());
+    assert!(inflight.scanned(3, Writes::Reachable).is_some());
+    assert_eq!(inflight.coverage(), coverage(0, 2));
+    inflight.done(2, false);
+    inflight.done(3, true);
+    assert_eq!(inflight.coverage(), coverage(0, 2));
+    inflight.clear(drop);
+    inflight.done(1, false);
+    assert_eq!(inflight.coverage(), coverage(0, 2));
+}
+
+/// Every sequence of scans and dones: each workload counts at most once,
+/// and once all are done, exactly once (no clear).
+#[test]
+fn coverage_adds_up_for_any_order() {
+    // A small exhaustive walk: 5 workloads, each audited or not, done in
+    // a rotated order, some with a changed batch, in a table of 3.
+    for mask in 0u32..(1 << 10) {
+        for rot in 0..5 {
+            let mut inflight = InFlight::<Vec<u64>, 3>::new();
+            let mut reach_now = 0u64;
+            for w in 0..5u64 {
+                let audited = mask & (1 << w) != 0;
+                let writes = if audited {
+                    Writes::Pages(vec![w])
+                } else {
+                    Writes::Reachable
+                };
+                if inflight.scanned(w, writes).is_some() || !audited {
+                    reach_now += 1;
+                }
+                let c = inflight.coverage();
+                assert!(c.precise + c.fallback <= w + 1);
+            }
+            assert_eq!(inflight.coverage().fallback, reach_now);
+            let mut changed_pages = 0u64;
+            for i in 0..5u64 {
+                let w = (i + rot) % 5;
+                let changed = mask & (1 << (5 + w)) != 0;
+                if let Some(Writes::Pages(_)) = inflight.done(w, changed) {
+                    changed_pages += u64::from(changed);
+                }
+            }
+            let c = inflight.coverage();
+            assert_eq!(c.precise + c.fallback, 5, "mask {mask:#x} rot {rot}");
+            assert_eq!(c.fallback, reach_now + changed_pages);
+            assert!(inflight.is_empty());
+        }
+    }
 }
 
 // ---- The reachable set (issue 15, item 5): the bounded fallback.
