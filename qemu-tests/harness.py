@@ -337,6 +337,8 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
     n_hosts = scenario_header(script, "hosts", 1)
     timeout = scenario_header(script, "timeout", 300)
     vms = scenario_header(script, "vms", 0)
+    # One vCPU per host unless the script asks for more (`# cpus: N`).
+    cpus = scenario_header(script, "cpus", 1)
     vm_initramfs = logdir / "vm-initramfs.cpio.gz"
     # Rebuilt when hag-guest or vm-init is newer.
     inputs = (build.guest, TESTS / "guest/vm-init")
@@ -369,7 +371,7 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
                 # to seed on a busy machine, and anything calling
                 # getrandom(2) (hagctl's Noise handshake) blocked that long.
                 "-cpu", "max",
-                "-smp", "1", "-nodefaults", "-display", "none", "-no-reboot", "-monitor", "none",
+                "-smp", str(cpus), "-nodefaults", "-display", "none", "-no-reboot", "-monitor", "none",
                 "-kernel", str(build.bzimage), "-initrd", str(initramfs),
                 "-append", f"console=ttyS0 panic=-1 quiet loglevel=4 hag_scenario={name} "
                            f"hag_host={i} hag_hosts={n_hosts}{words}",

@@ -126,6 +126,18 @@ pub struct EpochReport {
     pub pause_ms: f64,
     /// Of which: waiting for the vGPU to go idle.
     pub quiesce_ms: f64,
+    /// Of which: pausing the VM (QEMU: QMP `stop`, the vGPU to VFIO STOP).
+    pub stop_ms: f64,
+    /// Of which: collecting the dirty logs (QEMU: soft-dirty bits read and
+    /// cleared, hag's GPU log).
+    pub dirty_ms: f64,
+    /// Of which: saving the VM's device state (QEMU: its x-ignore-shared
+    /// stream).
+    pub state_ms: f64,
+    /// Of which: copying the dirty pages out of guest RAM.
+    pub copy_ms: f64,
+    /// Of which: resuming the vGPU and the VM (QEMU: `cont`).
+    pub resume_ms: f64,
     /// Pages sent.
     pub pages: u64,
     /// Dirtied by the CPU.
@@ -874,6 +886,7 @@ impl Primary {
             }
             self.src.quiesced = false;
         }
+        let tr = Instant::now();
         if self.src.paused {
             if let Err(e) = self.src.vm.resume() {
                 problems.push(format!("cannot resume the VM: {e}"));
@@ -881,6 +894,7 @@ impl Primary {
             self.src.paused = false;
         }
         let resumed_at = Instant::now();
+        report.resume_ms = ms_since(tr);
         report.pause_ms = t0.elapsed().as_secs_f64() * 1e3;
         if !problems.is_empty() {
             return Err(EpochError::Vm(problems.join("; ")));
@@ -903,6 +917,7 @@ impl Primary {
         finished: bool,
         report: &mut EpochReport,
     ) -> Result<(Vec<u64>, Vec<u8>, Vec<u8>, Vec<u8>), EpochError> {
+        let ts = Instant::now();
         if !finished {
             let at = self
                 .src
@@ -914,6 +929,7 @@ impl Primary {
             }
             self.src.paused = true;
         }
+        report.stop_ms = ms_since(ts);
         let tq = Instant::now();
         if !self.src.vm.pause_stops_vgpu() {
             self.src
@@ -922,7 +938,7 @@ impl Primary {
                 .map_err(|e| EpochError::Retry(format!("the vGPU did not quiesce: {e}")))?;
             self.src.quiesced = true;
         }
-        report.quiesce_ms = tq.elapsed().as_secs_f64() * 1e3;
+        report.quiesce_ms = ms_since(tq);
         // The vGPU is idle: its context and GTT hold still. The baselines
         // need the GTT before they collect. A QEMU VM's vGPU state goes in
         // QEMU's own stream (VM_STATE), CONTEXT empty.
@@ -937,7 +953,9 @@ impl Primary {
         if matches!(self.opts.gpu_dirty, GpuDirty::Full | GpuDirty::Hash) {
             self.src.gtt = Some(gtt_guest_pages(&context).map_err(MigrateError::BadContext)?);
         }
+        let td = Instant::now();
         let d = self.src.collect()?;
+        report.dirty_ms = ms_since(td);
         report.cpu_dirty = d.cpu;
         report.gpu_dirty = d.gpu;
         self.carry.extend(d.pages);
@@ -969,11 +987,14 @@ impl Primary {
         }
         report.gpu_bytes_written = stats.bytes_written.wrapping_sub(self.written0);
         self.written0 = stats.bytes_written;
+        let tv = Instant::now();
         let vm_state = self
             .src
             .vm
             .vm_state()
             .map_err(|e| EpochError::Retry(format!("cannot get the VM state: {e}")))?;
+        report.state_ms = ms_since(tv);
+        let tc = Instant::now();
         let pages: Vec<u64> = self.carry.iter().copied().collect();
         let mut raw = vec![0u8; pages.len() * PAGE];
         for (i, p) in pages.iter().enumerate() {
@@ -983,6 +1004,7 @@ impl Primary {
                 h.record(*p, page);
             }
         }
+        report.copy_ms = ms_since(tc);
         // Console output so far belongs to this epoch.
         let next = self.link.lock().policy.next_epoch();
         self.src.vm.mark_epoch(next).map_err(EpochError::Vm)?;
@@ -1405,6 +1427,11 @@ fn open_vm(at: &VmAt) -> anyhow::Result<OpenedVm> {
             })
         }
     }
+}
+
+/// Milliseconds since `t`.
+fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
 }
 
 /// How long a QMP command may take.

@@ -419,10 +419,14 @@ epoch, hash hashes them at every epoch and sends the changed ones.
 Report on stdout when it ends (--json: one object with outcome, detail,
 generation, epochs, syncs, sync_bytes, pause_ms_mean, pause_ms_max,
 ack_ms_mean, epoch_bytes, gpu_dirty_mode, compress, per_epoch [{epoch,
-pause_ms, quiesce_ms, pages, cpu_dirty, gpu_dirty, bytes, raw_bytes, ack_ms,
-iteration, released, gpu_bytes_written, hashed_pages, hash_ms}]).
-gpu_bytes_written is what the vGPU's engine wrote since the last epoch
-(hag-sim's counter). outcome: finished, finished-unconfirmed (the VM
+pause_ms, quiesce_ms, stop_ms, dirty_ms, state_ms, copy_ms, resume_ms,
+pages, cpu_dirty, gpu_dirty, bytes, raw_bytes, ack_ms, iteration,
+released, gpu_bytes_written, hashed_pages, hash_ms}]). The pause's steps:
+stop_ms pausing the VM, quiesce_ms the vGPU going idle, dirty_ms collecting
+the dirty logs, state_ms the VM's device state, copy_ms the dirty pages,
+resume_ms resuming. gpu_bytes_written is what the vGPU's engine wrote
+since the last epoch (hag-sim's counter). released: console lines let out
+(hag-vmm), or how many output gates let something out (QEMU). outcome: finished, finished-unconfirmed (the VM
 finished but the backup did not confirm the end: it may still resume the
 last epoch), ended, handed-over, fenced, stop-failed or vm-stopped; hagctl
 exits non-zero on finished-unconfirmed, fenced and stop-failed.")]
