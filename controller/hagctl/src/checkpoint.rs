@@ -895,7 +895,7 @@ impl Primary {
         }
         let resumed_at = Instant::now();
         report.resume_ms = ms_since(tr);
-        report.pause_ms = t0.elapsed().as_secs_f64() * 1e3;
+        report.pause_ms = ms_since(t0);
         if !problems.is_empty() {
             return Err(EpochError::Vm(problems.join("; ")));
         }
@@ -1075,7 +1075,7 @@ impl Primary {
                 cap.report.pages = cap.pages.len() as u64;
                 cap.report.raw_bytes = cap.report.pages * PAGE as u64;
                 cap.report.bytes = bytes;
-                cap.report.ack_ms = cap.resumed_at.elapsed().as_secs_f64() * 1e3;
+                cap.report.ack_ms = ms_since(cap.resumed_at);
                 Ok(generation)
             }
             Msg::Error { message } => Err(EpochError::Link(format!(
