@@ -6,7 +6,9 @@
 #                 a GPU hang injected, the backup taking over
 #   make test     userspace tests, fmt and clippy, every qemu-tests scenario,
 #                 the evaluation harness's own tests, then `make gvt-test`, then
-#                 `make debug-test` if the debug kernel is already cached
+#                 `make debug-test` if the debug kernel is already cached; each
+#                 step runs even if an earlier one failed, and the failed
+#                 ones are named at the end
 #   make eval     the evaluation (qemu-tests/eval/run, ~40 min, then the real-VM
 #                 migration benchmark qemu-tests/eval/qemu-migration and the
 #                 real-VM checkpoint benchmark qemu-tests/eval/qemu-checkpoint) into
@@ -33,6 +35,8 @@ MODULE := rust/hag_mdev/hag_mdev.ko
 HAGCTL := controller/target/release/hagctl
 
 .PHONY: all deps kernel module controller check-userspace fuzz test demo clean \
+	test-check-userspace test-fuzz test-scenarios test-eval-selftest test-gvt-test \
+	test-debug-test-if-cached \
 	gvt-kernel gvt gvt-test eval eval-quick eval-report debug-kernel debug debug-test
 
 # Where `make eval` writes: the README links the plots in docs/eval.
@@ -147,10 +151,26 @@ check-userspace: deps
 fuzz:
 	scripts/fuzz.sh $(FUZZ_SECONDS)
 
-test: all check-userspace fuzz
+# Every step runs whatever an earlier one did, so one run shows every
+# failure; the target fails at the end, naming the steps that failed. Only
+# the build (`all`) stops it: nothing after it can run without it.
+TEST_STEPS := check-userspace fuzz scenarios eval-selftest gvt-test debug-test-if-cached
+test: all
+	@failed=(); for step in $(TEST_STEPS); do \
+		echo "== make test: $$step"; \
+		$(MAKE) --no-print-directory test-$$step || failed+=("$$step"); \
+	done; \
+	if [ $${#failed[@]} -gt 0 ]; then echo "make test: FAILED: $${failed[*]}"; exit 1; fi; \
+	echo "make test: every step passed ($(TEST_STEPS))"
+
+test-check-userspace: check-userspace
+test-fuzz: fuzz
+test-scenarios:
 	qemu-tests/run
+test-eval-selftest:
 	qemu-tests/eval/selftest
-	$(MAKE) gvt-test
+test-gvt-test: gvt-test
+test-debug-test-if-cached:
 	@$(DEBUG_IF_CACHED)
 
 # Then the real-VM migration benchmark (qemu-tests/eval/qemu-migration):

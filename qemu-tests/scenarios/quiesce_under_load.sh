@@ -1,9 +1,10 @@
 # hosts: 1
 # timeout: 180
 # IOC_QUIESCE under load finishes or fails within its timeout, never hangs:
-# with a self-chaining batch looping on the engine it returns ETIMEDOUT after
-# about its timeout and the engine keeps running (until the watchdog calls
-# it hung); with a blit in flight, and on an idle vGPU, it succeeds and the
+# with a submission held at a semaphore past the timeout it returns
+# ETIMEDOUT and the engine keeps running (the work completes when the
+# semaphore is released, new work needs no resume); with a blit in flight,
+# and on an idle vGPU, it succeeds and the
 # held work completes after IOC_RESUME (hag-vmm quiesce-check). Each check
 # runs under an outer `timeout`, so a hang fails the scenario instead of
 # stalling it.

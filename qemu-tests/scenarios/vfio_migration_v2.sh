@@ -1,7 +1,10 @@
 # hosts: 1
+# timeout: 600
 # VFIO migration v2 of a hag-sim vGPU, as QEMU >= 8 drives it: hag-vmm
 # attaches two vGPUs, runs work on A, checks that RUNNING -> STOP times out
-# (ETIMEDOUT, still RUNNING) while a batch loops, saves A through STOP and
+# (ETIMEDOUT, still RUNNING) while a submission is held at a semaphore (busy
+# within every budget: the timeout is certain), that STOP succeeds after a
+# looping batch hung on the work budget, saves A through STOP and
 # STOP_COPY, loads the data into B through RESUMING, STOP, RUNNING, compares
 # registers and GTT entries, and carries on with a workload on B. A damaged
 # and a truncated snapshot and an oversized stream are refused, and data
@@ -17,11 +20,13 @@ step "migrate A to B through VFIO"
 hag-vmm vfio-migration-check --mdev "$a" --mdev2 "$b" >/tmp/result 2>&1 || fail "hag-vmm failed: $(cat /tmp/result)"
 cat /tmp/result
 grep -q '^PASS vfio-migration:' /tmp/result || fail "no PASS line"
-expect_eq "steps passed" "$(grep -c "^ok:" /tmp/result)" 11
+expect_eq "steps passed" "$(grep -c "^ok:" /tmp/result)" 12
 
 step "the module said why it refused"
 dmesg | grep -E 'VFIO migration|restore refused' || true
 dmesg | grep -q 'VFIO migration: the engine did not go idle within 2000 ms' || fail "no message for the quiesce timeout"
+dmesg | grep -q 'hung: the submission did more work than any submission may' ||
+	fail "the looping batch was not hung by the work budget"
 dmesg | grep -q 'VFIO migration: snapshot of .* bytes refused' || fail "no message for the refused snapshot"
 dmesg | grep -q 'restore refused' || fail "no restore message"
 

@@ -10,7 +10,7 @@ use anyhow::{bail, ensure, Context};
 use hag_audit::audit::encode::{self, BlitRect};
 use hag_audit::audit::opcodes::PC_CS_STALL;
 
-use crate::driver::{DriverError, GfxMem, Setup, HWS_SEQNO};
+use crate::driver::{Driver, DriverError, GfxMem, Registers, Setup, HWS_SEQNO};
 use crate::ram::PAGE_SIZE;
 
 /// MI_ATOMIC opcodes (PRM "MI_ATOMIC", ATOMIC_OPCODE, dword forms; bits
@@ -76,6 +76,10 @@ pub trait Workload {
     /// Checks every value the GPU should have produced.
     fn verify(&self, mem: &GfxMem<'_>) -> anyhow::Result<()>;
 }
+
+/// MI_SEMAPHORE_WAIT's COMPARE_OPERATION for "memory == data" (PRM;
+/// the engine's `SemaphoreWait` arm decodes the same values).
+const SEMAPHORE_EQUAL: u8 = 4;
 
 /// Names of the workloads `--workload all` runs, in order.
 pub const ALL: [&str; 3] = ["stores", "blit", "batch"];
@@ -549,6 +553,69 @@ impl Workload for Hang {
             "the status page has seqno {seq} although the ring never got past the hung batch"
         );
         Ok(())
+    }
+}
+
+/// A submission held at an `MI_SEMAPHORE_WAIT` until the CPU opens its
+/// gate: work in flight for as long as the test wants, within every budget
+/// (each poll is two operations, and the engine polls a stalled semaphore
+/// once a millisecond), so a check that needs the engine busy past a bound
+/// does not race the per-submission work budget as a looping batch does.
+/// The ring head stays at the wait: set the watchdog above the time held.
+/// Not in [`NAMES`]: it completes only when [`Gate::open`] is called.
+#[derive(Default)]
+pub struct Gate {
+    gate: u64,
+    done: u64,
+    hws: u64,
+    seqno: u32,
+}
+
+impl Gate {
+    const OPEN: u32 = 1;
+    const DONE: u32 = 0x6a7e_d0e5;
+
+    /// Submits the gated work: from here the engine is busy until
+    /// [`Gate::open`].
+    pub fn start<R: Registers>(drv: &mut Driver<'_, R>) -> Result<Self, DriverError> {
+        let mut gate = Self::default();
+        let subs = gate.prepare(&mut drv.setup())?;
+        let pending = drv.write_commands(&subs[0].commands)?;
+        drv.doorbell(&pending)?;
+        Ok(gate)
+    }
+
+    /// Lets the held submission run on.
+    pub fn open(&self, mem: &GfxMem<'_>) -> Result<(), DriverError> {
+        mem.write_u32(self.gate, Self::OPEN)
+    }
+}
+
+impl Workload for Gate {
+    fn name(&self) -> &'static str {
+        "gate"
+    }
+
+    fn prepare(&mut self, s: &mut Setup<'_>) -> Result<Vec<Submission>, DriverError> {
+        self.gate = s.alloc.alloc(PAGE_SIZE)?;
+        self.done = s.alloc.alloc(PAGE_SIZE)?;
+        self.hws = s.hws_gfx;
+        s.mem.write_u32(self.gate, 0)?;
+        let mut ring = Cmds::default();
+        ring.push(encode::semaphore_wait(
+            self.gate,
+            Self::OPEN,
+            SEMAPHORE_EQUAL,
+        ))
+        .push(encode::store_data_imm(self.done, Self::DONE));
+        self.seqno = s.next_seqno();
+        fence(&mut ring, self.seqno);
+        Ok(vec![complete(ring)])
+    }
+
+    fn verify(&self, mem: &GfxMem<'_>) -> anyhow::Result<()> {
+        check_u32(mem, self.done, Self::DONE, "the store after the gate")?;
+        check_seqno(mem, self.hws, self.seqno)
     }
 }
 
