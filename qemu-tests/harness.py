@@ -335,7 +335,10 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
     output as it arrives."""
     name = script.stem
     n_hosts = scenario_header(script, "hosts", 1)
-    timeout = scenario_header(script, "timeout", 300)
+    # A scenario's timeout only bounds a hang, so it is scaled generously
+    # (HAG_TIMEOUT_SCALE, default 2): the clock includes the hosts' boot,
+    # and TCG on a loaded machine runs several times slower than quiet.
+    timeout = scenario_header(script, "timeout", 300) * float(os.environ.get("HAG_TIMEOUT_SCALE", "2"))
     vms = scenario_header(script, "vms", 0)
     # One vCPU per host unless the script asks for more (`# cpus: N`).
     cpus = scenario_header(script, "cpus", 1)

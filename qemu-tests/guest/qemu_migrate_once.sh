@@ -32,9 +32,9 @@ else
 	vm_start vm "$uuid" "$GUEST_ARGS"
 	# QEMU removes its pidfile when it exits.
 	vm_pid=$(cat /tmp/vm.pid)
-	vm_wait_console vm 120 HAG-GUEST-READY
+	vm_wait_console vm 600 HAG-GUEST-READY
 	# Some GPU and CPU work done before the move.
-	vm_wait_console vm 120 'hag-guest: iteration'
+	vm_wait_console vm 600 'hag-guest: iteration'
 	await_ready "$target" 7101
 	step "host 0: hagctl migrate --qmp to $target:7100"
 	rc=0

@@ -109,7 +109,7 @@ else
 	vm_net_up
 	step "host 0: VM with hag-guest on vGPU $uuid, RAM in a shared file"
 	VM_SHARED_RAM=1 vm_start vm "$uuid" "$GUEST_ARGS"
-	vm_wait_console vm 120 HAG-GUEST-READY
+	vm_wait_console vm 600 HAG-GUEST-READY
 	echo "QEMU pid $(cat /tmp/vm.pid)"
 	step "host 0: hagctl checkpoint --qmp to $backup, output held on eth1"
 	# shellcheck disable=SC2086

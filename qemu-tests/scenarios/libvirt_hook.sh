@@ -78,7 +78,10 @@ hook() {
 	took=$(($(date +%s) - t0))
 	expect_eq "hook $1 $2: exit status" "$rc" 0
 	expect_eq "hook $1 $2: stdout" "$out" ""
-	[ "$took" -le 3 ] || fail "hook $1 $2 held libvirt for ${took}s"
+	# Its stdout reached EOF, so nothing it left behind holds libvirt; the
+	# bound only catches a hook that waits on something (a shell hook
+	# forks dozens of processes, seconds under emulation on a busy machine).
+	[ "$took" -le 30 ] || fail "hook $1 $2 held libvirt for ${took}s"
 }
 
 # logged PATTERN: the hook log has a line matching PATTERN.

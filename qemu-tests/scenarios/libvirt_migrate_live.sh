@@ -35,8 +35,8 @@ else
 	domain_xml "$DOM" "$UUID" "$GUEST_ARGS" >/tmp/$DOM.xml
 	in_root virsh define "/tmp/$DOM.xml"
 	in_root virsh start "$DOM" || fail "virsh start: $(tail -5 "$HOST_ROOT/var/log/libvirt/qemu/$DOM.log")"
-	vm_wait_console "$DOM" 120 HAG-GUEST-READY
-	vm_wait_console "$DOM" 120 'hag-guest: iteration'
+	vm_wait_console "$DOM" 600 HAG-GUEST-READY
+	vm_wait_console "$DOM" 600 'hag-guest: iteration'
 	await_ready "$target" 7101
 	step "host 0: virsh migrate --live $DOM qemu+tcp://testhost1/system"
 	in_root virsh migrate --live --verbose --persistent --undefinesource "$DOM" \

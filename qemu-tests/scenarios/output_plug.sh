@@ -119,7 +119,9 @@ gate detach
 
 step "B: epochs while the run goes: each release lets out the epoch before the last boundary"
 gate_start
-guest_run 7101 14 2 /tmp/run-b.console &
+# A progress line every 8 s: each boundary below must be set before the
+# next line goes out, and a gate command takes seconds on a busy machine.
+guest_run 7101 48 8 /tmp/run-b.console &
 run_b=$!
 lines /tmp/run-b.console 1
 gate buffer

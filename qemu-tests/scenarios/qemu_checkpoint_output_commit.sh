@@ -20,7 +20,12 @@ BACKUP_ARGS="--test-fault-file /tmp/fault"
 during_backup() {
 	wait_for 300 grep -q 'epoch 6 applied' /tmp/backup.err || fail "no epoch 6"
 	echo drop-acks >/tmp/fault
-	sleep 1
+	wait_for 60 grep -q 'test fault now 2' /tmp/backup.err || fail "the backup never read the fault"
+	# An ack sent before the fault took hold may still be releasing
+	# datagrams: the window starts once the client has heard nothing new
+	# for 2 s.
+	settled() { a=$(wc -l </tmp/client.log); sleep 2; [ "$(wc -l </tmp/client.log)" = "$a" ]; }
+	wait_for 60 settled || fail "the client kept receiving after the fault"
 	before=$(wc -l </tmp/client.log)
 	sleep 8
 	after=$(wc -l </tmp/client.log)

@@ -1244,7 +1244,7 @@ impl Primary {
             State::HandedOver(why) => why.clone(),
             _ => "the vGPU hung".into(),
         };
-        let deadline = Instant::now() + self.link.lock().policy.timeout() + Duration::from_secs(5);
+        let deadline = Instant::now() + self.link.lock().policy.timeout() + HAND_OVER_CONFIRM;
         while Instant::now() < deadline {
             if let Some((outcome, detail)) = self.link.exit() {
                 return self.end(outcome, format!("{why}; {detail}"));
@@ -1436,6 +1436,13 @@ fn ms_since(t: Instant) -> f64 {
 
 /// How long a QMP command may take.
 const QMP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// After a hang, how long (beyond the failover timeout) the stopped
+/// primary waits for the backup's new generation: the backup confirms
+/// once its standby is prepared, which for QEMU means starting it and
+/// loading the epoch (seconds, many more on a loaded host). Waiting costs
+/// nothing, the VM is stopped; giving up early only loses the confirmation.
+const HAND_OVER_CONFIRM: Duration = Duration::from_secs(60);
 
 /// `hagctl checkpoint`.
 pub fn checkpoint(
