@@ -655,6 +655,65 @@ pub fn decide(
     }
 }
 
+/// Where a pairing stands on this backup. Ending protection (the
+/// primary's ABORT) and taking over exclude each other: whichever comes
+/// first wins, decided under one lock, so a backup that is starting the
+/// VM never confirms an end (the primary would release output the
+/// takeover then contradicts, and run on beside the taken-over copy), and
+/// a backup that confirmed an end never takes over.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Role {
+    /// Standing by: an ABORT ends protection, silence or a hang takes
+    /// over.
+    #[default]
+    Standby,
+    /// The primary ended protection; no takeover follows.
+    Ended(String),
+    /// A takeover is under way or done; no end is confirmed.
+    TakingOver,
+}
+
+/// How to answer an ABORT.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AbortAnswer {
+    /// Discard the checkpoint, then confirm (OK ENDED).
+    End,
+    /// Nothing to discard (no checkpoint, or already ended): confirm.
+    Confirm,
+    /// A takeover is under way: no confirmation. The primary, unconfirmed,
+    /// stops its VM and keeps its output held; the fence follows.
+    Refuse,
+}
+
+impl Role {
+    /// An ABORT arrived; `has_checkpoint`: the standby holds one.
+    pub fn abort(&mut self, reason: String, has_checkpoint: bool) -> AbortAnswer {
+        match self {
+            Role::Standby if has_checkpoint => {
+                *self = Role::Ended(reason);
+                AbortAnswer::End
+            }
+            Role::Standby | Role::Ended(_) => AbortAnswer::Confirm,
+            Role::TakingOver => AbortAnswer::Refuse,
+        }
+    }
+
+    /// A takeover was decided: whether it may start (only while standing
+    /// by).
+    pub fn take_over(&mut self) -> bool {
+        let start = *self == Role::Standby;
+        if start {
+            *self = Role::TakingOver;
+        }
+        start
+    }
+
+    /// Whether a takeover started.
+    pub fn taking_over(&self) -> bool {
+        *self == Role::TakingOver
+    }
+}
+
 /// Options of `hagctl backup`.
 #[derive(Clone, Debug)]
 pub struct BackupOptions {
@@ -825,8 +884,7 @@ struct Live {
     /// The data connection's number.
     data: Option<u64>,
     next_conn: u64,
-    taken_over: bool,
-    ended: Option<String>,
+    role: Role,
     /// The backup's generation (mirrors the standby's).
     generation: u64,
     epoch: u64,
@@ -842,8 +900,7 @@ impl Live {
             members: BTreeMap::new(),
             data: None,
             next_conn: 0,
-            taken_over: false,
-            ended: None,
+            role: Role::Standby,
             generation,
             epoch: 0,
         }
@@ -906,16 +963,39 @@ impl Backup {
     }
 
     /// The primary ended protection (ABORT on any connection of the
-    /// session): the checkpoint goes, so no takeover can contradict what
-    /// the primary releases next; every connection is told (OK ENDED).
-    fn ended(&self, reason: String) {
-        self.standby().discard();
+    /// session): unless a takeover is under way, the checkpoint goes, so
+    /// no takeover can contradict what the primary releases next, and
+    /// every connection is told (OK ENDED). During a takeover nothing is
+    /// confirmed ([`Role::abort`]).
+    fn abort(&self, reason: String) {
+        // Both locks, standby first (the order everywhere): a checkpoint
+        // committed meanwhile cannot slip past the answer.
+        let answer = {
+            let st = self.standby();
+            let has_checkpoint = st.committed.is_some();
+            self.live().role.abort(reason.clone(), has_checkpoint)
+        };
+        match answer {
+            AbortAnswer::Refuse => {
+                eprintln!(
+                    "hagctl: the primary ended protection ({reason}) while this backup takes over: not confirmed"
+                );
+                return;
+            }
+            AbortAnswer::End => {
+                self.standby().discard();
+                eprintln!(
+                    "hagctl: the primary ended protection: {reason}; standby image discarded"
+                );
+            }
+            AbortAnswer::Confirm => {}
+        }
         let mut l = self.live();
-        eprintln!("hagctl: the primary ended protection: {reason}; standby image discarded");
         l.broadcast(&Msg::Ok { phase: ENDED_PHASE });
-        l.heard.clear();
-        l.hang = None;
-        l.ended = Some(reason);
+        if answer == AbortAnswer::End {
+            l.heard.clear();
+            l.hang = None;
+        }
     }
 }
 
@@ -940,7 +1020,7 @@ fn data_session(
     let mut msg = first;
     let mut joined = false;
     loop {
-        if b.live().taken_over {
+        if b.live().role.taking_over() {
             let why = format!(
                 "this backup took over (generation {}); the primary's VM must stop",
                 b.live().generation
@@ -1005,7 +1085,7 @@ fn data_session(
         let reply = match result {
             Ok(reply) => reply,
             Err(StandbyError::Ended(reason)) => {
-                b.ended(reason);
+                b.abort(reason);
                 return;
             }
             Err(e) => {
@@ -1047,7 +1127,7 @@ fn control_session(
     {
         let mut l = b.live();
         let ours = l.session.is_none_or(|s| s == session);
-        if !ours || l.taken_over && l.session != Some(session) {
+        if !ours || l.role.taking_over() && l.session != Some(session) {
             let why = format!(
                 "refused a control connection from {from}: session {} is not this backup's ({})",
                 session_name(session),
@@ -1109,12 +1189,7 @@ fn control_session(
             }
             Msg::Abort { reason } => {
                 drop(l);
-                let has = b.standby().committed.is_some();
-                if b.live().ended.is_none() && has {
-                    b.ended(reason);
-                } else {
-                    b.live().broadcast(&Msg::Ok { phase: ENDED_PHASE });
-                }
+                b.abort(reason);
                 break;
             }
             other => {
@@ -1582,11 +1657,14 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
         }
         let has_checkpoint = b.standby().committed.is_some();
         let mut l = b.live();
-        if let Some(reason) = l.ended.take() {
-            if !has_checkpoint && l.hang.is_none() {
+        if let Role::Ended(reason) = &l.role {
+            // Once the checkpoint is discarded (just after the role
+            // changed), the backup is done; until then nothing is decided.
+            if !has_checkpoint {
                 eprintln!("hagctl: backup done: {reason}");
                 return Ok(None);
             }
+            continue;
         }
         if has_checkpoint && l.epoch != last_stored {
             last_stored = l.epoch;
@@ -1628,8 +1706,11 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
             }
             Decision::Takeover(reason) => {
                 let detected = Instant::now();
-                // From now on no epoch is applied or acknowledged.
-                l.taken_over = true;
+                // From now on no epoch is applied or acknowledged, and
+                // no end of protection is confirmed.
+                if !l.role.take_over() {
+                    continue;
+                }
                 drop(l);
                 let (cp, image) = b
                     .standby()
@@ -2086,6 +2167,29 @@ mod tests {
             )
             .unwrap_err();
         assert_eq!(err, StandbyError::Ended("the VM finished".into()));
+    }
+
+    #[test]
+    fn an_end_and_a_takeover_exclude_each_other() {
+        // ABORT during a takeover (issue 20, item 2): never confirmed.
+        let mut r = Role::Standby;
+        assert!(r.take_over());
+        assert_eq!(r.abort("SIGTERM".into(), false), AbortAnswer::Refuse);
+        assert_eq!(r.abort("SIGTERM".into(), true), AbortAnswer::Refuse);
+        assert!(!r.take_over(), "a second takeover started");
+        assert!(r.taking_over());
+        // An end first: no takeover after it, and a repeated ABORT is
+        // confirmed again.
+        let mut r = Role::Standby;
+        assert_eq!(r.abort("the VM finished".into(), true), AbortAnswer::End);
+        assert!(!r.take_over(), "a takeover after the end was confirmed");
+        assert_eq!(r.abort("again".into(), true), AbortAnswer::Confirm);
+        assert_eq!(r, Role::Ended("the VM finished".into()));
+        // Before any checkpoint there is nothing to end: confirmed, and the
+        // backup keeps standing by.
+        let mut r = Role::Standby;
+        assert_eq!(r.abort("early".into(), false), AbortAnswer::Confirm);
+        assert_eq!(r, Role::Standby);
     }
 
     /// The order of a takeover, recorded.
