@@ -12,8 +12,8 @@
 #
 # ha_trial TRIAL FAULT AT UUID   (UUID: this host's hag-sim mdev)
 #
-# Faults: none, rogue (a peer without the key and one speaking plain TCP on
-# the backup's port), kill-primary-hagctl, stop-primary-hagctl (SIGSTOP past
+# Faults: none, rogue (a peer without the key, one speaking plain TCP and a
+# flood of idle connections on the backup's port), kill-primary-hagctl, stop-primary-hagctl (SIGSTOP past
 # the failover timeout), kill-backup-hagctl (then restarted: "restart the
 # backup"), stop-backup-hagctl, cut-data (eth0), cut-all (eth0 and eth1),
 # mute (the backup-to-primary direction: the backup sends nothing), drop-acks,
@@ -120,7 +120,9 @@ ha_trial_backup() {
 	tk=$(sed -n 's/^takeover: generation [0-9]*, resumed from epoch \([0-9]*\) .*/\1/p' "$ha_dir/backup.out" | head -n 1)
 	ha_seen "$ha_dir/backup.out"
 	refused=no
-	grep -q 'refused a connection from .*not authenticated' "$ha_dir/backup.err" && refused=yes
+	grep -q 'refused a connection from .*not authenticated' "$ha_dir/backup.err" &&
+		grep -q 'refused a connection from .*under way already (the limit per address)' "$ha_dir/backup.err" &&
+		refused=yes
 	echo "takeover=${tk:-none} first=${ha_first:-none} increasing=$ha_increasing pass=$ha_pass refused=$refused" >"$ha_dir/facts"
 	echo "CHAOS-FACTS trial=$ha_t $(cat "$ha_dir/facts")"
 	# Host 0 checks the invariants; a lost host 0 leaves it to qemu-tests/chaos.
@@ -157,6 +159,14 @@ ha_trial_primary() {
 			sleep 0.3
 		done
 		cat "$ha_dir/rogue.err"
+		# A flood of connections that never speak: they wait in the
+		# handshake pool (4 at once from one address, the rest refused at
+		# once), are dropped 2 s after the accept, and never hold a session
+		# slot, so protection goes on beside them.
+		for _ in $(seq 24); do
+			sleep 5 | nc "$(host_ip 1)" "$ha_port" >/dev/null 2>&1 &
+		done
+		wait_for 30 sh -c "! pgrep -f 'nc $(host_ip 1) $ha_port' >/dev/null" || true
 		;;
 	kill-primary-hagctl) kill -9 "$ha_cp" ;;
 	stop-primary-hagctl)

@@ -74,12 +74,19 @@ if [ "$HAG_HOST" = 1 ]; then
 	# The guest halts when its work ends (the test kernel cannot power
 	# off): then its QEMU is ended with SIGTERM, as an operator would, and
 	# the backup must end with it.
-	n=0
+	n=0 quiet=0 size=0
 	while kill -0 "$bk" 2>/dev/null; do
 		n=$((n + 1))
-		# A guest that never ends (one resumed from a broken image may hang)
-		# is ended too.
-		if grep -q HAG-GUEST-EXIT /tmp/vm.console 2>/dev/null || [ "$n" -gt 700 ]; then
+		# A taken-over guest that prints nothing for 120 s (it prints every
+		# second while it runs; one resumed from a broken image may hang)
+		# is ended too, as is one that never ends.
+		now=$(wc -c </tmp/vm.console 2>/dev/null || echo 0)
+		if [ "$now" = "$size" ] && grep -q 'takeover: QEMU (pid' /tmp/backup.err; then
+			quiet=$((quiet + 1))
+		else
+			quiet=0 size=$now
+		fi
+		if grep -q HAG-GUEST-EXIT /tmp/vm.console 2>/dev/null || [ "$quiet" -gt 120 ] || [ "$n" -gt 700 ]; then
 			qemu=$(sed -n 's/.*takeover: QEMU (pid \([0-9]*\)).*/\1/p' /tmp/backup.err)
 			[ -z "$qemu" ] || kill -TERM "$qemu" 2>/dev/null || true
 			wait_for 30 sh -c "! kill -0 $bk 2>/dev/null" || {

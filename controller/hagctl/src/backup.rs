@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 use hag_vmm::control::VmClient;
 use hag_vmm::ram::PAGE_SIZE;
 
+use crate::admission::{self, Admission};
 use crate::migrate::{tune, IncomingVm};
 use crate::secure::{self, Key, Outbox, Reader};
 use crate::vmm::qemu_copy::EpochState;
@@ -332,6 +333,13 @@ impl<I: Image> Standby<I> {
         let img = self.current.take()?;
         self.new_session();
         Some((cp, img))
+    }
+
+    /// Takes back what [`Standby::take`] handed over, after a takeover
+    /// that did not happen.
+    pub fn put_back(&mut self, cp: Checkpoint, image: I) {
+        self.committed = Some(cp);
+        self.current = Some(image);
     }
 
     /// Applies one message of the checkpoint stream; returns the reply.
@@ -712,6 +720,14 @@ impl Role {
     pub fn taking_over(&self) -> bool {
         *self == Role::TakingOver
     }
+
+    /// The takeover failed with the checkpoint kept: standing by again
+    /// (a later decision tries again; an ABORT may end protection).
+    pub fn takeover_failed(&mut self) {
+        if self.taking_over() {
+            *self = Role::Standby;
+        }
+    }
 }
 
 /// Options of `hagctl backup`.
@@ -744,7 +760,8 @@ pub struct BackupOptions {
     pub key: PathBuf,
     /// Largest guest RAM accepted.
     pub max_ram: u64,
-    /// Connections open at once, at most (more are closed at once).
+    /// Authenticated connections open at once, at most (more are closed
+    /// at once; handshakes have their own pool, [`crate::admission`]).
     pub max_connections: usize,
     /// For tests: a file naming a fault to play (mute, drop-acks).
     pub test_fault_file: Option<PathBuf>,
@@ -836,9 +853,18 @@ pub fn take_over(steps: &mut impl TakeoverSteps, generation: u64) -> Result<u64,
         return Err(TakeoverError::NotDurable(e));
     }
     steps.fence(next);
-    steps.resume().map_err(TakeoverError::Resume)?;
+    if let Err(e) = steps.resume() {
+        // Fenced, but not running here: the checkpoint is the VM's only
+        // copy now, so the caller tries again from it with a fresh VMM.
+        steps.abandon();
+        return Err(TakeoverError::Resume(e));
+    }
     Ok(next)
 }
+
+/// How long a backup whose takeover failed waits before trying again
+/// (a VMM that did not start, a restore that failed: often transient).
+const TAKEOVER_RETRY: Duration = Duration::from_secs(5);
 
 /// A fault the backup plays for tests (`--test-fault-file`): 0 none, 1
 /// "mute" (nothing reaches the primary: the backup-to-primary direction
@@ -949,8 +975,7 @@ struct Backup {
     live: Mutex<Live>,
     standby: Mutex<Standby<StandbyRam>>,
     key: Key,
-    open: std::sync::atomic::AtomicUsize,
-    max_connections: usize,
+    admission: Arc<Admission>,
     timeout: Duration,
 }
 
@@ -1206,40 +1231,42 @@ fn control_session(
     }
 }
 
-/// Counts an open connection; dropping it uncounts.
-struct Slot<'a>(&'a std::sync::atomic::AtomicUsize);
-
-impl Drop for Slot<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
 /// Serves one listener; `path` (its address) names the heartbeat path.
-/// Every connection authenticates first; only then is anything read.
+/// Every connection authenticates first, in the handshake pool
+/// ([`crate::admission`]); only then does it hold a session slot, and only
+/// then is anything read.
 fn accept_loop(b: Arc<Backup>, listener: TcpListener, path: String) {
-    use std::sync::atomic::Ordering;
     for conn in listener.incoming() {
         let Ok(stream) = conn else { continue };
-        let from = stream
-            .peer_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_else(|_| "?".into());
-        if b.open.fetch_add(1, Ordering::SeqCst) >= b.max_connections {
-            b.open.fetch_sub(1, Ordering::SeqCst);
-            eprintln!(
-                "hagctl: refused a connection from {from}: {} open already (the limit)",
-                b.max_connections
-            );
+        let Ok(peer) = stream.peer_addr() else {
             continue;
-        }
+        };
+        let from = peer.to_string();
+        let handshake = match b.admission.handshake(peer.ip()) {
+            Ok(h) => h,
+            Err(e) => {
+                eprintln!("hagctl: refused a connection from {from}: {e}");
+                continue;
+            }
+        };
         let b = b.clone();
         let path = path.clone();
         std::thread::spawn(move || {
-            let _slot = Slot(&b.open);
             tune(&stream);
-            let (mut r, w) = match secure::handshake(stream, &b.key, false) {
+            let (mut r, w) = match secure::handshake_within(
+                stream,
+                &b.key,
+                false,
+                admission::ACCEPT_HANDSHAKE,
+            ) {
                 Ok(rw) => rw,
+                Err(e) => {
+                    eprintln!("hagctl: refused a connection from {from}: {e}");
+                    return;
+                }
+            };
+            let _slot = match handshake.authenticated() {
+                Ok(slot) => slot,
                 Err(e) => {
                     eprintln!("hagctl: refused a connection from {from}: {e}");
                     return;
@@ -1622,8 +1649,11 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
         live: Mutex::new(Live::new(generation)),
         standby: Mutex::new(Standby::new(generation, limits)),
         key,
-        open: std::sync::atomic::AtomicUsize::new(0),
-        max_connections: opts.max_connections,
+        admission: Admission::new(
+            admission::MAX_HANDSHAKES,
+            admission::MAX_HANDSHAKES_PER_SOURCE,
+            opts.max_connections,
+        ),
         timeout: opts.failover_timeout,
     });
     for (listener, path) in listeners {
@@ -1650,6 +1680,8 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
     );
     let mut last_stored = 0u64;
     let mut holding = false;
+    // After a failed takeover, when to try again.
+    let mut retry_at: Option<Instant> = None;
     loop {
         std::thread::sleep(Duration::from_millis(20));
         if let Some(f) = &opts.test_fault_file {
@@ -1705,6 +1737,9 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                 continue;
             }
             Decision::Takeover(reason) => {
+                if retry_at.is_some_and(|t| Instant::now() < t) {
+                    continue;
+                }
                 let detected = Instant::now();
                 // From now on no epoch is applied or acknowledged, and
                 // no end of protection is confirmed.
@@ -1712,10 +1747,10 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                     continue;
                 }
                 drop(l);
-                let (cp, image) = b
-                    .standby()
-                    .take()
-                    .ok_or_else(|| anyhow::anyhow!("no checkpoint"))?;
+                let Some((cp, image)) = b.standby().take() else {
+                    b.live().role.takeover_failed();
+                    continue;
+                };
                 eprintln!(
                     "hagctl: taking over from epoch {} (generation {} → {}): {reason}",
                     cp.epoch,
@@ -1728,7 +1763,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                     ..TakeoverReport::default()
                 };
                 let from = b.live().generation;
-                let (report, mut child) = if opts.vmm_kind() == VmmKind::Qemu {
+                let taken = if opts.vmm_kind() == VmmKind::Qemu {
                     let mut t = QemuTakeover {
                         opts,
                         b: &b,
@@ -1738,9 +1773,13 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                         report,
                         standby: None,
                     };
-                    t.report.generation = take_over(&mut t, from)?;
-                    let standby = t.standby.take().ok_or_else(|| anyhow::anyhow!("no VM"))?;
-                    (t.report, standby.child)
+                    take_over(&mut t, from).and_then(|g| {
+                        t.report.generation = g;
+                        let standby = t.standby.take().ok_or_else(|| {
+                            TakeoverError::Resume("the standby QEMU is gone".into())
+                        })?;
+                        Ok((t.report, standby.child))
+                    })
                 } else {
                     let mut t = Takeover {
                         opts,
@@ -1752,9 +1791,30 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                         child: None,
                         incoming: None,
                     };
-                    t.report.generation = take_over(&mut t, from)?;
-                    let child = t.child.take().ok_or_else(|| anyhow::anyhow!("no VM"))?;
-                    (t.report, child)
+                    take_over(&mut t, from).and_then(|g| {
+                        t.report.generation = g;
+                        let child = t
+                            .child
+                            .take()
+                            .ok_or_else(|| TakeoverError::Resume("the VM is gone".into()))?;
+                        Ok((t.report, child))
+                    })
+                };
+                let (report, mut child) = match taken {
+                    Ok(taken) => taken,
+                    Err(e) => {
+                        // The backup stands on with its checkpoint: a
+                        // transient failure must not end protection.
+                        eprintln!(
+                            "hagctl: takeover failed: {e}; standing by with epoch {}, trying again in {} s",
+                            cp.epoch,
+                            TAKEOVER_RETRY.as_secs()
+                        );
+                        b.standby().put_back(cp, image);
+                        b.live().role.takeover_failed();
+                        retry_at = Some(Instant::now() + TAKEOVER_RETRY);
+                        continue;
+                    }
                 };
                 let line = if opts.json {
                     serde_json::to_string(&report)? + "\n"
@@ -2190,6 +2250,16 @@ mod tests {
         let mut r = Role::Standby;
         assert_eq!(r.abort("early".into(), false), AbortAnswer::Confirm);
         assert_eq!(r, Role::Standby);
+        // A takeover that failed stands by again: an ABORT then ends
+        // protection, and a later decision may try again.
+        let mut r = Role::Standby;
+        assert!(r.take_over());
+        r.takeover_failed();
+        assert!(r.take_over(), "no second try after a failed takeover");
+        r.takeover_failed();
+        assert_eq!(r.abort("SIGTERM".into(), true), AbortAnswer::End);
+        r.takeover_failed();
+        assert!(!r.take_over(), "a failed takeover's cleanup undid an end");
     }
 
     /// The order of a takeover, recorded.
@@ -2219,6 +2289,9 @@ mod tests {
         }
         fn resume(&mut self) -> Result<(), String> {
             self.log.push("resume".into());
+            if self.fail == Some("resume") {
+                return Err("QEMU exited".into());
+            }
             Ok(())
         }
         fn abandon(&mut self) {
@@ -2243,6 +2316,20 @@ mod tests {
             assert!(!s.log.iter().any(|l| l.starts_with("fence")), "{:?}", s.log);
             assert_eq!(s.log.last().map(String::as_str), Some("abandon"));
         }
+        // Fenced but not resumed: the VM prepared here is ended, so that
+        // a second try starts afresh.
+        let mut s = Steps {
+            fail: Some("resume"),
+            ..Steps::default()
+        };
+        assert!(matches!(
+            take_over(&mut s, 4),
+            Err(TakeoverError::Resume(_))
+        ));
+        assert_eq!(
+            s.log,
+            ["prepare", "persist 5", "fence 5", "resume", "abandon"]
+        );
         let mut s = Steps::default();
         assert_eq!(
             take_over(&mut s, u64::MAX),

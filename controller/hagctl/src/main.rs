@@ -34,6 +34,7 @@
 //!
 //! All `unsafe` is in the shared `hag_dev` crate, around the `/dev/hag` ioctls.
 
+mod admission;
 mod backup;
 mod checkpoint;
 mod commands;
@@ -554,7 +555,8 @@ the VM's status. If the primary ends protection (its VM finished), it exits
         /// images of it for a while): 16GiB, 512MiB, 4096 (MiB)
         #[arg(long, value_name = "SIZE", default_value = "16GiB", value_parser = vmm_migrate::parse_bandwidth)]
         max_ram: u64,
-        /// Connections open at once, at most (more are closed at once)
+        /// Authenticated connections open at once, at most (more are
+        /// closed at once; handshakes have a pool of their own)
         #[arg(long, value_name = "N", default_value_t = 16,
               value_parser = clap::value_parser!(u64).range(2..=1024))]
         max_connections: u64,

@@ -212,18 +212,17 @@ fn write_record(s: &mut TcpStream, rec: &[u8]) -> io::Result<()> {
 fn deadline_io<T>(
     s: &mut TcpStream,
     deadline: Instant,
+    limit: Duration,
     f: impl FnOnce(&mut TcpStream) -> io::Result<T>,
 ) -> Result<T, HandshakeError> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
-        return Err(HandshakeError::Timeout(HANDSHAKE_TIMEOUT));
+        return Err(HandshakeError::Timeout(limit));
     }
     s.set_read_timeout(Some(left))?;
     s.set_write_timeout(Some(left))?;
     f(s).map_err(|e| match e.kind() {
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
-            HandshakeError::Timeout(HANDSHAKE_TIMEOUT)
-        }
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => HandshakeError::Timeout(limit),
         _ => HandshakeError::Io(e),
     })
 }
@@ -231,11 +230,22 @@ fn deadline_io<T>(
 /// Runs the handshake on `stream` as the side that connected
 /// (`initiator`) or accepted; returns the connection's two halves.
 pub fn handshake(
-    mut stream: TcpStream,
+    stream: TcpStream,
     key: &Key,
     initiator: bool,
 ) -> Result<(Reader, Writer), HandshakeError> {
-    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    handshake_within(stream, key, initiator, HANDSHAKE_TIMEOUT)
+}
+
+/// [`handshake`], finished within `limit` (a listener gives an accepted
+/// connection less than an initiator waits: see [`crate::admission`]).
+pub fn handshake_within(
+    mut stream: TcpStream,
+    key: &Key,
+    initiator: bool,
+    limit: Duration,
+) -> Result<(Reader, Writer), HandshakeError> {
+    let deadline = Instant::now() + limit;
     let refused = |e: snow::Error| HandshakeError::Refused(e.to_string());
     let builder = snow::Builder::new(params())
         .prologue(PROLOGUE)
@@ -256,9 +266,9 @@ pub fn handshake(
         let ours = (turn == 0) == initiator;
         if ours {
             let n = hs.write_message(&[], &mut msg).map_err(refused)?;
-            deadline_io(&mut stream, deadline, |s| write_record(s, &msg[..n]))?;
+            deadline_io(&mut stream, deadline, limit, |s| write_record(s, &msg[..n]))?;
         } else {
-            let got = deadline_io(&mut stream, deadline, |s| {
+            let got = deadline_io(&mut stream, deadline, limit, |s| {
                 read_handshake_record(s, &mut rec)
             })?;
             if !got {
