@@ -9,7 +9,8 @@
 # copy of those packets is held by sch_plug on eth1 until its epoch is
 # acknowledged. Shared by the qemu_checkpoint_* and qemu_failover_*
 # scenarios. Set by the caller:
-#   FAULT        gpu-hang | host-loss | none (the guest finishes on host 0)
+#   FAULT        gpu-hang | qemu-crash | host-loss | none (the guest finishes
+#                on host 0)
 #   GUEST_ARGS   hag-guest's arguments, commas for spaces
 #   CP_ARGS      more hagctl checkpoint arguments (optional)
 #   BACKUP_ARGS  more hagctl backup arguments (optional)
@@ -133,6 +134,12 @@ else
 	gpu-hang)
 		step "host 0: inject a GPU hang"
 		hagctl inject-hang --mdev "$uuid"
+		;;
+	qemu-crash)
+		set -- KILL SEGV
+		[ $(($(od -An -N1 -tu1 /dev/urandom) % 2)) = 0 ] || shift
+		step "host 0: QEMU (pid $(cat /tmp/vm.pid)) killed with SIG$1"
+		kill -"$1" "$(cat /tmp/vm.pid)"
 		;;
 	host-loss)
 		# At a random point of an epoch interval.

@@ -5,10 +5,11 @@
 //! heartbeats), keeps a standby image (guest RAM in a memfd of its own, the
 //! last acknowledged vGPU context and VM state) and acknowledges each epoch
 //! only once it is applied. It does not run the VM. It takes over when the
-//! primary forwards a vGPU hang (HANG) or goes silent past
-//! `--failover-timeout`: it starts `hag-vmm serve --incoming` on its own
-//! vGPU, fills its RAM from the image, restores the context and VM state,
-//! resumes it and reports the takeover time. Each takeover raises the
+//! primary hands its VM over (HANG: its vGPU hung, or its VM crashed) or
+//! goes silent past `--failover-timeout`: it starts the standby VMM
+//! (`hag-vmm serve --incoming` on its own vGPU, or QEMU), fills its RAM
+//! from the image, restores the context and VM state, resumes it and
+//! reports the takeover time. Each takeover raises the
 //! generation; the primary, told the new one, stops its VM.
 //!
 //! Heartbeats may come over several paths (`--heartbeat-listen`: more
@@ -633,7 +634,7 @@ pub fn decide(
     let heard = paths.iter().filter_map(|&(a, s)| Some((a, s?)));
     let alive = heard.clone().find(|&(_, s)| s <= timeout);
     let why = match (hang, alive, heard.map(|(_, s)| s).min()) {
-        (Some(h), _, _) => format!("the primary reported a vGPU hang: {h}"),
+        (Some(h), _, _) => format!("the primary handed its VM over: {h}"),
         (None, Some((addr, _)), _) => {
             return match paths.first() {
                 Some(&(_, Some(data))) if data > timeout => Decision::Hold(format!(
@@ -2427,8 +2428,8 @@ mod tests {
             Decision::Takeover(why) if why == "the primary was silent for 3.1 s (failover timeout 3.0 s)"
         ));
         assert!(matches!(
-            decide(true, Some("vgpu-hung vgpu=1"), &one(s(0)), t),
-            Decision::Takeover(why) if why.contains("vGPU hang")
+            decide(true, Some("vGPU hang: vgpu-hung vgpu=1"), &one(s(0)), t),
+            Decision::Takeover(why) if why == "the primary handed its VM over: vGPU hang: vgpu-hung vgpu=1"
         ));
         assert!(matches!(
             decide(false, Some("hung"), &one(None), t),
@@ -2477,7 +2478,7 @@ mod tests {
         // A hang forwarded on any path wins.
         assert!(matches!(
             decide(true, Some("hung"), &two(s(8000), s(100)), t),
-            Decision::Takeover(why) if why.contains("vGPU hang")
+            Decision::Takeover(why) if why.contains("handed its VM over")
         ));
         assert!(matches!(
             decide(false, None, &two(s(8000), s(9000)), t),

@@ -399,11 +399,24 @@ impl Link {
 
     /// A hang of our vGPU.
     fn hang(&self, reason: String) {
+        self.hand_over(Event::Hung(reason));
+    }
+
+    /// Our VM crashed (its VMM gone without shutting it down).
+    fn crashed(&self, reason: String) {
+        self.hand_over(Event::Crashed(reason));
+    }
+
+    /// A hang or a crash: the policy hands the VM over (HANG), once; no
+    /// epoch is sent after it.
+    fn hand_over(&self, ev: Event) {
         if self.hung() {
             return;
         }
-        eprintln!("hagctl: {reason}");
-        self.event(Event::Hung(reason));
+        if let Event::Hung(why) | Event::Crashed(why) = &ev {
+            eprintln!("hagctl: {why}");
+        }
+        self.event(ev);
         if let Some(d) = self.lock().data.take() {
             let _ = d.shutdown(Shutdown::Both);
         }
@@ -706,6 +719,8 @@ pub(crate) enum EpochError {
     Finished,
     /// The VM finished with a failure, stopped, or its control failed.
     Vm(String),
+    /// The VM crashed: hand it over, as after a hang.
+    Crashed(String),
     /// Capturing failed (the VM was resumed); try again next interval.
     Retry(String),
 }
@@ -860,6 +875,7 @@ impl Primary {
                     "the VM finished with a failure: {result}"
                 )));
             }
+            VmStatus::Crashed(why) => return Err(EpochError::Crashed(why)),
             VmStatus::Other(other) => {
                 // A guest that hung its vGPU may have shut down over it.
                 let stats = self.src.dev.vgpu_stats(self.src.vgpu_id);
@@ -1303,12 +1319,22 @@ impl Primary {
                         return Ok(exit);
                     }
                 }
-                if !self.link.lock().connected && self.src.vm.status().is_err() {
+                if !self.link.lock().connected
+                    && matches!(self.src.vm.status(), Err(_) | Ok(VmStatus::Crashed(_)))
+                {
                     let _ = self.event(Event::VmGone("the VM is gone (unprotected)".into()));
                     return Ok(self.end("vm-stopped", "the VM is gone (unprotected); its output since the last acknowledged epoch was never released".into()));
                 }
                 std::thread::sleep(Duration::from_millis(10));
             }
+        }
+    }
+
+    /// Why the VM crashed, if its VMM says it did.
+    fn vm_crashed(&mut self) -> Option<String> {
+        match self.src.vm.status() {
+            Ok(VmStatus::Crashed(why)) => Some(why),
+            _ => None,
         }
     }
 
@@ -1338,6 +1364,17 @@ impl Primary {
             }
             EpochError::Hung(why) => {
                 self.link.hang(why);
+                Some(self.hand_over())
+            }
+            EpochError::Crashed(why) => {
+                self.link.crashed(why);
+                Some(self.hand_over())
+            }
+            // A QMP call that failed mid-epoch may be the VMM dying: asked
+            // again, a crash says so.
+            EpochError::Vm(_) if self.vm_crashed().is_some() => {
+                let why = self.vm_crashed().unwrap_or_default();
+                self.link.crashed(why);
                 Some(self.hand_over())
             }
             EpochError::Exit(outcome, detail) => Some(self.end(outcome, detail)),

@@ -15,7 +15,9 @@
 //! - A backup that shows a newer generation took over: the VM is stopped
 //!   before anything else, and is never resumed; if stopping fails, output
 //!   stays held and stopping is retried.
-//! - A hang stops the VM first, then tells the backup (HANG).
+//! - A hang stops the VM first, then tells the backup (HANG). A VM that
+//!   crashed (its VMM gone without shutting it down) is handed over the
+//!   same way, with nothing to stop.
 //! - A signal (SIGTERM, SIGINT) ends protection: ABORT on every connection
 //!   of the session; confirmed, output is released and the VM runs on
 //!   unprotected; unconfirmed within the failover timeout, the backup may
@@ -81,6 +83,9 @@ pub enum Event {
     LinkLost(String),
     /// Our vGPU hung.
     Hung(String),
+    /// The VM died without being shut down (its VMM killed or crashed):
+    /// nothing to stop, the backup takes over as after a hang.
+    Crashed(String),
     /// SIGTERM or SIGINT.
     Signal(String),
     /// The backup acknowledged the end of protection (it discarded its
@@ -269,7 +274,20 @@ impl Policy {
                     return vec![];
                 }
                 self.state = State::HandedOver(why.clone());
-                vec![self.stop(format!("its vGPU hung: {why}")), SendHang(why)]
+                vec![
+                    self.stop(format!("its vGPU hung: {why}")),
+                    SendHang(format!("vGPU hang: {why}")),
+                ]
+            }
+            Event::Crashed(why) => {
+                if matches!(self.state, State::HandedOver(_)) || self.final_state() {
+                    return vec![];
+                }
+                // Gone already: there is nothing to stop, and its output
+                // since the last acknowledged epoch never goes out.
+                self.vm_stopped = true;
+                self.state = State::HandedOver(why.clone());
+                vec![SendHang(format!("the VM crashed: {why}"))]
             }
             Event::Signal(why) => match self.state {
                 State::Ending { .. } | State::HandedOver(_) => vec![],
@@ -529,6 +547,22 @@ mod tests {
         );
     }
 
+    /// A crashed VM is handed over at once, with nothing to stop and
+    /// nothing released; the fence then confirms the handover.
+    #[test]
+    fn a_crash_hands_over_without_a_stop() {
+        let mut p = protected();
+        let a = p.on(Event::Crashed("QEMU exited with no SHUTDOWN event".into()));
+        assert!(
+            matches!(&a[..], [SendHang(why)] if why.starts_with("the VM crashed: ")),
+            "{a:?}"
+        );
+        assert!(p.on(Event::Hung("after the crash".into())).is_empty());
+        let a = p.on(Event::Heard { generation: 1 });
+        assert!(matches!(&a[..], [Cut, Exit("handed-over", _)]), "{a:?}");
+        assert!(!releases(&a));
+    }
+
     /// A hang stops the VM before telling the backup; a later fence
     /// confirms the handover and does not stop twice.
     #[test]
@@ -543,6 +577,7 @@ mod tests {
             })
             .is_empty());
         assert!(p.on(Event::Hung("again".into())).is_empty());
+        assert!(p.on(Event::Crashed("and crashed".into())).is_empty());
         let a = p.on(Event::Heard { generation: 1 });
         assert!(matches!(&a[..], [Cut, Exit("handed-over", _)]), "{a:?}");
     }

@@ -33,6 +33,10 @@ pub enum VmStatus {
     /// Anything else, in the VMM's word (paused by someone else, shut
     /// down, gone).
     Other(String),
+    /// The VM died without being shut down (its VMM was killed or
+    /// crashed, or failed internally): a failure the backup takes over
+    /// from, not an end of protection.
+    Crashed(String),
 }
 
 /// What holds a VM's output back until its epoch is acknowledged (for a

@@ -38,6 +38,27 @@ pub struct Qemu {
     saves: u64,
 }
 
+/// Whether a QEMU VM that no longer answers or runs has crashed: what
+/// protection must fail over from rather than end. `status` is
+/// `query-status`'s answer, `None` when QMP's connection closed (QEMU
+/// exited); `shutdown` whether a `SHUTDOWN` event came first. A SHUTDOWN
+/// (the guest powered off, or QEMU was told to quit: SIGTERM, `quit`,
+/// `virsh destroy`/`shutdown`) is an end, and so is a guest panic (the
+/// guest's own fault: resuming an earlier epoch would replay it, so that
+/// is left to the operator); QEMU gone with no SHUTDOWN (SIGKILL, a
+/// segfault, the OOM killer) or stopped at `internal-error` (KVM could not
+/// run the vCPU) is a crash. Returns why, for a crash.
+pub fn crash(status: Option<&str>, shutdown: bool) -> Option<String> {
+    match status {
+        Some("internal-error") => {
+            Some("QEMU stopped the VM at an internal error (KVM could not run it)".into())
+        }
+        Some(_) => None,
+        None if shutdown => None,
+        None => Some("QEMU exited with no SHUTDOWN event: it was killed or crashed".into()),
+    }
+}
+
 /// What QEMU's run states (`query-status`'s `status`) mean.
 pub fn run_state(status: &str) -> RunState {
     let kind = match status {
@@ -390,6 +411,20 @@ impl Vmm for Qemu {
 mod tests {
     use super::super::qmp::tests::{fake_qemu, ret};
     use super::*;
+
+    #[test]
+    fn crashes_and_ends() {
+        assert!(crash(None, false).is_some(), "SIGKILL is a crash");
+        assert!(crash(Some("internal-error"), false).is_some());
+        assert_eq!(
+            crash(None, true),
+            None,
+            "a SHUTDOWN, then the exit, is an end"
+        );
+        for s in ["shutdown", "guest-panicked", "paused", "running"] {
+            assert_eq!(crash(Some(s), false), None, "{s}");
+        }
+    }
 
     #[test]
     fn run_states_map() {

@@ -31,7 +31,7 @@ use hag_vmm::ram::GuestRam;
 use serde_json::{json, Value};
 
 use super::copy::{CopyVm, OutputGate, VmStatus};
-use super::qemu::Qemu;
+use super::qemu::{self, Qemu};
 use super::shared_ram::Mapping;
 use super::{Feature, MigrationSettings, RunState, Vmm, VmmError};
 use crate::wire::{VmmKind, MAX_PAYLOAD};
@@ -345,9 +345,25 @@ impl CopyVm for QemuVm {
     }
 
     fn status(&mut self) -> Result<VmStatus, VmmError> {
-        let st = self.qemu.run_state()?;
+        let st = match self.qemu.run_state() {
+            Ok(st) => st,
+            Err(e @ VmmError::Qmp(_)) => {
+                return match self
+                    .qemu
+                    .qmp()
+                    .end_seen()
+                    .and_then(|s| qemu::crash(None, s))
+                {
+                    Some(why) => Ok(VmStatus::Crashed(format!("{why} ({e})"))),
+                    None => Err(e),
+                };
+            }
+            Err(e) => return Err(e),
+        };
         Ok(if st.is_running() {
             VmStatus::Running { iteration: 0 }
+        } else if let Some(why) = qemu::crash(Some(&st.name), false) {
+            VmStatus::Crashed(why)
         } else {
             VmStatus::Other(st.name)
         })

@@ -68,6 +68,9 @@ pub struct Greeting {
     pub capabilities: Vec<String>,
 }
 
+/// How long [`Qmp::end_seen`] reads what a closing QEMU left.
+const END_READ: Duration = Duration::from_millis(500);
+
 /// An asynchronous event.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Event {
@@ -478,6 +481,38 @@ impl Qmp {
     /// Takes every event received so far, oldest first.
     pub fn take_events(&mut self) -> Vec<Event> {
         self.events.drain(..).collect()
+    }
+
+    /// The first buffered event called `name`, left in the buffer.
+    pub fn find_event(&self, name: &str) -> Option<&Event> {
+        self.events.iter().find(|e| e.name == name)
+    }
+
+    /// After a failed call: whether QEMU is gone (its end of the socket
+    /// closed) and, if so, whether a `SHUTDOWN` event came first. What QEMU
+    /// sent before it closed is read first (a write to the closed socket
+    /// can fail before the events waiting to be read are seen). `None`:
+    /// the connection is not known to be closed (a timeout, a protocol
+    /// error): QEMU may still be running.
+    pub fn end_seen(&mut self) -> Option<bool> {
+        let deadline = Instant::now() + END_READ;
+        loop {
+            match self.read_message(deadline, "reading what QEMU sent before it closed") {
+                Ok(Message::Event(e)) => self.push_event(e),
+                Ok(_) => {}
+                Err(QmpError::Closed { .. }) => break,
+                Err(QmpError::Io { source, .. })
+                    if matches!(
+                        source.kind(),
+                        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+                    ) =>
+                {
+                    break
+                }
+                Err(_) => return None,
+            }
+        }
+        Some(self.find_event("SHUTDOWN").is_some())
     }
 
     /// Events dropped because nobody took them (more than [`MAX_EVENTS`]).
@@ -902,6 +937,32 @@ pub(crate) mod tests {
         assert!(matches!(err, QmpError::TooLong { .. }), "{err}");
         drop(qmp);
         writer.join().unwrap();
+    }
+
+    /// A QEMU that quit says SHUTDOWN before it closes; one that was
+    /// killed just closes; one that is only slow is not taken for gone.
+    #[test]
+    fn how_qemu_ended_is_read_to_the_end() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let mut qmp = Qmp::from_stream(a, Path::new("end.sock"), Duration::from_secs(5));
+        writeln!(
+            b,
+            r#"{{"event": "SHUTDOWN", "data": {{"guest": false, "reason": "host-signal"}}}}"#
+        )
+        .unwrap();
+        drop(b);
+        // The failed call that noticed (a write to the closed socket).
+        assert!(qmp.execute("query-status", None).is_err());
+        assert_eq!(qmp.end_seen(), Some(true));
+
+        let (a, b) = UnixStream::pair().unwrap();
+        let mut qmp = Qmp::from_stream(a, Path::new("killed.sock"), Duration::from_secs(5));
+        drop(b);
+        assert_eq!(qmp.end_seen(), Some(false));
+
+        let (a, _b) = UnixStream::pair().unwrap();
+        let mut qmp = Qmp::from_stream(a, Path::new("slow.sock"), Duration::from_secs(5));
+        assert_eq!(qmp.end_seen(), None);
     }
 
     #[test]
