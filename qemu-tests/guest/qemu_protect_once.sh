@@ -23,6 +23,25 @@
 #   check_backup BACKUP-STATUS    host 1's verdict (/tmp/backup.*,
 #                                 /tmp/vm.console, /tmp/client.log)
 #   check_primary CHECKPOINT-STATUS  host 0's (/tmp/cp.*, /tmp/vm.console)
+# takeover_verified STATUS REASON: host 1's verdict after a takeover: the
+# backup ended well, took over at generation 1 for a reason matching REASON
+# (a grep pattern), the guest verified there, and the client's view is one
+# run, never contradicted.
+takeover_verified() {
+	expect_eq "hagctl backup exit status" "$1" 0
+	grep -q "\"reason\":\"$2" /tmp/backup.out || fail "no takeover for: $2"
+	grep -q '"generation":1' /tmp/backup.out || fail "the takeover did not raise the generation"
+	vm_result vm 600
+	grep -q 'HAG-GUEST-RESULT PASS' /tmp/vm.console || { vm_show vm; fail "the guest did not verify on host 1"; }
+	in_root python3 /hag/client_check.py --require-pass /tmp/client.log || fail "the client's view"
+}
+# handed_over STATUS: host 0's verdict after it handed the VM over: the
+# backup confirmed generation 1.
+handed_over() {
+	expect_eq "hagctl checkpoint exit status" "$1" 0
+	grep -q '"outcome":"handed-over"' /tmp/cp.out || fail "the checkpoint did not hand over"
+	grep -q 'at generation 1' /tmp/cp.out || fail "the backup did not confirm generation 1"
+}
 CLIENT=203.0.113.1
 PORT=7400
 VM_NET=1

@@ -285,9 +285,10 @@ impl Policy {
                 }
                 // Gone already: there is nothing to stop, and its output
                 // since the last acknowledged epoch never goes out.
+                let why = format!("the VM crashed: {why}");
                 self.vm_stopped = true;
                 self.state = State::HandedOver(why.clone());
-                vec![SendHang(format!("the VM crashed: {why}"))]
+                vec![SendHang(why)]
             }
             Event::Signal(why) => match self.state {
                 State::Ending { .. } | State::HandedOver(_) => vec![],
