@@ -33,8 +33,9 @@ pub enum Outcome {
 
 /// How long a datagram that must stay held is waited for.
 const HELD_FOR: Duration = Duration::from_millis(300);
-/// How long a released datagram may take.
-const RELEASED_WITHIN: Duration = Duration::from_secs(2);
+/// How long a released datagram may take: it only catches one that never
+/// comes (milliseconds on loopback; seconds on a starved emulated host).
+const RELEASED_WITHIN: Duration = Duration::from_secs(20);
 
 /// Runs the check in a fresh network namespace on a new thread.
 pub fn on_loopback() -> Result<Outcome, String> {
