@@ -112,7 +112,7 @@ run_backup() { # ID SECONDS
 		grep -q '^PASS frames: ' "/tmp/backup$1.out" ||
 			fail "item $1: the workload did not verify after the takeover: $(tail -5 "/tmp/backup$1.out")"
 	fi
-	expect_eq "backup $1 exit status" "$rc" 0
+	[ "$rc" = 0 ] || fail "backup $1 exited $rc: $(tail -n 15 "/tmp/backup$1.err")"
 	mdev_remove "$buuid"
 }
 
@@ -205,7 +205,8 @@ echo "$PLAN" | while read -r id kind d mode compress interval seconds; do
 					--status-dir "/tmp/cpstate$id" --json || rc=$?
 				echo "$rc" >"$cpo.rc"
 			} 2>&1 >"$cpo.out" | stamp >"$cpo.err"
-			expect_eq "checkpoint $id exit status" "$(cat "$cpo.rc")" 0
+			[ "$(cat "$cpo.rc")" = 0 ] ||
+				fail "checkpoint $id exited $(cat "$cpo.rc"): $(tail -n 15 "$cpo.err"; cat "$cpo.out")"
 			grep -q '"outcome":"finished"' "$cpo.out" ||
 				fail "protection $id did not end with the VM finishing: $(cat "$cpo.err" "$cpo.out")"
 			grep '^[0-9]* epoch [0-9]*:' "$cpo.err" | sed "s/^/EVAL-EPOCH $id /"

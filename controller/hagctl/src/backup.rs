@@ -685,9 +685,9 @@ pub enum Role {
 /// How to answer an ABORT.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AbortAnswer {
-    /// Discard the checkpoint, then confirm (OK ENDED).
+    /// Discard the checkpoint (if any), then confirm (OK ENDED).
     End,
-    /// Nothing to discard (no checkpoint, or already ended): confirm.
+    /// Already ended: confirm again.
     Confirm,
     /// A takeover is under way: no confirmation. The primary, unconfirmed,
     /// stops its VM and keeps its output held; the fence follows.
@@ -695,14 +695,15 @@ pub enum AbortAnswer {
 }
 
 impl Role {
-    /// An ABORT arrived; `has_checkpoint`: the standby holds one.
-    pub fn abort(&mut self, reason: String, has_checkpoint: bool) -> AbortAnswer {
+    /// An ABORT arrived: protection ends (with or without a checkpoint:
+    /// the backup is done either way), unless a takeover started.
+    pub fn abort(&mut self, reason: String) -> AbortAnswer {
         match self {
-            Role::Standby if has_checkpoint => {
+            Role::Standby => {
                 *self = Role::Ended(reason);
                 AbortAnswer::End
             }
-            Role::Standby | Role::Ended(_) => AbortAnswer::Confirm,
+            Role::Ended(_) => AbortAnswer::Confirm,
             Role::TakingOver => AbortAnswer::Refuse,
         }
     }
@@ -863,6 +864,10 @@ pub fn take_over(steps: &mut impl TakeoverSteps, generation: u64) -> Result<u64,
     Ok(next)
 }
 
+/// How long a finishing backup waits for each connection to write what
+/// it holds (the OK ENDED a primary waits for).
+const FLUSH_AT_EXIT: Duration = Duration::from_secs(2);
+
 /// How long a backup whose takeover failed waits before trying again
 /// (a VMM that did not start, a restore that failed: often transient).
 const TAKEOVER_RETRY: Duration = Duration::from_secs(5);
@@ -912,6 +917,8 @@ struct Live {
     data: Option<u64>,
     next_conn: u64,
     role: Role,
+    /// The end of protection was confirmed to every connection (queued).
+    end_confirmed: bool,
     /// The backup's generation (mirrors the standby's).
     generation: u64,
     epoch: u64,
@@ -928,6 +935,7 @@ impl Live {
             data: None,
             next_conn: 0,
             role: Role::Standby,
+            end_confirmed: false,
             generation,
             epoch: 0,
         }
@@ -994,13 +1002,7 @@ impl Backup {
     /// every connection is told (OK ENDED). During a takeover nothing is
     /// confirmed ([`Role::abort`]).
     fn abort(&self, reason: String) {
-        // Both locks, standby first (the order everywhere): a checkpoint
-        // committed meanwhile cannot slip past the answer.
-        let answer = {
-            let st = self.standby();
-            let has_checkpoint = st.committed.is_some();
-            self.live().role.abort(reason.clone(), has_checkpoint)
-        };
+        let answer = self.live().role.abort(reason.clone());
         match answer {
             AbortAnswer::Refuse => {
                 eprintln!(
@@ -1021,6 +1023,8 @@ impl Backup {
         if answer == AbortAnswer::End {
             l.heard.clear();
             l.hang = None;
+            // Only now may the backup finish: the confirmation is queued.
+            l.end_confirmed = true;
         }
     }
 }
@@ -1691,10 +1695,17 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
         let has_checkpoint = b.standby().committed.is_some();
         let mut l = b.live();
         if let Role::Ended(reason) = &l.role {
-            // Once the checkpoint is discarded (just after the role
-            // changed), the backup is done; until then nothing is decided.
-            if !has_checkpoint {
+            // Once the checkpoint is discarded and the confirmation queued
+            // (just after the role changed), the backup is done, after its
+            // connections have written what they hold; until then nothing
+            // is decided.
+            if !has_checkpoint && l.end_confirmed {
                 eprintln!("hagctl: backup done: {reason}");
+                let outboxes: Vec<Outbox> = l.members.values().map(|m| m.out.clone()).collect();
+                drop(l);
+                for out in outboxes {
+                    out.flush(FLUSH_AT_EXIT);
+                }
                 return Ok(None);
             }
             continue;
@@ -2235,22 +2246,16 @@ mod tests {
         // ABORT during a takeover (issue 20, item 2): never confirmed.
         let mut r = Role::Standby;
         assert!(r.take_over());
-        assert_eq!(r.abort("SIGTERM".into(), false), AbortAnswer::Refuse);
-        assert_eq!(r.abort("SIGTERM".into(), true), AbortAnswer::Refuse);
+        assert_eq!(r.abort("SIGTERM".into()), AbortAnswer::Refuse);
         assert!(!r.take_over(), "a second takeover started");
         assert!(r.taking_over());
         // An end first: no takeover after it, and a repeated ABORT is
         // confirmed again.
         let mut r = Role::Standby;
-        assert_eq!(r.abort("the VM finished".into(), true), AbortAnswer::End);
+        assert_eq!(r.abort("the VM finished".into()), AbortAnswer::End);
         assert!(!r.take_over(), "a takeover after the end was confirmed");
-        assert_eq!(r.abort("again".into(), true), AbortAnswer::Confirm);
+        assert_eq!(r.abort("again".into()), AbortAnswer::Confirm);
         assert_eq!(r, Role::Ended("the VM finished".into()));
-        // Before any checkpoint there is nothing to end: confirmed, and the
-        // backup keeps standing by.
-        let mut r = Role::Standby;
-        assert_eq!(r.abort("early".into(), false), AbortAnswer::Confirm);
-        assert_eq!(r, Role::Standby);
         // A takeover that failed stands by again: an ABORT then ends
         // protection, and a later decision may try again.
         let mut r = Role::Standby;
@@ -2258,7 +2263,7 @@ mod tests {
         r.takeover_failed();
         assert!(r.take_over(), "no second try after a failed takeover");
         r.takeover_failed();
-        assert_eq!(r.abort("SIGTERM".into(), true), AbortAnswer::End);
+        assert_eq!(r.abort("SIGTERM".into()), AbortAnswer::End);
         r.takeover_failed();
         assert!(!r.take_over(), "a failed takeover's cleanup undid an end");
     }
@@ -2353,6 +2358,21 @@ mod tests {
         let (s, _) = l.accept().unwrap();
         let (_r, w) = secure::handshake(s, &key, false).unwrap();
         (Outbox::spawn(w).unwrap(), t.join().unwrap())
+    }
+
+    /// A finishing backup flushes its connections before it exits: the
+    /// OK ENDED it queued reaches the primary (issue 20, item 11).
+    #[test]
+    fn an_outbox_flushes_what_it_holds() {
+        let (out, mut r) = member();
+        let ended = Msg::Ok { phase: ENDED_PHASE };
+        for _ in 0..5 {
+            assert!(out.post(&ended));
+        }
+        assert!(out.flush(Duration::from_secs(10)));
+        for _ in 0..5 {
+            assert_eq!(read_msg(&mut r).unwrap().0, ended);
+        }
     }
 
     /// Issue 12, item 2: the fence goes to every connection of the

@@ -456,8 +456,16 @@ impl Write for Conn {
 /// dropped, with the connection closed, when the peer does not take them.
 #[derive(Clone)]
 pub struct Outbox {
-    tx: std::sync::mpsc::SyncSender<Vec<u8>>,
+    tx: std::sync::mpsc::SyncSender<Out>,
     sock: Arc<TcpStream>,
+}
+
+/// What the writing thread is given.
+enum Out {
+    /// A frame to write.
+    Frame(Vec<u8>),
+    /// Answer once every frame queued before this one is written.
+    Flushed(std::sync::mpsc::SyncSender<()>),
 }
 
 /// Frames an outbox holds before it counts its peer as stuck.
@@ -470,14 +478,21 @@ impl Outbox {
     pub fn spawn(mut w: Writer) -> io::Result<Outbox> {
         let sock = Arc::new(w.stream.try_clone()?);
         w.set_write_timeout(Some(WRITE_TIMEOUT))?;
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(OUTBOX_FRAMES);
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Out>(OUTBOX_FRAMES);
         std::thread::Builder::new()
             .name("outbox".into())
             .spawn(move || {
-                for frame in rx {
-                    if w.write_all(&frame).is_err() {
-                        w.shutdown();
-                        return;
+                for out in rx {
+                    match out {
+                        Out::Frame(frame) => {
+                            if w.write_all(&frame).is_err() {
+                                w.shutdown();
+                                return;
+                            }
+                        }
+                        Out::Flushed(done) => {
+                            let _ = done.try_send(());
+                        }
                     }
                 }
             })?;
@@ -487,7 +502,10 @@ impl Outbox {
     /// Queues `msg` without waiting; false (and the connection closed) if
     /// the peer is not taking what was sent before.
     pub fn post(&self, msg: &crate::wire::Msg) -> bool {
-        let ok = self.tx.try_send(crate::wire::encode_frame(msg)).is_ok();
+        let ok = self
+            .tx
+            .try_send(Out::Frame(crate::wire::encode_frame(msg)))
+            .is_ok();
         if !ok {
             self.close();
         }
@@ -497,7 +515,20 @@ impl Outbox {
     /// Queues `msg`, waiting for room (for the one thread that owns the
     /// conversation, never under a shared lock).
     pub fn send(&self, msg: &crate::wire::Msg) -> bool {
-        self.tx.send(crate::wire::encode_frame(msg)).is_ok()
+        self.tx
+            .send(Out::Frame(crate::wire::encode_frame(msg)))
+            .is_ok()
+    }
+
+    /// Waits (up to `timeout`) until everything queued so far is written:
+    /// before a process exits, so that its last words (an OK ENDED) are
+    /// not lost with its threads. False if that did not happen in time.
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let (done, flushed) = std::sync::mpsc::sync_channel(1);
+        if self.tx.try_send(Out::Flushed(done)).is_err() {
+            return false;
+        }
+        flushed.recv_timeout(timeout).is_ok()
     }
 
     /// Closes the connection.
