@@ -1342,6 +1342,11 @@ impl Primary {
     fn outcome(&mut self, result: Result<(), EpochError>) -> Option<CheckpointReport> {
         let err = match result {
             Ok(()) => return None,
+            // A QMP call that failed mid-epoch may be the VMM dying: asked
+            // again, a crash says so.
+            Err(EpochError::Vm(why)) => self
+                .vm_crashed()
+                .map_or(EpochError::Vm(why), EpochError::Crashed),
             Err(e) => e,
         };
         if self.link.hung() {
@@ -1367,13 +1372,6 @@ impl Primary {
                 Some(self.hand_over())
             }
             EpochError::Crashed(why) => {
-                self.link.crashed(why);
-                Some(self.hand_over())
-            }
-            // A QMP call that failed mid-epoch may be the VMM dying: asked
-            // again, a crash says so.
-            EpochError::Vm(_) if self.vm_crashed().is_some() => {
-                let why = self.vm_crashed().unwrap_or_default();
                 self.link.crashed(why);
                 Some(self.hand_over())
             }
