@@ -97,7 +97,7 @@ if [ "$HAG_HOST" = 1 ]; then
 	n=0 quiet=0 size=0
 	while kill -0 "$bk" 2>/dev/null; do
 		n=$((n + 1))
-		# A taken-over guest that prints nothing for 120 s (it prints every
+		# A taken-over guest that prints nothing for 60 s (it prints every
 		# second while it runs; one resumed from a broken image may hang)
 		# is ended too, as is one that never ends.
 		now=$(wc -c </tmp/vm.console 2>/dev/null || echo 0)
@@ -106,7 +106,7 @@ if [ "$HAG_HOST" = 1 ]; then
 		else
 			quiet=0 size=$now
 		fi
-		if grep -q HAG-GUEST-EXIT /tmp/vm.console 2>/dev/null || [ "$quiet" -gt 120 ] || [ "$n" -gt 700 ]; then
+		if grep -q HAG-GUEST-EXIT /tmp/vm.console 2>/dev/null || [ "$quiet" -gt 60 ] || [ "$n" -gt 700 ]; then
 			qemu=$(sed -n 's/.*takeover: QEMU (pid \([0-9]*\)).*/\1/p' /tmp/backup.err)
 			[ -z "$qemu" ] || kill -TERM "$qemu" 2>/dev/null || true
 			wait_for 30 sh -c "! kill -0 $bk 2>/dev/null" || {
