@@ -155,19 +155,24 @@ vm_words() {
 # vm_start NAME MDEV-UUID GUEST-ARGS [QEMU-ARG...]: starts VM NAME
 # (vm_words) daemonized, QMP at /tmp/NAME.qmp, QEMU's stderr in
 # /tmp/NAME.qemu.err, its pid in /tmp/NAME.pid. VM_SHARED_RAM=1 puts guest
-# RAM in a shared file, /tmp/NAME.ram (what hagctl checkpoint --qmp copies).
+# RAM in a shared file, /tmp/NAME.ram (or VM_RAM_PATH), locked in memory
+# (what hagctl checkpoint --qmp copies and accepts; VM_RAM_LOCK=off leaves
+# it unlocked). VM_CGROUP=DIR starts QEMU in that cgroup (v2), so that the
+# memory it faults in is charged there.
 vm_start() {
 	local name=$1 uuid=$2 gargs=$3
 	shift 3
 	rm -f "/tmp/$name.console" "/tmp/$name.qmp"
 	if [ "${VM_SHARED_RAM:-0}" = 1 ]; then
-		set -- -object "memory-backend-file,id=ram0,size=${VM_MIB}M,mem-path=/tmp/$name.ram,share=on" \
-			-machine memory-backend=ram0 "$@"
+		set -- -object "memory-backend-file,id=ram0,size=${VM_MIB}M,mem-path=${VM_RAM_PATH:-/tmp/$name.ram},share=on" \
+			-machine memory-backend=ram0 -overcommit "mem-lock=${VM_RAM_LOCK:-on}" "$@"
 	fi
 	eval "set -- $(vm_words "$name" "$uuid" "$gargs") \"\$@\""
+	[ -z "${VM_CGROUP:-}" ] || echo $$ >"$VM_CGROUP/cgroup.procs"
 	in_root "$@" -qmp "unix:/tmp/$name.qmp,server=on,wait=off" \
 		-daemonize -pidfile "/tmp/$name.pid" 2>"/tmp/$name.qemu.err" ||
 		fail "QEMU did not start VM $name: $(cat "/tmp/$name.qemu.err")"
+	[ -z "${VM_CGROUP:-}" ] || echo $$ >"${VM_CGROUP%/*}/cgroup.procs"
 	wait_for 30 test -S "/tmp/$name.qmp" || fail "VM $name: no QMP socket"
 }
 
@@ -282,15 +287,15 @@ CONF
 }
 
 # domain_xml NAME MDEV-UUID GUEST-ARGS: a domain like vm_start's VM.
-# DOMAIN_SHARED_RAM=1 adds a shared file memory backing (what hagctl
-# checkpoint --qmp copies), DOMAIN_CONSOLE_SOCKET=1 a serial console on
+# DOMAIN_SHARED_RAM=1 adds a shared file memory backing, locked (what hagctl
+# checkpoint --qmp copies and accepts), DOMAIN_CONSOLE_SOCKET=1 a serial console on
 # the unix socket /tmp/NAME.console.sock instead of the file
 # /tmp/NAME.console (what hagctl checkpoint --console holds),
 # DOMAIN_XML_EXTRA elements (<metadata>, <qemu:commandline>) at the end.
 domain_xml() {
 	local backing= serial="<serial type='file'><source path='/tmp/$1.console' append='on'/></serial>"
 	[ "${DOMAIN_SHARED_RAM:-0}" != 1 ] ||
-		backing="<memoryBacking><source type='file'/><access mode='shared'/></memoryBacking>"
+		backing="<memoryBacking><source type='file'/><access mode='shared'/><locked/></memoryBacking>"
 	[ "${DOMAIN_CONSOLE_SOCKET:-0}" != 1 ] ||
 		serial="<serial type='unix'><source mode='bind' path='/tmp/$1.console.sock'/></serial>"
 	cat <<XML

@@ -20,6 +20,8 @@
 #   during_backup   if defined: run on host 1 alongside hagctl backup
 #   during_primary  if defined: run on host 0 alongside hagctl checkpoint
 #                   (its output in /tmp/during.out)
+#   before_fault    if defined: run on host 0 once epoch 4 is acknowledged,
+#                   before the fault
 #   check_backup BACKUP-STATUS    host 1's verdict (/tmp/backup.*,
 #                                 /tmp/vm.console, /tmp/client.log)
 #   check_primary CHECKPOINT-STATUS  host 0's (/tmp/cp.*, /tmp/vm.console)
@@ -149,6 +151,9 @@ else
 	fi
 	wait_for 300 grep -q '^epoch 4:' /tmp/cp.err || fail "no 4 epochs: $(cat /tmp/cp.err)"
 	hagctl status
+	if command -v before_fault >/dev/null; then
+		before_fault
+	fi
 	case "$FAULT" in
 	gpu-hang)
 		step "host 0: inject a GPU hang"

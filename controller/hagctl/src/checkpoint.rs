@@ -721,6 +721,8 @@ pub(crate) enum EpochError {
     Vm(String),
     /// The VM crashed: hand it over, as after a hang.
     Crashed(String),
+    /// The VM runs but can no longer be protected: end protection.
+    Unprotectable(String),
     /// Capturing failed (the VM was resumed); try again next interval.
     Retry(String),
 }
@@ -876,6 +878,7 @@ impl Primary {
                 )));
             }
             VmStatus::Crashed(why) => return Err(EpochError::Crashed(why)),
+            VmStatus::Unprotectable(why) => return Err(EpochError::Unprotectable(why)),
             VmStatus::Other(other) => {
                 // A guest that hung its vGPU may have shut down over it.
                 let stats = self.src.dev.vgpu_stats(self.src.vgpu_id);
@@ -1387,6 +1390,11 @@ impl Primary {
                     r.outcome = "vm-stopped".into();
                 }
                 Some(r)
+            }
+            EpochError::Unprotectable(why) => {
+                // The VM runs on, unprotected, as after a SIGTERM: its
+                // held output goes out once the backup confirms the end.
+                Some(self.end_protection(&format!("the VM can no longer be protected: {why}")))
             }
         }
     }

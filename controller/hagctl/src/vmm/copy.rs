@@ -37,6 +37,9 @@ pub enum VmStatus {
     /// crashed, or failed internally): a failure the backup takes over
     /// from, not an end of protection.
     Crashed(String),
+    /// It runs, but can no longer be protected (memory was hot-plugged,
+    /// another process writes its RAM): protection ends, saying why.
+    Unprotectable(String),
 }
 
 /// What holds a VM's output back until its epoch is acknowledged (for a

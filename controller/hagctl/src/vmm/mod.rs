@@ -18,6 +18,7 @@
 //! so a driver only writes what it can do.
 
 pub mod copy;
+pub mod dirty_source;
 pub mod hagvmm;
 pub mod qemu;
 pub mod qemu_copy;

@@ -25,12 +25,13 @@
 
 use std::io::Read;
 use std::os::fd::OwnedFd;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hag_vmm::ram::GuestRam;
 use serde_json::{json, Value};
 
 use super::copy::{CopyVm, OutputGate, VmStatus};
+use super::dirty_source;
 use super::qemu::{self, Qemu};
 use super::shared_ram::Mapping;
 use super::{Feature, MigrationSettings, RunState, Vmm, VmmError};
@@ -98,6 +99,54 @@ pub struct QemuVm {
     holding: bool,
     /// For tests: the CPU dirty log is withheld (always empty).
     withhold_cpu_dirty: bool,
+    /// The file behind guest RAM, which only QEMU and hagctl may hold.
+    ram_file: RamFile,
+    /// How many memory backends QEMU had when protection started.
+    memdevs: usize,
+    /// When [`QemuVm::recheck`] next looks.
+    next_recheck: Instant,
+}
+
+/// How often, while protected, hagctl checks again that the dirty source
+/// is still complete (nothing else holds guest RAM's file, no memory was
+/// hot-plugged): the one check scans every process here, too much for
+/// every epoch.
+const RECHECK_EVERY: Duration = Duration::from_secs(10);
+
+/// Guest RAM's file, as `(device, inode)`, and who may hold it.
+struct RamFile {
+    dev: u64,
+    ino: u64,
+    /// QEMU and this process.
+    allowed: [i32; 2],
+    path: String,
+}
+
+impl RamFile {
+    fn of(map: &Mapping, ram: &GuestRam) -> Result<RamFile, String> {
+        let fd = ram.fd().ok_or("guest RAM's mapping has no file")?;
+        let st = nix::sys::stat::fstat(fd).map_err(|e| format!("{}: {e}", map.name))?;
+        Ok(RamFile {
+            dev: st.st_dev,
+            ino: st.st_ino,
+            allowed: [map.pid, std::process::id() as i32],
+            path: map.name.clone(),
+        })
+    }
+
+    /// Why another process's hold on the file defeats soft-dirty bits,
+    /// if one holds it.
+    fn shared_with_others(&self) -> Option<String> {
+        let others = dirty_source::other_holders(self.dev, self.ino, &self.allowed);
+        (!others.is_empty()).then(|| {
+            format!(
+                "another process holds guest RAM's file {} ({}): its writes set no soft-dirty bit of QEMU's, \
+                 so hagctl would never copy them (virtiofsd, vhost-user back ends and ivshmem are not supported)",
+                self.path,
+                others.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+            )
+        })
+    }
 }
 
 /// What [`QemuVm::open`] found.
@@ -126,6 +175,16 @@ pub fn shared_backend(memdevs: &Value) -> Result<(String, u64), String> {
             .to_owned()
     };
     match shared.as_slice() {
+        [m] if list.len() > 1 => Err(format!(
+            "QEMU has memory backends besides guest RAM's {} ({}): hagctl copies one, so the others' \
+             memory (NUMA nodes, hot-plugged DIMMs) would not be protected",
+            name(m),
+            list.iter()
+                .map(name)
+                .filter(|n| *n != name(m))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
         [m] => {
             let size = m
                 .get("size")
@@ -159,6 +218,12 @@ impl QemuVm {
             vmm: q.describe(),
             what,
         };
+        dirty_source::self_test().map_err(|e| {
+            protocol(
+                &qemu,
+                format!("this host cannot tell which pages the guest's CPU writes: {e}"),
+            )
+        })?;
         let memdevs = qemu.qmp().execute("query-memdev", None)?;
         let (id, size) = shared_backend(&memdevs).map_err(|e| protocol(&qemu, e))?;
         let path = qemu
@@ -186,6 +251,17 @@ impl QemuVm {
         let pid = super::shared_ram::vm_process(peer, size).map_err(|e| protocol(&qemu, e))?;
         let (ram_map, ram) =
             Mapping::open(pid, size, Some(&path)).map_err(|e| protocol(&qemu, e))?;
+        let ram_file = RamFile::of(&ram_map, &ram).map_err(|e| protocol(&qemu, e))?;
+        let vma = std::fs::read_to_string(format!("/proc/{pid}/smaps"))
+            .map_err(|e| format!("/proc/{pid}/smaps: {e}"))
+            .and_then(|smaps| dirty_source::ram_vma(&smaps, ram_map.start))
+            .map_err(|e| protocol(&qemu, e))?;
+        if let Some(why) = vma.refusal() {
+            return Err(protocol(&qemu, format!("{why} ({path})")));
+        }
+        if let Some(why) = ram_file.shared_with_others() {
+            return Err(protocol(&qemu, why));
+        }
         let vgpu_uuid = vgpu_of(&mut qemu)?;
         qemu.apply(&ignore_shared(true))?;
         // An epoch's save goes into a pipe: no return path there (a VM
@@ -207,6 +283,9 @@ impl QemuVm {
                 gates,
                 holding: false,
                 withhold_cpu_dirty: false,
+                ram_file,
+                memdevs: memdevs.as_array().map_or(0, Vec::len),
+                next_recheck: Instant::now() + RECHECK_EVERY,
             },
             ram,
             vgpu_uuid,
@@ -221,6 +300,26 @@ impl QemuVm {
     /// The guest RAM mapping in QEMU.
     pub fn mapping(&self) -> &Mapping {
         &self.ram
+    }
+
+    /// Why the dirty source is no longer complete (memory hot-plugged,
+    /// another process holding guest RAM's file), looked at once every
+    /// [`RECHECK_EVERY`].
+    fn recheck(&mut self) -> Result<Option<String>, VmmError> {
+        if Instant::now() < self.next_recheck {
+            return Ok(None);
+        }
+        self.next_recheck = Instant::now() + RECHECK_EVERY;
+        let memdevs = self.qemu.qmp().execute("query-memdev", None)?;
+        let n = memdevs.as_array().map_or(0, Vec::len);
+        if n != self.memdevs {
+            return Ok(Some(format!(
+                "it has {n} memory backends, {} when protection started: hagctl copies only guest RAM's, \
+                 so hot-plugged memory would not be protected",
+                self.memdevs
+            )));
+        }
+        Ok(self.ram_file.shared_with_others())
     }
 }
 
@@ -240,6 +339,7 @@ fn ignore_shared(on: bool) -> MigrationSettings {
 /// The mdev UUID of the VM's one vfio-pci device backed by an mdev.
 fn vgpu_of(qemu: &mut Qemu) -> Result<String, VmmError> {
     let mut found = Vec::new();
+    let mut passed_through = Vec::new();
     for parent in ["/machine/peripheral", "/machine/peripheral-anon"] {
         let Ok(children) = qemu
             .qmp()
@@ -258,13 +358,24 @@ fn vgpu_of(qemu: &mut Qemu) -> Result<String, VmmError> {
                 "qom-get",
                 Some(json!({ "path": format!("{parent}/{name}"), "property": "sysfsdev" })),
             )?;
-            if let Some(uuid) = dev
+            match dev
                 .as_str()
                 .and_then(|p| p.strip_prefix("/sys/bus/mdev/devices/"))
             {
-                found.push(uuid.trim_end_matches('/').to_owned());
+                Some(uuid) => found.push(uuid.trim_end_matches('/').to_owned()),
+                None => passed_through.push(name.to_owned()),
             }
         }
+    }
+    if !passed_through.is_empty() {
+        return Err(VmmError::Protocol {
+            vmm: qemu.describe(),
+            what: format!(
+                "the VM has a passed-through PCI device ({}): its DMA writes guest RAM behind the page tables \
+                 whose soft-dirty bits hagctl reads, so they would never reach the backup",
+                passed_through.join(", ")
+            ),
+        });
     }
     match found.len() {
         1 => Ok(found.remove(0)),
@@ -360,6 +471,11 @@ impl CopyVm for QemuVm {
             }
             Err(e) => return Err(e),
         };
+        if st.is_running() {
+            if let Some(why) = self.recheck()? {
+                return Ok(VmStatus::Unprotectable(why));
+            }
+        }
         Ok(if st.is_running() {
             VmStatus::Running { iteration: 0 }
         } else if let Some(why) = qemu::crash(Some(&st.name), false) {
@@ -531,11 +647,14 @@ mod tests {
 
     #[test]
     fn the_shared_backend_is_found_or_its_absence_explained() {
-        let one = json!([
-            {"id": "pc.ram", "size": 268435456u64, "share": false},
-            {"id": "ram0", "size": 268435456u64, "share": true}
-        ]);
+        let one = json!([{"id": "ram0", "size": 268435456u64, "share": true}]);
         assert_eq!(shared_backend(&one).unwrap(), ("ram0".into(), 256 << 20));
+        let more = json!([
+            {"id": "ram0", "size": 268435456u64, "share": true},
+            {"id": "dimm1", "size": 134217728u64, "share": false}
+        ]);
+        let e = shared_backend(&more).unwrap_err();
+        assert!(e.contains("besides guest RAM's ram0 (dimm1)"), "{e}");
         let private = json!([{"id": "pc.ram", "size": 268435456u64, "share": false}]);
         let e = shared_backend(&private).unwrap_err();
         assert!(

@@ -1,0 +1,80 @@
+# hosts: 1
+# timeout: 600
+# vms: yes
+# hagctl checkpoint --qmp refuses, before it protects anything, a VM whose
+# guest writes its CPU dirty source (soft-dirty bits) could miss, saying
+# why, and the VM runs on untouched: guest RAM not locked (reclaim drops
+# the bits), guest RAM on hugetlbfs (one bit per mapping), and guest RAM's
+# file held by another process (as virtiofsd or a vhost-user back end
+# would: its writes set no bit of QEMU's). A locked VM on tmpfs gets past
+# these checks to the next step (no backup listens). A kernel whose bits
+# fail hagctl's self-test is a unit test (vmm::dirty_source). No vGPU: the
+# refusals come before hagctl looks for one.
+VM_MIB=128
+ha_key
+host_root_up
+# qmp_status: the VM's run state, asked on its QMP socket.
+qmp_status() {
+	in_root python3 -c '
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect("/tmp/vm.qmp")
+f = s.makefile("rw")
+f.readline()
+for cmd in ("qmp_capabilities", "query-status"):
+    f.write(json.dumps({"execute": cmd}) + "\n"); f.flush()
+    while True:
+        r = json.loads(f.readline())
+        if "return" in r or "error" in r:
+            break
+print(r.get("return", {}).get("status", r))'
+}
+# checkpoint_says PATTERN: hagctl checkpoint of VM vm fails saying PATTERN
+# (a grep pattern), and the VM runs on.
+checkpoint_says() {
+	rc=0
+	hagctl checkpoint --qmp /tmp/vm.qmp --backup 127.0.0.1:7200 --connect-timeout 2 \
+		--json >/tmp/cp.out 2>/tmp/cp.err || rc=$?
+	cat /tmp/cp.err
+	[ "$rc" != 0 ] || fail "hagctl checkpoint protected the VM"
+	grep -q "$1" /tmp/cp.err || fail "hagctl checkpoint did not say '$1'"
+	expect_eq "the VM's state after the refusal" "$(qmp_status)" running
+}
+vm_stop() {
+	pid=$(cat /tmp/vm.pid)
+	kill "$pid"
+	wait_for 30 sh -c "! kill -0 $pid 2>/dev/null" || fail "QEMU did not end"
+}
+
+step "guest RAM in a shared file, not locked"
+VM_SHARED_RAM=1 VM_RAM_LOCK=off vm_start vm "" "--seconds=600"
+checkpoint_says 'guest RAM is not locked in memory.*mem-lock=on'
+vm_stop
+
+step "guest RAM locked, on hugetlbfs"
+echo 80 >/proc/sys/vm/nr_hugepages
+mkdir -p "$HOST_ROOT/tmp/huge"
+mount -t hugetlbfs none "$HOST_ROOT/tmp/huge" || fail "mounting hugetlbfs"
+VM_SHARED_RAM=1 VM_RAM_PATH=/tmp/huge/vm.ram vm_start vm "" "--seconds=600"
+checkpoint_says 'guest RAM is in 2048 KiB huge pages (hugetlbfs)'
+vm_stop
+umount "$HOST_ROOT/tmp/huge"
+
+step "guest RAM locked on tmpfs, and another process maps its file"
+VM_SHARED_RAM=1 vm_start vm "" "--seconds=600"
+in_root python3 -c '
+import mmap, os, time
+fd = os.open("/tmp/vm.ram", os.O_RDWR)
+m = mmap.mmap(fd, 4096)
+os.close(fd)
+print("mapped", os.getpid(), flush=True)
+time.sleep(3600)' >/tmp/mapper.out &
+wait_for 30 grep -q mapped /tmp/mapper.out || fail "the second process did not map the file"
+mapper=$(sed -n 's/^mapped //p' /tmp/mapper.out)
+checkpoint_says "another process holds guest RAM's file [^ ]*/tmp/vm.ram (pid $mapper (python3) maps it)"
+kill "$mapper"
+wait_for 30 sh -c "! kill -0 $mapper 2>/dev/null" || fail "the second process did not end"
+
+step "the same VM, nothing else holding its RAM: past the dirty source's checks"
+checkpoint_says 'no mdev vfio-pci devices\|0 mdev vfio-pci devices'
+vm_stop
