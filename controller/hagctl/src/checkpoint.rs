@@ -57,7 +57,7 @@ use crate::secure::{self, Key, Outbox};
 use crate::vmm::copy::{CopyVm, OutputGate, VmStatus};
 use crate::vmm::qemu::Qemu;
 use crate::vmm::qemu_copy::{PlugGate, QemuVm};
-use crate::vmm::Vmm;
+use crate::vmm::{Vmm, VmmError};
 use crate::wire::{
     read_msg, session_name, write_msg, Msg, PageData, VmmKind, ENDED_PHASE, PAGE, PAGES_PER_FRAME,
 };
@@ -1007,11 +1007,10 @@ impl Primary {
         report.gpu_bytes_written = stats.bytes_written.wrapping_sub(self.written0);
         self.written0 = stats.bytes_written;
         let tv = Instant::now();
-        let vm_state = self
-            .src
-            .vm
-            .vm_state()
-            .map_err(|e| EpochError::Retry(format!("cannot get the VM state: {e}")))?;
+        let vm_state = self.src.vm.vm_state().map_err(|e| match e {
+            VmmError::Unprotectable { .. } => EpochError::Unprotectable(e.to_string()),
+            e => EpochError::Retry(format!("cannot get the VM state: {e}")),
+        })?;
         report.state_ms = ms_since(tv);
         let tc = Instant::now();
         let pages: Vec<u64> = self.carry.iter().copied().collect();

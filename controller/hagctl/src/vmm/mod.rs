@@ -317,6 +317,15 @@ pub enum VmmError {
         /// What was wrong.
         what: String,
     },
+    /// The VM runs, but cannot be protected (its state is over the
+    /// stream's limit, QEMU refuses to migrate it).
+    #[error("{vmm}: the VM cannot be protected: {what}")]
+    Unprotectable {
+        /// Which VMM.
+        vmm: String,
+        /// Why.
+        what: String,
+    },
     /// The VM is in the wrong state for this.
     #[error("{vmm}: cannot {doing} while the VM is {state}")]
     State {

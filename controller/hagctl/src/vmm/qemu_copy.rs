@@ -262,6 +262,18 @@ impl QemuVm {
         if let Some(why) = ram_file.shared_with_others() {
             return Err(protocol(&qemu, why));
         }
+        // Every epoch's device state is a migration: one QEMU refuses
+        // would fail each time, the VM's output held meanwhile.
+        let blockers = qemu.migration_blockers()?;
+        if !blockers.is_empty() {
+            return Err(protocol(
+                &qemu,
+                format!(
+                    "QEMU refuses to migrate this VM ({}), and each epoch saves its state by migration",
+                    blockers.join("; ")
+                ),
+            ));
+        }
         let vgpu_uuid = vgpu_of(&mut qemu)?;
         qemu.apply(&ignore_shared(true))?;
         // An epoch's save goes into a pipe: no return path there (a VM
@@ -523,7 +535,9 @@ impl CopyVm for QemuVm {
         }
         .encode();
         if state.len() > MAX_PAYLOAD as usize {
-            return Err(VmmError::Protocol {
+            // Every epoch would be the same size: retrying would hold the
+            // VM's output for ever.
+            return Err(VmmError::Unprotectable {
                 vmm: self.qemu.describe(),
                 what: format!("its device state is over the stream's {MAX_PAYLOAD}-byte limit"),
             });
