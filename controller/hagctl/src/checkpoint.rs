@@ -53,6 +53,7 @@ use crate::migrate::{
 };
 use crate::pagehash::PageHashes;
 use crate::primary::{Action, Event, Policy, State};
+use crate::schedule::Schedule;
 use crate::secure::{self, Key, Outbox};
 use crate::vmm::copy::{CopyVm, OutputGate, VmStatus};
 use crate::vmm::qemu::Qemu;
@@ -161,6 +162,12 @@ pub struct EpochReport {
     pub hashed_pages: u64,
     /// `--gpu-dirty hash`: milliseconds spent hashing (inside the pause).
     pub hash_ms: f64,
+    /// Since the previous epoch started, milliseconds: the actual period
+    /// (0 for an epoch after a synchronisation).
+    pub period_ms: f64,
+    /// How late this epoch started, milliseconds: the previous one was
+    /// still unacknowledged when this one was due (0: on time).
+    pub late_ms: f64,
 }
 
 /// What `hagctl checkpoint` reports.
@@ -186,6 +193,11 @@ pub struct CheckpointReport {
     pub pause_ms_max: f64,
     /// Mean ack latency, milliseconds.
     pub ack_ms_mean: f64,
+    /// Mean actual period between epochs, milliseconds (`--interval`
+    /// unless epochs overran).
+    pub period_ms_mean: f64,
+    /// Epochs that started late because the previous one overran.
+    pub overruns: u64,
     /// Bytes of all epochs.
     pub epoch_bytes: u64,
     /// Where the GPU's dirty pages came from.
@@ -200,7 +212,7 @@ impl CheckpointReport {
     /// The text form.
     pub fn text(&self) -> String {
         format!(
-            "checkpoint to {}: {} ({}); generation {}, {} epochs, pause mean {:.1} ms max {:.1} ms, ack mean {:.1} ms, {:.1} MiB in epochs, {} sync(s) with {:.1} MiB of pre-copy\n",
+            "checkpoint to {}: {} ({}); generation {}, {} epochs, pause mean {:.1} ms max {:.1} ms, ack mean {:.1} ms, period mean {:.2} s ({} late), {:.1} MiB in epochs, {} sync(s) with {:.1} MiB of pre-copy\n",
             self.backup,
             self.outcome,
             self.detail,
@@ -209,6 +221,8 @@ impl CheckpointReport {
             self.pause_ms_mean,
             self.pause_ms_max,
             self.ack_ms_mean,
+            self.period_ms_mean / 1e3,
+            self.overruns,
             self.epoch_bytes as f64 / f64::from(1 << 20),
             self.syncs,
             self.sync_bytes as f64 / f64::from(1 << 20)
@@ -225,6 +239,14 @@ impl CheckpointReport {
             .map(|e| e.pause_ms)
             .fold(0.0, f64::max);
         self.ack_ms_mean = self.per_epoch.iter().map(|e| e.ack_ms).sum::<f64>() / n;
+        let periods: Vec<f64> = self
+            .per_epoch
+            .iter()
+            .map(|e| e.period_ms)
+            .filter(|&p| p > 0.0)
+            .collect();
+        self.period_ms_mean = periods.iter().sum::<f64>() / periods.len().max(1) as f64;
+        self.overruns = self.per_epoch.iter().filter(|e| e.late_ms > 0.0).count() as u64;
         self.epoch_bytes = self.per_epoch.iter().map(|e| e.bytes).sum();
     }
 }
@@ -618,6 +640,16 @@ pub struct StatusFile {
     pub last_bytes: u64,
     /// Ack latency.
     pub last_ack_ms: f64,
+    /// When the last acknowledged epoch was captured (Unix ms): its age
+    /// is the recovery point, what a takeover now would lose.
+    #[serde(default)]
+    pub last_captured_unix_ms: u64,
+    /// The last actual period between epochs, milliseconds.
+    #[serde(default)]
+    pub period_ms: f64,
+    /// Epochs that started late (the previous one overran).
+    #[serde(default)]
+    pub overruns: u64,
 }
 
 fn unix_ms() -> u64 {
@@ -670,7 +702,7 @@ pub fn protection_lines(dir: &Path) -> Vec<(StatusFile, String)> {
         let alive = Path::new(&format!("/proc/{}", st.pid)).exists();
         let mut line = match st.state.as_str() {
             "protected" => format!(
-                "vGPU {} protected, last epoch {} acked {:.1} s ago, backup {} (generation {}, pause {:.1} ms, {} bytes, ack {:.1} ms)",
+                "vGPU {} protected, last epoch {} acked {:.1} s ago, backup {} (generation {}, pause {:.1} ms, {} bytes, ack {:.1} ms; period {:.2} s, {} late; recovery point {:.1} s)",
                 st.vgpu_id,
                 st.last_epoch,
                 ago(st.last_ack_unix_ms),
@@ -678,7 +710,10 @@ pub fn protection_lines(dir: &Path) -> Vec<(StatusFile, String)> {
                 st.generation,
                 st.last_pause_ms,
                 st.last_bytes,
-                st.last_ack_ms
+                st.last_ack_ms,
+                st.period_ms / 1e3,
+                st.overruns,
+                ago(st.last_captured_unix_ms),
             ),
             "unprotected" => format!(
                 "vGPU {} unprotected: backup {} unreachable since {:.1} s ago ({}); last epoch {}",
@@ -783,6 +818,10 @@ struct Primary {
     stop: Arc<AtomicBool>,
     status: StatusFile,
     report: CheckpointReport,
+    /// When epochs start.
+    schedule: Schedule,
+    /// How late the next epoch starts (its predecessor overran).
+    late: Option<Duration>,
 }
 
 impl Primary {
@@ -851,7 +890,12 @@ impl Primary {
         self.report.sync_bytes += rep.per_round.iter().map(|r| r.wire_bytes).sum::<u64>();
         self.round = round;
         self.carry = pending;
-        self.epoch_once()
+        // Epochs are timed from the synchronisation's own (which has no
+        // period: the pre-copy came before it).
+        self.schedule = Schedule::new(self.opts.interval, Instant::now());
+        self.epoch_once()?;
+        self.schedule = Schedule::new(self.opts.interval, Instant::now());
+        Ok(())
     }
 
     /// Pause, capture, resume.
@@ -1131,7 +1175,11 @@ impl Primary {
 
     /// One epoch: capture, stream, ack, release output.
     fn epoch_once(&mut self) -> Result<(), EpochError> {
+        let period = self.schedule.started(Instant::now());
+        let captured_unix_ms = unix_ms();
         let mut cap = self.capture()?;
+        cap.report.period_ms = period.as_secs_f64() * 1e3;
+        cap.report.late_ms = self.late.take().map_or(0.0, |l| l.as_secs_f64() * 1e3);
         if self.link.hung() {
             return Err(EpochError::Hung(String::new()));
         }
@@ -1144,8 +1192,16 @@ impl Primary {
         })?;
         cap.report.released = self.released;
         let r = &cap.report;
+        let late = if r.late_ms > 0.0 {
+            format!(
+                " (started {:.0} ms late: the previous epoch overran)",
+                r.late_ms
+            )
+        } else {
+            String::new()
+        };
         eprintln!(
-            "epoch {}: pause {:.1} ms (quiesce {:.1}), {} pages (cpu {}, gpu {}), {:.2} MiB, acked in {:.1} ms{}",
+            "epoch {}: pause {:.1} ms (quiesce {:.1}), {} pages (cpu {}, gpu {}), {:.2} MiB, acked in {:.1} ms, period {:.0} ms{late}{}",
             r.epoch,
             r.pause_ms,
             r.quiesce_ms,
@@ -1154,10 +1210,14 @@ impl Primary {
             r.gpu_dirty,
             r.bytes as f64 / f64::from(1 << 20),
             r.ack_ms,
+            r.period_ms,
             if cap.finished { " (VM finished)" } else { "" }
         );
         self.status.last_epoch = self.epoch;
         self.status.last_ack_unix_ms = unix_ms();
+        self.status.last_captured_unix_ms = captured_unix_ms;
+        self.status.period_ms = r.period_ms;
+        self.status.overruns = self.schedule.overruns();
         self.status.last_pause_ms = r.pause_ms;
         self.status.last_bytes = r.bytes;
         self.status.last_ack_ms = r.ack_ms;
@@ -1302,8 +1362,16 @@ impl Primary {
                 return Ok(exit);
             }
             // Wait for the next epoch, watching for a hang, a fence, a
-            // signal, a lost link.
-            next = Instant::now() + self.opts.interval;
+            // signal, a lost link. Protected, epochs keep their period
+            // (an overrun starts the next at once, reported with it);
+            // unprotected, a resynchronisation is tried every interval.
+            next = if self.link.lock().connected {
+                let start = self.schedule.next(Instant::now());
+                self.late = start.late;
+                start.at
+            } else {
+                Instant::now() + self.opts.interval
+            };
             while Instant::now() < next {
                 if self.stop.load(Ordering::SeqCst) {
                     return Ok(self.end_protection("a signal"));
@@ -1579,6 +1647,8 @@ pub fn checkpoint(
             compress: opts.compress,
             ..CheckpointReport::default()
         },
+        schedule: Schedule::new(opts.interval, Instant::now()),
+        late: None,
     };
     let result = p.run();
     let _ = p.src.dev.dirty_stop(vgpu_id);

@@ -45,6 +45,7 @@ mod output;
 mod pagehash;
 mod plug;
 mod primary;
+mod schedule;
 mod secure;
 // The VMM interface is whole; today's commands use only part of it (the
 // QEMU checkpointing work is to use save_device_state; hag-vmm's pause is
