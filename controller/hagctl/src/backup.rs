@@ -874,7 +874,9 @@ const TAKEOVER_RETRY: Duration = Duration::from_secs(5);
 
 /// A fault the backup plays for tests (`--test-fault-file`): 0 none, 1
 /// "mute" (nothing reaches the primary: the backup-to-primary direction
-/// is cut), 2 "drop-acks" (epochs are applied but never acknowledged).
+/// is cut), 2 "drop-acks" (epochs are applied but never acknowledged), 3
+/// "hold-takeover" (a takeover waits, its VM prepared, before it stores
+/// the generation and fences: the window in which an ABORT may arrive).
 static TEST_FAULT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// Whether the test fault in force swallows `msg` on its way out.
@@ -890,11 +892,30 @@ fn read_test_fault(path: &std::path::Path) {
     let mode = match std::fs::read_to_string(path).as_deref().map(str::trim) {
         Ok("mute") => 1,
         Ok("drop-acks") => 2,
+        Ok("hold-takeover") => 3,
         _ => 0,
     };
     let old = TEST_FAULT.swap(mode, std::sync::atomic::Ordering::Relaxed);
     if old != mode {
-        eprintln!("hagctl: test fault now {mode} (0 none, 1 mute, 2 drop-acks)");
+        eprintln!("hagctl: test fault now {mode} (0 none, 1 mute, 2 drop-acks, 3 hold-takeover)");
+    }
+}
+
+/// While the test fault says hold-takeover (at most 5 minutes): the
+/// takeover's VM is prepared, nothing stored or fenced yet.
+fn test_hold_takeover(file: Option<&std::path::Path>) {
+    let Some(file) = file else { return };
+    let until = Instant::now() + Duration::from_secs(300);
+    let mut said = false;
+    while Instant::now() < until {
+        read_test_fault(file);
+        if TEST_FAULT.load(std::sync::atomic::Ordering::Relaxed) != 3 {
+            return;
+        }
+        if !std::mem::replace(&mut said, true) {
+            eprintln!("hagctl: TEST: the takeover holds before the fence");
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -1530,6 +1551,7 @@ impl TakeoverSteps for QemuTakeover<'_> {
             state.stream.len(),
             self.report.restore_ms
         );
+        test_hold_takeover(self.opts.test_fault_file.as_deref());
         Ok(())
     }
     fn persist(&mut self, generation: u64) -> Result<(), String> {

@@ -562,7 +562,8 @@ the VM's status. If the primary ends protection (its VM finished), it exits
               value_parser = clap::value_parser!(u64).range(2..=1024))]
         max_connections: u64,
         /// For tests only: a file naming a fault to play while it says so
-        /// (mute: send the primary nothing; drop-acks: never acknowledge)
+        /// (mute: send the primary nothing; drop-acks: never acknowledge;
+        /// hold-takeover: a takeover waits before its fence)
         #[arg(long, value_name = "FILE", hide = true)]
         test_fault_file: Option<std::path::PathBuf>,
         /// Print the takeover report as JSON

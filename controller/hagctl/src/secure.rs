@@ -73,6 +73,18 @@ pub enum KeyError {
         /// Its mode.
         mode: u32,
     },
+    /// Owned by another user, who could read or replace it.
+    #[error(
+        "the key file {path} belongs to uid {owner}, not to this user (uid {me}) or root: chown it"
+    )]
+    NotOwned {
+        /// The file.
+        path: String,
+        /// Its owner.
+        owner: u32,
+        /// This process's effective uid.
+        me: u32,
+    },
     /// Not 64 hex digits.
     #[error(
         "the key file {path} does not hold a key: 64 hex digits expected (hagctl keygen makes one)"
@@ -111,16 +123,16 @@ impl Key {
 
     /// Reads a key file: only its owner may read it.
     pub fn load(path: &Path) -> Result<Key, KeyError> {
-        use std::os::unix::fs::PermissionsExt;
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
         let name = path.display().to_string();
         let read = |source| KeyError::Read {
             path: name.clone(),
             source,
         };
         let meta = std::fs::metadata(path).map_err(read)?;
-        let mode = meta.permissions().mode() & 0o777;
-        if mode & 0o077 != 0 {
-            return Err(KeyError::Exposed { path: name, mode });
+        let me = nix::unistd::geteuid().as_raw();
+        if let Some(e) = key_file_problem(&name, meta.permissions().mode(), meta.uid(), me) {
+            return Err(e);
         }
         let text = std::fs::read_to_string(path).map_err(read)?;
         Key::from_hex(&text).ok_or(KeyError::Format { path: name })
@@ -137,6 +149,24 @@ impl Key {
         f.write_all((self.to_hex() + "\n").as_bytes())?;
         f.sync_all()
     }
+}
+
+/// What is wrong with a key file of `mode` owned by `owner`, read by uid
+/// `me` (as ssh judges its keys): others may read it, or another user
+/// owns it (and could read it, or replace it with a key of theirs).
+fn key_file_problem(path: &str, mode: u32, owner: u32, me: u32) -> Option<KeyError> {
+    let mode = mode & 0o777;
+    if mode & 0o077 != 0 {
+        return Some(KeyError::Exposed {
+            path: path.to_owned(),
+            mode,
+        });
+    }
+    (owner != me && owner != 0).then(|| KeyError::NotOwned {
+        path: path.to_owned(),
+        owner,
+        me,
+    })
 }
 
 /// Why a handshake failed.
@@ -556,6 +586,24 @@ mod tests {
             .map(|(r, w)| Conn { r, w })
             .map_err(|e| e.to_string());
         (client, t.join().unwrap())
+    }
+
+    #[test]
+    fn a_key_file_must_be_private_and_ours() {
+        assert!(key_file_problem("k", 0o100600, 1000, 1000).is_none());
+        // Root's own file, read by a service user: root may own it.
+        assert!(key_file_problem("k", 0o400, 0, 1000).is_none());
+        let e = key_file_problem("k", 0o640, 1000, 1000)
+            .unwrap()
+            .to_string();
+        assert!(e.contains("readable by others (mode 640)"), "{e}");
+        let e = key_file_problem("/etc/hag/pair.key", 0o600, 1001, 0)
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("/etc/hag/pair.key belongs to uid 1001, not to this user (uid 0)"),
+            "{e}"
+        );
     }
 
     #[test]
