@@ -38,11 +38,18 @@ takeover_verified() {
 	in_root python3 /hag/client_check.py --require-pass /tmp/client.log || fail "the client's view"
 }
 # handed_over STATUS: host 0's verdict after it handed the VM over: the
-# backup confirmed generation 1.
+# backup confirmed generation 1, and the output gate is gone from eth1.
 handed_over() {
 	expect_eq "hagctl checkpoint exit status" "$1" 0
 	grep -q '"outcome":"handed-over"' /tmp/cp.out || fail "the checkpoint did not hand over"
 	grep -q 'at generation 1' /tmp/cp.out || fail "the backup did not confirm generation 1"
+	plug_gone
+}
+# plug_gone: hagctl checkpoint took its sch_plug off eth1 (the VM stopped
+# for good: what it held dropped, never sent).
+plug_gone() {
+	! in_root tc qdisc show dev eth1 | grep -q plug ||
+		fail "the output gate is still on eth1: $(in_root tc qdisc show dev eth1)"
 }
 CLIENT=203.0.113.1
 PORT=7400

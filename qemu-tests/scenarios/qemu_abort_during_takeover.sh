@@ -44,6 +44,7 @@ before_fault() {
 check_primary() {
 	grep -q '"outcome":"vm-stopped"' /tmp/cp.out ||
 		fail "hagctl checkpoint did not end vm-stopped (its ABORT must not be confirmed)"
+	plug_gone
 }
 check_backup() {
 	grep -q 'while this backup takes over: not confirmed' /tmp/backup.err ||

@@ -1259,6 +1259,11 @@ impl Primary {
             _ => self.opts.generation,
         };
         self.report.finish();
+        if self.link.lock().policy.held_output_void() {
+            if let Err(e) = self.src.vm.discard_output() {
+                eprintln!("hagctl: dropping the stopped VM's held output: {e}");
+            }
+        }
         self.save_status(outcome, &detail);
         if matches!(
             outcome,

@@ -198,6 +198,14 @@ impl Policy {
             )
     }
 
+    /// Whether what the output gates still hold may be dropped at exit:
+    /// the VM was stopped for good (fenced, handed over, crashed, ended
+    /// unconfirmed) and no stop failed. Output of a VM that may still run
+    /// stays held.
+    pub fn held_output_void(&self) -> bool {
+        self.vm_stopped && self.stop_failures == 0
+    }
+
     /// Protection is over and nothing can contradict the output: release
     /// it, close the connections and exit.
     fn release_and_exit(&mut self, outcome: &'static str, detail: String) -> Vec<Action> {
@@ -546,6 +554,32 @@ mod tests {
             matches!(&a[..], [Exit("stop-failed", why)] if why.contains("output stays held")),
             "{a:?}"
         );
+        // The VM may still run: what the gates hold is never dropped.
+        assert!(!p.held_output_void());
+    }
+
+    /// Held output is dropped at exit only once the VM is stopped for
+    /// good; released or still running, it is not the policy's to drop.
+    #[test]
+    fn held_output_is_void_only_behind_a_stopped_vm() {
+        let mut p = protected();
+        assert!(!p.held_output_void());
+        p.on(Event::Heard { generation: 1 });
+        assert!(p.held_output_void(), "fenced and stopped");
+
+        let mut p = protected();
+        p.on(Event::Crashed("SIGKILL".into()));
+        assert!(p.held_output_void(), "crashed: nothing runs");
+
+        let mut p = protected();
+        p.on(Event::Signal("SIGTERM".into()));
+        p.on(Event::EndConfirmed);
+        assert!(!p.held_output_void(), "released, the VM runs on");
+
+        let mut p = protected();
+        p.on(Event::Signal("SIGTERM".into()));
+        p.on(Event::EndUnconfirmed);
+        assert!(p.held_output_void(), "ended unconfirmed: stopped");
     }
 
     /// A crashed VM is handed over at once, with nothing to stop and

@@ -54,6 +54,11 @@ pub trait OutputGate {
     fn release(&mut self, epoch: u64) -> Result<bool, String>;
     /// Protection ended: let everything out, and stop holding.
     fn release_all(&mut self) -> Result<(), String>;
+    /// The VM is stopped for good (fenced, handed over, crashed): what is
+    /// held may never go out; drop it and take the gate away.
+    fn discard(&mut self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// A VM whose RAM hagctl copies itself (see the module docs).
@@ -84,6 +89,11 @@ pub trait CopyVm: Vmm {
 
     /// Starts (`true`) or stops holding the VM's output.
     fn hold_output(&mut self, on: bool) -> Result<(), String>;
+
+    /// The VM is stopped for good: [`OutputGate::discard`] on each gate.
+    fn discard_output(&mut self) -> Result<(), String> {
+        Ok(())
+    }
 
     /// The output so far belongs to `epoch`, being captured.
     fn mark_epoch(&mut self, epoch: u64) -> Result<(), String>;

@@ -559,6 +559,10 @@ impl CopyVm for QemuVm {
         self.gates.iter_mut().try_for_each(|g| g.mark(epoch))
     }
 
+    fn discard_output(&mut self) -> Result<(), String> {
+        self.gates.iter_mut().try_for_each(|g| g.discard())
+    }
+
     /// How many gates let something out.
     fn release_output(&mut self, epoch: u64) -> Result<u64, String> {
         let mut released = 0;
@@ -569,29 +573,62 @@ impl CopyVm for QemuVm {
     }
 }
 
-/// `sch_plug` on the interface the VM's packets leave by.
+/// `sch_plug` on the interface the VM's packets leave by. It comes off
+/// the interface when protection ends with the output released (once what
+/// passes has drained) or with the VM stopped for good (what it holds is
+/// dropped, never sent); otherwise (a VM whose stop failed, which may
+/// still run) it stays and holds.
 pub struct PlugGate {
-    plug: crate::plug::Plug,
+    /// `None` once discarded.
+    plug: Option<crate::plug::Plug>,
     /// The epoch buffered in the plug and not yet released. `sch_plug`
     /// counts one buffered epoch: while one is, later output stays in the
     /// plug's open epoch (held, and let out one acknowledgement later).
     buffered: Option<u64>,
+    /// Everything was released: the plug lets all through.
+    open: bool,
 }
+
+/// How long a released plug may take to drain before it is removed.
+const PLUG_DRAIN: Duration = Duration::from_secs(2);
 
 impl PlugGate {
     /// A gate on `plug` (which holds from its attach).
     pub fn new(plug: crate::plug::Plug) -> PlugGate {
         PlugGate {
-            plug,
+            plug: Some(plug),
             buffered: None,
+            open: false,
         }
+    }
+
+    fn plug(&mut self) -> Result<&mut crate::plug::Plug, String> {
+        self.plug
+            .as_mut()
+            .ok_or_else(|| "the output gate was discarded".to_owned())
+    }
+}
+
+impl Drop for PlugGate {
+    fn drop(&mut self) {
+        if !self.open {
+            return;
+        }
+        let Some(mut plug) = self.plug.take() else {
+            return;
+        };
+        let deadline = Instant::now() + PLUG_DRAIN;
+        while plug.stats().is_ok_and(|s| s.backlog_packets > 0) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = plug.detach();
     }
 }
 
 impl OutputGate for PlugGate {
     fn mark(&mut self, epoch: u64) -> Result<(), String> {
         if self.buffered.is_none() {
-            self.plug.buffer().map_err(|e| e.to_string())?;
+            self.plug()?.buffer().map_err(|e| e.to_string())?;
             self.buffered = Some(epoch);
         }
         Ok(())
@@ -600,7 +637,7 @@ impl OutputGate for PlugGate {
     fn release(&mut self, epoch: u64) -> Result<bool, String> {
         match self.buffered {
             Some(b) if b <= epoch => {
-                self.plug.release_one().map_err(|e| e.to_string())?;
+                self.plug()?.release_one().map_err(|e| e.to_string())?;
                 self.buffered = None;
                 Ok(true)
             }
@@ -610,7 +647,19 @@ impl OutputGate for PlugGate {
 
     fn release_all(&mut self) -> Result<(), String> {
         self.buffered = None;
-        self.plug.release_indefinite().map_err(|e| e.to_string())
+        self.plug()?
+            .release_indefinite()
+            .map_err(|e| e.to_string())?;
+        self.open = true;
+        Ok(())
+    }
+
+    fn discard(&mut self) -> Result<(), String> {
+        self.buffered = None;
+        match self.plug.take() {
+            Some(plug) => plug.detach().map_err(|e| e.to_string()),
+            None => Ok(()),
+        }
     }
 }
 
