@@ -77,8 +77,9 @@ What hagctl does: connects to QEMU's QMP socket (QEMU serves one client per
 socket: under libvirt, give QEMU a second -qmp socket for hagctl); checks
 that the VM is running or paused and not migrating; reads query-migrate's
 blocked-reasons and, if there are any, refuses naming each; sets the
-capabilities (return-path=on unless --capability return-path=off, then each
---capability in order), downtime-limit (--max-downtime, default 300 ms,
+capabilities (return-path=on unless --capability return-path=off,
+x-ignore-shared=off unless given, since a killed hagctl checkpoint leaves it
+on, then each --capability in order), downtime-limit (--max-downtime, default 300 ms,
 QEMU's own default), max-bandwidth (--bandwidth; default: QEMU's setting as
 it is, 128 MiB/s in QEMU 10 unless changed) and each --parameter; then
 'migrate' with uri tcp:HOST:PORT. QEMU's refusal of any of these is named.

@@ -455,6 +455,13 @@ pub fn migrate(
             .capabilities
             .insert(0, ("return-path".into(), true));
     }
+    // A `hagctl checkpoint` killed before it could reset it leaves
+    // x-ignore-shared on: the migration would then leave shared RAM out.
+    if settings.capability("x-ignore-shared").is_none() {
+        settings
+            .capabilities
+            .push(("x-ignore-shared".into(), false));
+    }
     let return_path = settings.capability("return-path") == Some(true);
     let start = Instant::now();
     let mut attempts = 0u32;
@@ -1092,7 +1099,9 @@ mod tests {
         let r = migrate(&mut vm, &opts(), &stop).unwrap();
         assert_eq!(r.source, Some(SourceOutcome::Quit));
         assert_eq!(r.downtime_ms, Some(15));
-        assert_eq!(r.capabilities, ["return-path=on"]);
+        // x-ignore-shared off unless asked: a killed checkpoint's leftover
+        // would leave shared RAM out.
+        assert_eq!(r.capabilities, ["return-path=on", "x-ignore-shared=off"]);
         assert_eq!(vm.calls, ["migrate tcp:127.0.0.1:7400 Some(true)", "quit"]);
         // --keep-source, or return-path off: the source stays.
         let mut vm = Scripted::new(vec![completed()]);
