@@ -812,6 +812,13 @@ pub trait TakeoverSteps {
     /// Everything that can fail before the VM runs: start the VMM, fill
     /// its RAM, restore the vGPU context and the VM state (not resumed).
     fn prepare(&mut self) -> Result<(), String>;
+    /// Whether the decision still stands, asked just before the new
+    /// generation is stored: a takeover decided on the primary's silence
+    /// is given up if it was heard since (a backup that had stalled
+    /// decided before its readers drained the heartbeats that arrived
+    /// meanwhile; or the primary came back while the VM was prepared).
+    /// `Err` says what was heard.
+    fn recheck(&mut self) -> Result<(), String>;
     /// Stores the new generation durably (written, synced, read back).
     fn persist(&mut self, generation: u64) -> Result<(), String>;
     /// Tells every connection of the session the new generation.
@@ -831,6 +838,9 @@ pub enum TakeoverError {
     /// The generation could not be stored: not fenced either.
     #[error("the new generation could not be stored ({0}); the primary was not fenced")]
     NotDurable(String),
+    /// The primary was heard after a decision on its silence: not fenced.
+    #[error("{0}; the primary was not fenced")]
+    PrimaryAlive(String),
     /// The generation is at its end.
     #[error("generation {0} cannot be raised")]
     Exhausted(u64),
@@ -850,6 +860,10 @@ pub fn take_over(steps: &mut impl TakeoverSteps, generation: u64) -> Result<u64,
         steps.abandon();
         return Err(TakeoverError::Infeasible(e));
     }
+    if let Err(e) = steps.recheck() {
+        steps.abandon();
+        return Err(TakeoverError::PrimaryAlive(e));
+    }
     if let Err(e) = steps.persist(next) {
         steps.abandon();
         return Err(TakeoverError::NotDurable(e));
@@ -862,6 +876,69 @@ pub fn take_over(steps: &mut impl TakeoverSteps, generation: u64) -> Result<u64,
         return Err(TakeoverError::Resume(e));
     }
     Ok(next)
+}
+
+/// [`TakeoverSteps::recheck`] for a takeover decided at `decided` on the
+/// primary's silence (`None`: on its hang, which stands whatever is heard
+/// after it).
+fn still_silent(b: &Backup, decided: Option<Instant>) -> Result<(), String> {
+    let l = b.live();
+    heard_after(decided, l.end_refused, &l.heard)
+}
+
+/// Whether the primary was heard on some path (`heard`: when, per path)
+/// after a decision on its silence at `decided`, which then no longer
+/// stands; unless an end of protection was refused meanwhile (the
+/// primary then stops its VM, counting on the takeover).
+fn heard_after(
+    decided: Option<Instant>,
+    end_refused: bool,
+    heard: &BTreeMap<String, Instant>,
+) -> Result<(), String> {
+    let Some(decided) = decided else {
+        return Ok(());
+    };
+    if end_refused {
+        return Ok(());
+    }
+    match heard.iter().find(|(_, &t)| t > decided) {
+        Some((path, t)) => Err(format!(
+            "the primary was heard on {path} {:.1} s after this backup decided it was silent: it is alive",
+            t.duration_since(decided).as_secs_f64()
+        )),
+        None => Ok(()),
+    }
+}
+
+/// A loop turn this much later than the last means this backup itself
+/// stalled (SIGSTOP, a host that froze): the primary's heartbeats of that
+/// time may still be unread.
+const STALL: Duration = Duration::from_millis(500);
+
+/// Decides nothing until the readers had time to drain what arrived
+/// while this backup was stalled, so that its own stall never counts as
+/// the primary's silence.
+struct StallGuard {
+    last: Instant,
+    quiet_until: Instant,
+}
+
+impl StallGuard {
+    fn new(now: Instant) -> StallGuard {
+        StallGuard {
+            last: now,
+            quiet_until: now,
+        }
+    }
+
+    /// Called every turn of the loop: whether it may decide at `now`.
+    fn may_decide(&mut self, now: Instant) -> bool {
+        if now.saturating_duration_since(self.last) > STALL {
+            self.quiet_until = now + STALL.max(2 * HEARTBEAT);
+        }
+        self.last = now;
+        now >= self.quiet_until
+    }
 }
 
 /// How long a finishing backup waits for each connection to write what
@@ -940,6 +1017,10 @@ struct Live {
     role: Role,
     /// The end of protection was confirmed to every connection (queued).
     end_confirmed: bool,
+    /// An end of protection was refused during a takeover: the primary,
+    /// unconfirmed, stops its VM, so the takeover must go on even if the
+    /// primary is heard before it fences.
+    end_refused: bool,
     /// The backup's generation (mirrors the standby's).
     generation: u64,
     epoch: u64,
@@ -957,6 +1038,7 @@ impl Live {
             next_conn: 0,
             role: Role::Standby,
             end_confirmed: false,
+            end_refused: false,
             generation,
             epoch: 0,
         }
@@ -1023,7 +1105,10 @@ impl Backup {
     /// every connection is told (OK ENDED). During a takeover nothing is
     /// confirmed ([`Role::abort`]).
     fn abort(&self, reason: String) {
-        let answer = self.live().role.abort(reason.clone());
+        let mut l = self.live();
+        let answer = l.role.abort(reason.clone());
+        l.end_refused |= answer == AbortAnswer::Refuse;
+        drop(l);
         match answer {
             AbortAnswer::Refuse => {
                 eprintln!(
@@ -1515,6 +1600,8 @@ struct QemuTakeover<'a> {
     cp: &'a Checkpoint,
     image: &'a StandbyRam,
     detected: Instant,
+    /// The decision was on silence, at this instant.
+    silent_since: Option<Instant>,
     report: TakeoverReport,
     standby: Option<qemu_standby::Standby>,
 }
@@ -1554,6 +1641,9 @@ impl TakeoverSteps for QemuTakeover<'_> {
         test_hold_takeover(self.opts.test_fault_file.as_deref());
         Ok(())
     }
+    fn recheck(&mut self) -> Result<(), String> {
+        still_silent(self.b, self.silent_since)
+    }
     fn persist(&mut self, generation: u64) -> Result<(), String> {
         persist_takeover(self.opts, self.cp, &self.report.reason, generation)
     }
@@ -1584,6 +1674,8 @@ struct Takeover<'a> {
     cp: &'a Checkpoint,
     image: &'a StandbyRam,
     detected: Instant,
+    /// The decision was on silence, at this instant.
+    silent_since: Option<Instant>,
     report: TakeoverReport,
     child: Option<Child>,
     incoming: Option<IncomingVm>,
@@ -1625,6 +1717,9 @@ impl TakeoverSteps for Takeover<'_> {
         self.report.restore_ms = t.elapsed().as_secs_f64() * 1e3;
         self.incoming = Some(incoming);
         Ok(())
+    }
+    fn recheck(&mut self) -> Result<(), String> {
+        still_silent(self.b, self.silent_since)
     }
     fn persist(&mut self, generation: u64) -> Result<(), String> {
         persist_takeover(self.opts, self.cp, &self.report.reason, generation)
@@ -1709,8 +1804,10 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
     let mut holding = false;
     // After a failed takeover, when to try again.
     let mut retry_at: Option<Instant> = None;
+    let mut stalls = StallGuard::new(Instant::now());
     loop {
         std::thread::sleep(Duration::from_millis(20));
+        let may_decide = stalls.may_decide(Instant::now());
         if let Some(f) = &opts.test_fault_file {
             read_test_fault(f);
         }
@@ -1749,12 +1846,16 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
             .chain(&opts.heartbeat_listen)
             .map(|a| (a.as_str(), l.heard.get(a).map(Instant::elapsed)))
             .collect();
-        let decision = decide(
-            has_checkpoint,
-            l.hang.as_deref(),
-            &paths,
-            opts.failover_timeout,
-        );
+        let decision = if may_decide {
+            decide(
+                has_checkpoint,
+                l.hang.as_deref(),
+                &paths,
+                opts.failover_timeout,
+            )
+        } else {
+            Decision::Wait
+        };
         match decision {
             Decision::Wait => holding = false,
             Decision::Hold(why) => {
@@ -1775,6 +1876,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                     continue;
                 }
                 let detected = Instant::now();
+                let silent_since = l.hang.is_none().then_some(detected);
                 // From now on no epoch is applied or acknowledged, and
                 // no end of protection is confirmed.
                 if !l.role.take_over() {
@@ -1804,6 +1906,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                         cp: &cp,
                         image: &image,
                         detected,
+                        silent_since,
                         report,
                         standby: None,
                     };
@@ -1821,6 +1924,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                         cp: &cp,
                         image: &image,
                         detected,
+                        silent_since,
                         report,
                         child: None,
                         incoming: None,
@@ -2305,6 +2409,13 @@ mod tests {
             }
             Ok(())
         }
+        fn recheck(&mut self) -> Result<(), String> {
+            self.log.push("recheck".into());
+            if self.fail == Some("recheck") {
+                return Err("heard on eth1".into());
+            }
+            Ok(())
+        }
         fn persist(&mut self, g: u64) -> Result<(), String> {
             self.log.push(format!("persist {g}"));
             if self.fail == Some("persist") {
@@ -2327,6 +2438,42 @@ mod tests {
         }
     }
 
+    /// Issue 20, item 5: a decision on silence is given up if the primary
+    /// is heard after it, unless an end was refused meanwhile; a decision
+    /// on a hang stands.
+    #[test]
+    fn a_primary_heard_after_the_decision_is_not_fenced() {
+        let t0 = Instant::now();
+        let decided = t0 + Duration::from_secs(3);
+        let mut heard = BTreeMap::new();
+        heard.insert("10.0.0.2:7200".to_owned(), t0);
+        assert_eq!(heard_after(Some(decided), false, &heard), Ok(()));
+        heard.insert(
+            "10.1.0.2:7201".to_owned(),
+            decided + Duration::from_millis(300),
+        );
+        let e = heard_after(Some(decided), false, &heard).unwrap_err();
+        assert!(e.contains("heard on 10.1.0.2:7201 0.3 s after"), "{e}");
+        assert_eq!(heard_after(Some(decided), true, &heard), Ok(()));
+        assert_eq!(heard_after(None, false, &heard), Ok(()));
+    }
+
+    /// Issue 20, item 5: after its own stall the backup waits for its
+    /// readers before it decides anything.
+    #[test]
+    fn a_stalled_backup_decides_nothing_until_its_readers_drained() {
+        let t0 = Instant::now();
+        let mut g = StallGuard::new(t0);
+        let ms = Duration::from_millis;
+        assert!(g.may_decide(t0 + ms(20)));
+        assert!(g.may_decide(t0 + ms(40)));
+        // Stopped for 4 s: the heartbeats of that time are still unread.
+        let woke = t0 + ms(4040);
+        assert!(!g.may_decide(woke));
+        assert!(!g.may_decide(woke + ms(200)));
+        assert!(g.may_decide(woke + ms(520)));
+    }
+
     /// Issue 12, items 3 and 9: the primary is fenced only once the VM is
     /// ready here and the new generation is durable; a generation never
     /// wraps.
@@ -2334,8 +2481,11 @@ mod tests {
     fn takeover_fences_only_after_it_is_known_to_work() {
         let mut ok = Steps::default();
         assert_eq!(take_over(&mut ok, 4), Ok(5));
-        assert_eq!(ok.log, ["prepare", "persist 5", "fence 5", "resume"]);
-        for fail in ["prepare", "persist"] {
+        assert_eq!(
+            ok.log,
+            ["prepare", "recheck", "persist 5", "fence 5", "resume"]
+        );
+        for fail in ["prepare", "recheck", "persist"] {
             let mut s = Steps {
                 fail: Some(fail),
                 ..Steps::default()
@@ -2356,7 +2506,14 @@ mod tests {
         ));
         assert_eq!(
             s.log,
-            ["prepare", "persist 5", "fence 5", "resume", "abandon"]
+            [
+                "prepare",
+                "recheck",
+                "persist 5",
+                "fence 5",
+                "resume",
+                "abandon"
+            ]
         );
         let mut s = Steps::default();
         assert_eq!(
