@@ -650,6 +650,13 @@ pub struct StatusFile {
     /// Epochs that started late (the previous one overran).
     #[serde(default)]
     pub overruns: u64,
+    /// Epochs given up since the last acknowledged one (the VM resumed,
+    /// its output held), and why the last was.
+    #[serde(default)]
+    pub skipped: u64,
+    /// Why the last skipped epoch was given up.
+    #[serde(default)]
+    pub skipped_why: String,
 }
 
 fn unix_ms() -> u64 {
@@ -714,7 +721,14 @@ pub fn protection_lines(dir: &Path) -> Vec<(StatusFile, String)> {
                 st.period_ms / 1e3,
                 st.overruns,
                 ago(st.last_captured_unix_ms),
-            ),
+            ) + &if st.skipped > 0 {
+                format!(
+                    "; {} epoch(s) skipped since, output held: {}",
+                    st.skipped, st.skipped_why
+                )
+            } else {
+                String::new()
+            },
             "unprotected" => format!(
                 "vGPU {} unprotected: backup {} unreachable since {:.1} s ago ({}); last epoch {}",
                 st.vgpu_id,
@@ -1218,6 +1232,8 @@ impl Primary {
         self.status.last_captured_unix_ms = captured_unix_ms;
         self.status.period_ms = r.period_ms;
         self.status.overruns = self.schedule.overruns();
+        self.status.skipped = 0;
+        self.status.skipped_why.clear();
         self.status.last_pause_ms = r.pause_ms;
         self.status.last_bytes = r.bytes;
         self.status.last_ack_ms = r.ack_ms;
@@ -1440,6 +1456,11 @@ impl Primary {
             }
             EpochError::Retry(why) => {
                 eprintln!("hagctl: epoch skipped: {why}");
+                self.status.skipped += 1;
+                self.status.skipped_why = why;
+                let state = self.status.state.clone();
+                let reason = self.status.reason.clone();
+                self.save_status(&state, &reason);
                 None
             }
             EpochError::Hung(why) => {
@@ -1678,6 +1699,9 @@ mod tests {
             state: "protected".into(),
             last_epoch: 412,
             last_ack_unix_ms: unix_ms(),
+            last_captured_unix_ms: unix_ms() - 2500,
+            period_ms: 2000.0,
+            overruns: 1,
             ..StatusFile::default()
         };
         write_status(&dir, &st);
@@ -1689,6 +1713,23 @@ mod tests {
             ),
             "{}",
             lines[0].1
+        );
+        // The period and the recovery point: how old the state a takeover
+        // would resume is.
+        assert!(
+            lines[0]
+                .1
+                .contains("period 2.00 s, 1 late; recovery point 2.5 s)"),
+            "{}",
+            lines[0].1
+        );
+        st.skipped = 2;
+        st.skipped_why = "cannot get the VM state: saving the device state took over 30 s".into();
+        write_status(&dir, &st);
+        let line = &protection_lines(&dir)[0].1;
+        assert!(
+            line.ends_with("; 2 epoch(s) skipped since, output held: cannot get the VM state: saving the device state took over 30 s"),
+            "{line}"
         );
         st.state = "unprotected".into();
         st.reason = "no heartbeat from the backup for 3.2 s".into();
