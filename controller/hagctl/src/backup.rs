@@ -36,6 +36,7 @@ use hag_vmm::ram::PAGE_SIZE;
 use crate::admission::{self, Admission};
 use crate::migrate::{tune, IncomingVm};
 use crate::secure::{self, Key, Outbox, Reader};
+use crate::state_delta;
 use crate::vmm::qemu_copy::EpochState;
 use crate::vmm::qemu_standby;
 #[cfg(test)]
@@ -466,18 +467,26 @@ impl<I: Image> Standby<I> {
                 }
                 Ok((Phase::GotContext { round, context }, None))
             }
+            (Phase::GotContext { round, context }, Msg::VmStateDelta { base_epoch, patch }) => {
+                // Against the checkpoint this backup holds for the
+                // session: the primary patches the state of its last
+                // acknowledged epoch, which is this backup's committed one.
+                let base = self
+                    .committed
+                    .as_ref()
+                    .filter(|c| Some(c.session) == self.session && c.epoch == base_epoch)
+                    .ok_or_else(|| {
+                        StandbyError::Invalid(format!(
+                            "a device-state patch against epoch {base_epoch}, but this backup holds {}",
+                            self.committed.as_ref().map_or("no checkpoint".into(), |c| format!("epoch {}", c.epoch))
+                        ))
+                    })?;
+                let vm_state =
+                    state_delta::apply(&base.vm_state, &patch).map_err(StandbyError::Invalid)?;
+                self.got_state(round, context, vm_state)
+            }
             (Phase::GotContext { round, context }, Msg::VmState(vm_state)) => {
-                if self.limits.vmm == VmmKind::Qemu {
-                    EpochState::decode(&vm_state).map_err(StandbyError::Invalid)?;
-                }
-                Ok((
-                    Phase::GotState {
-                        round,
-                        context,
-                        vm_state,
-                    },
-                    None,
-                ))
+                self.got_state(round, context, vm_state)
             }
             (
                 Phase::GotState {
@@ -501,6 +510,26 @@ impl<I: Image> Standby<I> {
                 state: phase.name(),
             }),
         }
+    }
+
+    /// An epoch's VM state arrived (whole, or rebuilt from a patch).
+    fn got_state(
+        &self,
+        round: u32,
+        context: Vec<u8>,
+        vm_state: Vec<u8>,
+    ) -> Result<(Phase, Option<Msg>), StandbyError> {
+        if self.limits.vmm == VmmKind::Qemu {
+            EpochState::decode(&vm_state).map_err(StandbyError::Invalid)?;
+        }
+        Ok((
+            Phase::GotState {
+                round,
+                context,
+                vm_state,
+            },
+            None,
+        ))
     }
 
     fn epoch_end(
@@ -2074,6 +2103,43 @@ mod tests {
 
     fn img(s: &Standby<Ram>) -> &Ram {
         s.current.as_ref().unwrap()
+    }
+
+    /// Issue 24, item 2: an epoch's VM state may come as a patch against
+    /// the committed one; a patch against any other epoch is refused.
+    #[test]
+    fn a_state_patch_rebuilds_the_next_state_from_the_committed_one() {
+        // States of a few hundred bytes that differ in one.
+        let state = |epoch: u64| format!("state {epoch} {}", "x".repeat(300)).into_bytes();
+        let mut s = standby(0);
+        let mut msgs = vec![hello(), pages(0, &[(1, 1)])];
+        msgs.push(Msg::RoundEnd { round: 0, pages: 1 });
+        let mut first = epoch_msgs(1, 1);
+        first[3] = Msg::VmState(state(1));
+        msgs.extend(first);
+        feed(&mut s, msgs).unwrap();
+        let patched = |base_epoch, epoch: u64| {
+            let mut m = epoch_msgs(epoch as u32, epoch);
+            m[3] = Msg::VmStateDelta {
+                base_epoch,
+                patch: state_delta::encode(&state(1), &state(epoch)).unwrap(),
+            };
+            m
+        };
+        feed(&mut s, patched(1, 2)).unwrap();
+        let cp = s.committed.clone().unwrap();
+        assert_eq!((cp.epoch, cp.vm_state), (2, state(2)));
+        // Epoch 2 is committed now: a patch against epoch 1 is stale.
+        let err = feed(&mut s, patched(1, 3)).unwrap_err().to_string();
+        assert!(
+            err.contains("a device-state patch against epoch 1, but this backup holds epoch 2"),
+            "{err}"
+        );
+        assert_eq!(s.committed.as_ref().unwrap().epoch, 2);
+    }
+
+    fn epoch_msgs(round: u32, epoch_no: u64) -> Vec<Msg> {
+        epoch(round, &[(3, epoch_no as u8)], epoch_no, 0)
     }
 
     #[test]

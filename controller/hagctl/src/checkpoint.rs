@@ -55,12 +55,14 @@ use crate::pagehash::PageHashes;
 use crate::primary::{Action, Event, Policy, State};
 use crate::schedule::Schedule;
 use crate::secure::{self, Key, Outbox};
+use crate::state_delta;
 use crate::vmm::copy::{CopyVm, OutputGate, VmStatus};
 use crate::vmm::qemu::Qemu;
 use crate::vmm::qemu_copy::{PlugGate, QemuVm};
 use crate::vmm::{Vmm, VmmError};
 use crate::wire::{
     read_msg, session_name, write_msg, Msg, PageData, VmmKind, ENDED_PHASE, PAGE, PAGES_PER_FRAME,
+    STATE_DELTA_SINCE,
 };
 
 /// Options of `hagctl checkpoint`.
@@ -168,6 +170,11 @@ pub struct EpochReport {
     /// How late this epoch started, milliseconds: the previous one was
     /// still unacknowledged when this one was due (0: on time).
     pub late_ms: f64,
+    /// Bytes of the VM's state sent: whole, or a patch against the last
+    /// acknowledged epoch's.
+    pub state_bytes: u64,
+    /// The state went as a patch.
+    pub state_patched: bool,
 }
 
 /// What `hagctl checkpoint` reports.
@@ -836,6 +843,9 @@ struct Primary {
     schedule: Schedule,
     /// How late the next epoch starts (its predecessor overran).
     late: Option<Duration>,
+    /// The last acknowledged epoch and its VM state: what the backup
+    /// committed, which the next epoch's state is sent as a patch against.
+    acked_state: Option<(u64, Vec<u8>)>,
 }
 
 impl Primary {
@@ -904,6 +914,8 @@ impl Primary {
         self.report.sync_bytes += rep.per_round.iter().map(|r| r.wire_bytes).sum::<u64>();
         self.round = round;
         self.carry = pending;
+        // A new session: the backup holds nothing to patch against.
+        self.acked_state = None;
         // Epochs are timed from the synchronisation's own (which has no
         // period: the pre-copy came before it).
         self.schedule = Schedule::new(self.opts.interval, Instant::now());
@@ -1115,9 +1127,21 @@ impl Primary {
         bytes += self
             .src
             .send(&Msg::Context(std::mem::take(&mut cap.context)), "epoch")?;
-        bytes += self
-            .src
-            .send(&Msg::VmState(std::mem::take(&mut cap.vm_state)), "epoch")?;
+        let state = std::mem::take(&mut cap.vm_state);
+        let patch = self
+            .acked_state
+            .as_ref()
+            .filter(|_| self.src.peer.version >= STATE_DELTA_SINCE)
+            .and_then(|(base_epoch, base)| Some((*base_epoch, state_delta::encode(base, &state)?)));
+        let msg = match patch {
+            Some((base_epoch, patch)) => Msg::VmStateDelta { base_epoch, patch },
+            None => Msg::VmState(state.clone()),
+        };
+        let state_bytes = self.src.send(&msg, "epoch")?;
+        bytes += state_bytes;
+        cap.report.state_bytes = state_bytes;
+        cap.report.state_patched = matches!(msg, Msg::VmStateDelta { .. });
+        drop(msg);
         // The number is spent once EPOCH_END may have gone out, acked or
         // not: a backup that applied an epoch whose ack was lost has it,
         // and the next capture must not reuse it (it would be refused as
@@ -1148,6 +1172,7 @@ impl Primary {
                 generation,
             } if e == epoch => {
                 self.src.stream.r.set_deadline(None);
+                self.acked_state = Some((epoch, state));
                 cap.report.pages = cap.pages.len() as u64;
                 cap.report.raw_bytes = cap.report.pages * PAGE as u64;
                 cap.report.bytes = bytes;
@@ -1215,7 +1240,7 @@ impl Primary {
             String::new()
         };
         eprintln!(
-            "epoch {}: pause {:.1} ms (quiesce {:.1}), {} pages (cpu {}, gpu {}), {:.2} MiB, acked in {:.1} ms, period {:.0} ms{late}{}",
+            "epoch {}: pause {:.1} ms (quiesce {:.1}), {} pages (cpu {}, gpu {}), {:.2} MiB (VM state {} B{}), acked in {:.1} ms, period {:.0} ms{late}{}",
             r.epoch,
             r.pause_ms,
             r.quiesce_ms,
@@ -1223,6 +1248,8 @@ impl Primary {
             r.cpu_dirty,
             r.gpu_dirty,
             r.bytes as f64 / f64::from(1 << 20),
+            r.state_bytes,
+            if r.state_patched { " as a patch" } else { "" },
             r.ack_ms,
             r.period_ms,
             if cap.finished { " (VM finished)" } else { "" }
@@ -1675,6 +1702,7 @@ pub fn checkpoint(
         },
         schedule: Schedule::new(opts.interval, Instant::now()),
         late: None,
+        acked_state: None,
     };
     let result = p.run();
     let _ = p.src.dev.dirty_stop(vgpu_id);

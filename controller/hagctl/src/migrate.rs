@@ -510,6 +510,8 @@ pub(crate) struct Peer {
     pub(crate) generation: u64,
     /// Its failover timeout (a backup's; zero for a migration target).
     pub(crate) timeout: Duration,
+    /// The stream version it chose.
+    pub(crate) version: u16,
 }
 
 /// Dirty pages of one collection.
@@ -765,6 +767,7 @@ impl Source {
                 self.peer = Peer {
                     generation,
                     timeout: Duration::from_millis(u64::from(timeout_ms)),
+                    version,
                 };
             }
             Msg::Error { message } => {

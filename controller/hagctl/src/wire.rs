@@ -50,7 +50,9 @@
 //!   epoch e (VM paused only to capture it):
 //!   PAGES r …, ROUND_END r ───────────────────▶ pages staged
 //!                                             ◀─ OK round r
-//!   CONTEXT, VM_STATE, EPOCH_END e, gen g ────▶ staged pages applied,
+//!   CONTEXT, VM_STATE (or VM_STATE_DELTA) ────▶ (a delta: rebuilt from
+//!                                                the committed state)
+//!   EPOCH_END e, gen g ───────────────────────▶ staged pages applied,
 //!                                                checkpoint e stored
 //!                                             ◀─ EPOCH_ACK e, gen | ERROR
 //!   ABORT reason (protection ends) ───────────▶ standby discarded
@@ -67,6 +69,10 @@
 //! u32 | session u128 | VMM u8` ([`VmmKind`]; version 3 added it).
 //! HEARTBEAT payload: `generation u64 | epoch u64`; HANG: the reason
 //! (UTF-8); EPOCH_END and EPOCH_ACK: `epoch u64 | generation u64`.
+//! VM_STATE_DELTA (version 4): `base epoch u64 | patch`, the state as a
+//! [`crate::state_delta`] patch against the one the backup committed at
+//! the base epoch (the primary's last acknowledged); refused unless the
+//! backup holds exactly that epoch of the session.
 //!
 //! CONTEXT payload: `snapshot length u32 | LZ4 block` (at most
 //! `CONTEXT_MAX_BYTES` once decompressed). PAGES payload: `round u32 |
@@ -115,7 +121,10 @@ pub const MAGIC: [u8; 8] = *b"HAGMIG\r\n";
 /// Oldest stream version this build speaks.
 pub const VERSION_MIN: u16 = 3;
 /// Newest stream version this build speaks.
-pub const VERSION_MAX: u16 = 3;
+pub const VERSION_MAX: u16 = 4;
+
+/// The first stream version with VM_STATE_DELTA.
+pub const STATE_DELTA_SINCE: u16 = 4;
 /// Bytes of a frame header.
 pub const HEADER_BYTES: usize = 12;
 /// Largest payload accepted (a compressed vGPU context must fit: a GVT-g
@@ -162,6 +171,9 @@ pub enum MsgType {
     /// Primary → backup: the first message of a control (heartbeat)
     /// connection, naming the session it belongs to.
     Join = 15,
+    /// Primary → backup (version 4): the VM's state as a patch against
+    /// the one the backup committed at an epoch ([`crate::state_delta`]).
+    VmStateDelta = 16,
 }
 
 impl MsgType {
@@ -184,6 +196,7 @@ impl MsgType {
             13 => EpochEnd,
             14 => EpochAck,
             15 => Join,
+            16 => VmStateDelta,
             _ => return None,
         })
     }
@@ -207,6 +220,7 @@ impl MsgType {
             EpochEnd => "EPOCH_END",
             EpochAck => "EPOCH_ACK",
             Join => "JOIN",
+            VmStateDelta => "VM_STATE_DELTA",
         }
     }
 }
@@ -385,6 +399,13 @@ pub enum Msg {
     Context(Vec<u8>),
     /// VM state.
     VmState(Vec<u8>),
+    /// VM state as a patch against the state committed at `base_epoch`.
+    VmStateDelta {
+        /// The epoch whose committed state it patches.
+        base_epoch: u64,
+        /// The patch.
+        patch: Vec<u8>,
+    },
     /// Restore and resume.
     Commit,
     /// Give up.
@@ -487,6 +508,7 @@ impl Msg {
             Msg::RoundEnd { .. } => MsgType::RoundEnd,
             Msg::Context(_) => MsgType::Context,
             Msg::VmState(_) => MsgType::VmState,
+            Msg::VmStateDelta { .. } => MsgType::VmStateDelta,
             Msg::Commit => MsgType::Commit,
             Msg::Abort { .. } => MsgType::Abort,
             Msg::Heartbeat { .. } => MsgType::Heartbeat,
@@ -561,6 +583,10 @@ impl Msg {
                 p.extend_from_slice(&lz4_flex::block::compress(b));
             }
             Msg::VmState(b) => p.extend_from_slice(b),
+            Msg::VmStateDelta { base_epoch, patch } => {
+                p.extend_from_slice(&base_epoch.to_le_bytes());
+                p.extend_from_slice(patch);
+            }
             Msg::Commit => {}
         }
         p
@@ -708,6 +734,13 @@ impl Msg {
                 return Ok(Msg::Context(snapshot));
             }
             MsgType::VmState => return Ok(Msg::VmState(payload.to_vec())),
+            MsgType::VmStateDelta => {
+                let base_epoch = c.u64("base epoch")?;
+                return Ok(Msg::VmStateDelta {
+                    base_epoch,
+                    patch: c.b.to_vec(),
+                });
+            }
             MsgType::Commit => Msg::Commit,
         };
         c.end()?;
@@ -1377,6 +1410,10 @@ pub(crate) mod tests {
                 generation: 2,
             },
             Msg::Join { session: u128::MAX },
+            Msg::VmStateDelta {
+                base_epoch: 6,
+                patch: vec![1, 2, 3],
+            },
             Msg::HelloOk {
                 version: 2,
                 generation: 9,
@@ -1400,7 +1437,8 @@ pub(crate) mod tests {
         }
         assert_eq!(MsgType::from_u32(14), Some(MsgType::EpochAck));
         assert_eq!(MsgType::from_u32(15), Some(MsgType::Join));
-        assert_eq!(MsgType::from_u32(16), None);
+        assert_eq!(MsgType::from_u32(16), Some(MsgType::VmStateDelta));
+        assert_eq!(MsgType::from_u32(17), None);
     }
 
     #[test]
@@ -1415,8 +1453,8 @@ pub(crate) mod tests {
         };
         let err = run(vec![hello(32 * PAGE as u64, 3, 3)], &mut ram()).unwrap_err();
         assert!(matches!(err, ReceiveError::Handshake(_)), "{err}");
-        let err = run(vec![hello(16 * PAGE as u64, 4, 9)], &mut ram()).unwrap_err();
-        assert!(err.to_string().contains("versions 4..=9"), "{err}");
+        let err = run(vec![hello(16 * PAGE as u64, 5, 9)], &mut ram()).unwrap_err();
+        assert!(err.to_string().contains("versions 5..=9"), "{err}");
         // A page outside RAM; a round count that does not match.
         let out = Msg::Pages {
             round: 0,
