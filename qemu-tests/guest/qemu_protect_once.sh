@@ -13,6 +13,7 @@
 #                on host 0)
 #   GUEST_ARGS   hag-guest's arguments, commas for spaces
 #   CP_ARGS      more hagctl checkpoint arguments (optional)
+#   CP_INTERVAL  hagctl checkpoint's --interval (1s unless set)
 #   BACKUP_ARGS  more hagctl backup arguments (optional)
 #   CONSOLE=1    the VM's console is a socket chardev that hagctl checkpoint
 #                holds too (--console), released to /tmp/vm.console.held;
@@ -109,7 +110,7 @@ if [ "$HAG_HOST" = 1 ]; then
 		# A taken-over guest that prints nothing for 60 s (it prints every
 		# second while it runs; one resumed from a broken image may hang)
 		# is ended too, as is one that never ends.
-		now=$(wc -c </tmp/vm.console 2>/dev/null || echo 0)
+		now=$( (cat /tmp/vm.console 2>/dev/null || true) | wc -c)
 		if [ "$now" = "$size" ] && grep -q 'takeover: QEMU (pid' /tmp/backup.err; then
 			quiet=$((quiet + 1))
 		else
@@ -149,7 +150,7 @@ else
 	echo "QEMU pid $(cat /tmp/vm.pid)"
 	step "host 0: hagctl checkpoint --qmp to $backup, output held on eth1"
 	# shellcheck disable=SC2086
-	hagctl checkpoint --qmp /tmp/vm.qmp --backup "$backup" --plug eth1 --interval 1s \
+	hagctl checkpoint --qmp /tmp/vm.qmp --backup "$backup" --plug eth1 --interval "${CP_INTERVAL:-1s}" \
 		--json ${CP_ARGS:-} >/tmp/cp.out 2>/tmp/cp.err &
 	cp=$!
 	if command -v during_primary >/dev/null; then

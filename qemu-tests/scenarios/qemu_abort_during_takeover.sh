@@ -14,6 +14,10 @@
 FAULT=abort-during-takeover
 GUEST_ARGS="--seconds=60,--mib=8,--cpu-mib=8,--progress=1"
 BACKUP_ARGS="--test-fault-file /tmp/fault"
+# Epochs every 3 s (each takes about 1 s here): the primary is stopped
+# between two, so that on waking it handles the SIGTERM at once rather
+# than after an epoch that the backup, taking over, never acknowledges.
+CP_INTERVAL=3s
 [ "$HAG_HOST" = 1 ] && echo hold-takeover >/tmp/fault
 host0=$(host_ip 0)
 host1=$(host_ip 1)
@@ -28,7 +32,9 @@ during_backup() {
 }
 before_fault() {
 	qemu=$(cat /tmp/vm.pid)
-	step "host 0: hagctl checkpoint stopped (SIGSTOP): the backup hears nothing from it"
+	n=$(grep -c '^epoch ' /tmp/cp.err)
+	wait_for 60 sh -c "[ \$(grep -c '^epoch ' /tmp/cp.err) -gt $n ]" || fail "no epoch after epoch 4"
+	step "host 0: hagctl checkpoint stopped (SIGSTOP) after epoch $((n + 1)): the backup hears nothing from it"
 	kill -STOP "$cp"
 	signal_ready 7501
 	step "host 0: the backup takes over; SIGTERM (and SIGCONT) to hagctl checkpoint"

@@ -36,6 +36,7 @@ use hag_vmm::ram::PAGE_SIZE;
 use crate::admission::{self, Admission};
 use crate::migrate::{tune, IncomingVm};
 use crate::secure::{self, Key, Outbox, Reader};
+use crate::stall::StallGuard;
 use crate::state_delta;
 use crate::vmm::qemu_copy::EpochState;
 use crate::vmm::qemu_standby;
@@ -936,37 +937,6 @@ fn heard_after(
             t.duration_since(decided).as_secs_f64()
         )),
         None => Ok(()),
-    }
-}
-
-/// A loop turn this much later than the last means this backup itself
-/// stalled (SIGSTOP, a host that froze): the primary's heartbeats of that
-/// time may still be unread.
-const STALL: Duration = Duration::from_millis(500);
-
-/// Decides nothing until the readers had time to drain what arrived
-/// while this backup was stalled, so that its own stall never counts as
-/// the primary's silence.
-struct StallGuard {
-    last: Instant,
-    quiet_until: Instant,
-}
-
-impl StallGuard {
-    fn new(now: Instant) -> StallGuard {
-        StallGuard {
-            last: now,
-            quiet_until: now,
-        }
-    }
-
-    /// Called every turn of the loop: whether it may decide at `now`.
-    fn may_decide(&mut self, now: Instant) -> bool {
-        if now.saturating_duration_since(self.last) > STALL {
-            self.quiet_until = now + STALL.max(2 * HEARTBEAT);
-        }
-        self.last = now;
-        now >= self.quiet_until
     }
 }
 
@@ -2522,22 +2492,6 @@ mod tests {
         assert!(e.contains("heard on 10.1.0.2:7201 0.3 s after"), "{e}");
         assert_eq!(heard_after(Some(decided), true, &heard), Ok(()));
         assert_eq!(heard_after(None, false, &heard), Ok(()));
-    }
-
-    /// Issue 20, item 5: after its own stall the backup waits for its
-    /// readers before it decides anything.
-    #[test]
-    fn a_stalled_backup_decides_nothing_until_its_readers_drained() {
-        let t0 = Instant::now();
-        let mut g = StallGuard::new(t0);
-        let ms = Duration::from_millis;
-        assert!(g.may_decide(t0 + ms(20)));
-        assert!(g.may_decide(t0 + ms(40)));
-        // Stopped for 4 s: the heartbeats of that time are still unread.
-        let woke = t0 + ms(4040);
-        assert!(!g.may_decide(woke));
-        assert!(!g.may_decide(woke + ms(200)));
-        assert!(g.may_decide(woke + ms(520)));
     }
 
     /// Issue 12, items 3 and 9: the primary is fenced only once the VM is

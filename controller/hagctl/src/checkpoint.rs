@@ -55,6 +55,7 @@ use crate::pagehash::PageHashes;
 use crate::primary::{Action, Event, Policy, State};
 use crate::schedule::Schedule;
 use crate::secure::{self, Key, Outbox};
+use crate::stall::StallGuard;
 use crate::state_delta;
 use crate::vmm::copy::{CopyVm, OutputGate, VmStatus};
 use crate::vmm::qemu::Qemu;
@@ -521,15 +522,19 @@ fn events_thread(link: Arc<Link>, vgpu_id: u32) {
 /// link's silence check. Posting never blocks: a connection whose peer
 /// does not take its heartbeats is closed.
 fn heartbeat_thread(link: Arc<Link>) {
+    let mut stalls = StallGuard::new(Instant::now());
     loop {
         std::thread::sleep(HEARTBEAT);
+        // Stalled itself, this primary holds its verdict on the backup's
+        // silence until its readers drained the heartbeats of that time.
+        let may_judge = stalls.may_decide(Instant::now());
         let mut g = link.lock();
         let msg = Msg::Heartbeat {
             generation: link.generation,
             epoch: g.policy.acked(),
         };
         g.outs.retain(|_, o| o.post(&msg));
-        if !g.connected {
+        if !g.connected || !may_judge {
             continue;
         }
         let silent = g.heard.elapsed();

@@ -47,6 +47,7 @@ mod plug;
 mod primary;
 mod schedule;
 mod secure;
+mod stall;
 mod state_delta;
 // The VMM interface is whole; today's commands use only part of it (the
 // QEMU checkpointing work is to use save_device_state; hag-vmm's pause is
