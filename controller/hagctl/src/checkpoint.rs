@@ -1222,7 +1222,7 @@ impl Primary {
         let period = self.schedule.started(Instant::now());
         let captured_unix_ms = unix_ms();
         let mut cap = self.capture()?;
-        cap.report.period_ms = period.as_secs_f64() * 1e3;
+        cap.report.period_ms = period.map_or(0.0, |p| p.as_secs_f64() * 1e3);
         cap.report.late_ms = self.late.take().map_or(0.0, |l| l.as_secs_f64() * 1e3);
         if self.link.hung() {
             return Err(EpochError::Hung(String::new()));

@@ -16,8 +16,8 @@ pub struct Schedule {
     interval: Duration,
     /// When the epoch now running (or last run) was due.
     due: Instant,
-    /// When it actually started.
-    started: Instant,
+    /// When it actually started (`None`: no epoch started yet).
+    started: Option<Instant>,
     /// Epochs that started late.
     overruns: u64,
 }
@@ -38,17 +38,17 @@ impl Schedule {
         Schedule {
             interval,
             due: now,
-            started: now,
+            started: None,
             overruns: 0,
         }
     }
 
     /// The epoch that started at `now` (it was due at [`Schedule::next`]'s
     /// answer): returns the time since the previous one started, the
-    /// actual period.
-    pub fn started(&mut self, now: Instant) -> Duration {
-        let period = now.saturating_duration_since(self.started);
-        self.started = now;
+    /// actual period (`None` for the schedule's first epoch).
+    pub fn started(&mut self, now: Instant) -> Option<Duration> {
+        let period = self.started.map(|s| now.saturating_duration_since(s));
+        self.started = Some(now);
         period
     }
 
@@ -89,6 +89,7 @@ mod tests {
     fn an_epoch_shorter_than_the_interval_does_not_stretch_the_period() {
         let t0 = Instant::now();
         let mut s = Schedule::new(2 * S, t0);
+        assert_eq!(s.started(t0), None);
         // The epoch (pause, send, ack) took 1.5 s: the next still starts
         // 2 s after this one did, not 2 s after its ack (3.5 s).
         let next = s.next(t0 + S * 3 / 2);
@@ -99,7 +100,7 @@ mod tests {
                 late: None
             }
         );
-        assert_eq!(s.started(next.at), 2 * S);
+        assert_eq!(s.started(next.at), Some(2 * S));
         let next = s.next(t0 + 3 * S);
         assert_eq!(next.at, t0 + 4 * S);
         assert_eq!(s.overruns(), 0);
@@ -109,6 +110,7 @@ mod tests {
     fn an_overrun_starts_the_next_epoch_at_once_and_is_counted() {
         let t0 = Instant::now();
         let mut s = Schedule::new(2 * S, t0);
+        s.started(t0);
         // A slow backup: acknowledged 5 s after the start.
         let next = s.next(t0 + 5 * S);
         assert_eq!(
@@ -118,7 +120,7 @@ mod tests {
                 late: Some(3 * S)
             }
         );
-        assert_eq!(s.started(next.at), 5 * S);
+        assert_eq!(s.started(next.at), Some(5 * S));
         assert_eq!(s.overruns(), 1);
         // Back to speed: the period is kept from the late start.
         let next = s.next(t0 + 6 * S);
