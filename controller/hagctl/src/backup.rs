@@ -42,6 +42,7 @@ use crate::vmm::qemu_copy::EpochState;
 use crate::vmm::qemu_standby;
 #[cfg(test)]
 use crate::wire::PageData;
+use crate::wire::MAX_PAYLOAD;
 use crate::wire::{
     check_context, check_hello, read_msg, session_name, Msg, Round, Sides, VmmKind, ENDED_PHASE,
     PAGE, VERSION_MAX,
@@ -482,8 +483,8 @@ impl<I: Image> Standby<I> {
                             self.committed.as_ref().map_or("no checkpoint".into(), |c| format!("epoch {}", c.epoch))
                         ))
                     })?;
-                let vm_state =
-                    state_delta::apply(&base.vm_state, &patch).map_err(StandbyError::Invalid)?;
+                let vm_state = state_delta::apply(&base.vm_state, &patch, MAX_PAYLOAD as usize)
+                    .map_err(StandbyError::Invalid)?;
                 self.got_state(round, context, vm_state)
             }
             (Phase::GotContext { round, context }, Msg::VmState(vm_state)) => {
