@@ -49,8 +49,10 @@ handed_over() {
 # plug_gone: hagctl checkpoint took its sch_plug off eth1 (the VM stopped
 # for good: what it held dropped, never sent).
 plug_gone() {
-	! in_root tc qdisc show dev eth1 | grep -q plug ||
-		fail "the output gate is still on eth1: $(in_root tc qdisc show dev eth1)"
+	qdiscs=$(in_root tc qdisc show dev eth1) || fail "tc cannot show eth1's qdiscs"
+	case $qdiscs in
+	*plug*) fail "the output gate is still on eth1: $qdiscs" ;;
+	esac
 }
 CLIENT=203.0.113.1
 PORT=7400

@@ -49,6 +49,11 @@ before_fault() {
 	echo "under pressure: the canary has $(swapped "$canary") kB in swap, QEMU $(swapped "$qemu") kB" \
 		"($(sed -n 's/^VmLck:[[:space:]]*//p' "/proc/$qemu/status") locked, $(grep -E '^(shmem|unevictable) ' "$VM_CGROUP/memory.stat" | tr '\n' ' ')in its cgroup)" >&3
 	expect_eq "kB of QEMU's memory in swap" "$(swapped "$qemu")" 0
+	# Guest RAM is shared memory, which VmSwap does not count: it must
+	# all be in the cgroup's unevictable (locked) memory.
+	unevictable=$(sed -n 's/^unevictable //p' "$VM_CGROUP/memory.stat")
+	[ "$unevictable" -ge $((VM_MIB << 20)) ] ||
+		fail "the cgroup holds $unevictable bytes of unevictable memory, less than the guest's $VM_MIB MiB: guest RAM can be reclaimed"
 }
 check_backup() {
 	takeover_verified "$1" 'the primary was silent for'

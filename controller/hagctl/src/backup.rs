@@ -914,22 +914,25 @@ pub fn take_over(steps: &mut impl TakeoverSteps, generation: u64) -> Result<u64,
 /// after it).
 fn still_silent(b: &Backup, decided: Option<Instant>) -> Result<(), String> {
     let l = b.live();
-    heard_after(decided, l.end_refused, &l.heard)
+    // A HANG after the decision: that primary stopped its VM for us.
+    let committed = l.end_refused || l.hang.is_some();
+    heard_after(decided, committed, &l.heard)
 }
 
 /// Whether the primary was heard on some path (`heard`: when, per path)
 /// after a decision on its silence at `decided`, which then no longer
-/// stands; unless an end of protection was refused meanwhile (the
-/// primary then stops its VM, counting on the takeover).
+/// stands; unless the primary is `committed` to the takeover meanwhile
+/// (its ABORT was refused, or it sent HANG: either way it stops its VM,
+/// counting on the takeover).
 fn heard_after(
     decided: Option<Instant>,
-    end_refused: bool,
+    committed: bool,
     heard: &BTreeMap<String, Instant>,
 ) -> Result<(), String> {
     let Some(decided) = decided else {
         return Ok(());
     };
-    if end_refused {
+    if committed {
         return Ok(());
     }
     match heard.iter().find(|(_, &t)| t > decided) {
@@ -1157,6 +1160,11 @@ fn data_session(
     let mut joined = false;
     loop {
         if b.live().role.taking_over() {
+            // An end of protection on the data link is answered as on a
+            // control connection: refused, and said so.
+            if let Msg::Abort { reason } = &msg {
+                b.abort(reason.clone());
+            }
             let why = format!(
                 "this backup took over (generation {}); the primary's VM must stop",
                 b.live().generation
@@ -1807,7 +1815,6 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
     let mut stalls = StallGuard::new(Instant::now());
     loop {
         std::thread::sleep(Duration::from_millis(20));
-        let may_decide = stalls.may_decide(Instant::now());
         if let Some(f) = &opts.test_fault_file {
             read_test_fault(f);
         }
@@ -1846,7 +1853,8 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
             .chain(&opts.heartbeat_listen)
             .map(|a| (a.as_str(), l.heard.get(a).map(Instant::elapsed)))
             .collect();
-        let decision = if may_decide {
+        // Sampled here, after the locks: a wait for them is a stall too.
+        let decision = if stalls.may_decide(Instant::now()) {
             decide(
                 has_checkpoint,
                 l.hang.as_deref(),

@@ -525,10 +525,11 @@ fn heartbeat_thread(link: Arc<Link>) {
     let mut stalls = StallGuard::new(Instant::now());
     loop {
         std::thread::sleep(HEARTBEAT);
-        // Stalled itself, this primary holds its verdict on the backup's
-        // silence until its readers drained the heartbeats of that time.
-        let may_judge = stalls.may_decide(Instant::now());
         let mut g = link.lock();
+        // Stalled itself (or waiting for the lock), this primary holds its
+        // verdict on the backup's silence until its readers drained the
+        // heartbeats of that time.
+        let may_judge = stalls.may_decide(Instant::now());
         let msg = Msg::Heartbeat {
             generation: link.generation,
             epoch: g.policy.acked(),
@@ -924,9 +925,8 @@ impl Primary {
         // Epochs are timed from the synchronisation's own (which has no
         // period: the pre-copy came before it).
         self.schedule = Schedule::new(self.opts.interval, Instant::now());
-        self.epoch_once()?;
-        self.schedule = Schedule::new(self.opts.interval, Instant::now());
-        Ok(())
+        self.late = None;
+        self.epoch_once()
     }
 
     /// Pause, capture, resume.
@@ -1263,7 +1263,7 @@ impl Primary {
         self.status.last_ack_unix_ms = unix_ms();
         self.status.last_captured_unix_ms = captured_unix_ms;
         self.status.period_ms = r.period_ms;
-        self.status.overruns = self.schedule.overruns();
+        self.status.overruns += u64::from(r.late_ms > 0.0);
         self.status.skipped = 0;
         self.status.skipped_why.clear();
         self.status.last_pause_ms = r.pause_ms;
@@ -1411,6 +1411,9 @@ impl Primary {
             } else {
                 Ok(())
             };
+            if matches!(result, Err(EpochError::Retry(_))) {
+                self.schedule.skipped(Instant::now());
+            }
             if let Some(exit) = self.outcome(result) {
                 return Ok(exit);
             }

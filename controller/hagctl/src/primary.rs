@@ -133,6 +133,8 @@ pub struct Policy {
     /// The last epoch number spent (its EPOCH_END may have gone out).
     sent: u64,
     vm_stopped: bool,
+    /// The VM is known stopped (its stop succeeded, or it crashed).
+    stop_confirmed: bool,
     stop_failures: u32,
     /// Where it stands.
     pub state: State,
@@ -153,6 +155,7 @@ impl Policy {
             released: 0,
             sent: 0,
             vm_stopped: false,
+            stop_confirmed: false,
             stop_failures: 0,
             state: State::Syncing,
         }
@@ -203,7 +206,7 @@ impl Policy {
     /// unconfirmed) and no stop failed. Output of a VM that may still run
     /// stays held.
     pub fn held_output_void(&self) -> bool {
-        self.vm_stopped && self.stop_failures == 0
+        self.stop_confirmed && self.stop_failures == 0
     }
 
     /// Protection is over and nothing can contradict the output: release
@@ -215,6 +218,12 @@ impl Policy {
             Action::Cut,
             Action::Exit(outcome, detail),
         ]
+    }
+
+    /// The stop asked for succeeded.
+    fn stopped(&mut self) -> Vec<Action> {
+        self.stop_confirmed = self.vm_stopped;
+        vec![]
     }
 
     fn stop(&mut self, why: String) -> Action {
@@ -248,6 +257,7 @@ impl Policy {
                 // Only stopping matters now.
                 match ev {
                     Event::StopFailed(why) => self.stop_failed(why),
+                    Event::Stopped => self.stopped(),
                     _ => vec![],
                 }
             }
@@ -295,6 +305,7 @@ impl Policy {
                 // since the last acknowledged epoch never goes out.
                 let why = format!("the VM crashed: {why}");
                 self.vm_stopped = true;
+                self.stop_confirmed = true;
                 self.state = State::HandedOver(why.clone());
                 vec![SendHang(why)]
             }
@@ -368,7 +379,7 @@ impl Policy {
                 vec![Exit("vm-stopped", why)]
             }
             Event::StopFailed(why) => self.stop_failed(why),
-            Event::Stopped => vec![],
+            Event::Stopped => self.stopped(),
         }
     }
 
@@ -565,6 +576,8 @@ mod tests {
         let mut p = protected();
         assert!(!p.held_output_void());
         p.on(Event::Heard { generation: 1 });
+        assert!(!p.held_output_void(), "fenced, its stop not yet done");
+        p.on(Event::Stopped);
         assert!(p.held_output_void(), "fenced and stopped");
 
         let mut p = protected();
@@ -579,6 +592,7 @@ mod tests {
         let mut p = protected();
         p.on(Event::Signal("SIGTERM".into()));
         p.on(Event::EndUnconfirmed);
+        p.on(Event::Stopped);
         assert!(p.held_output_void(), "ended unconfirmed: stopped");
     }
 

@@ -2,7 +2,7 @@
 //! from when the previous epoch was due, not from when it was acknowledged
 //! (as Remus does). An epoch still running when the next is due (a slow
 //! link or backup) makes the next start at once, late; the lateness is
-//! reported with that epoch ([`Start::late`]) and counted, and the period
+//! reported with that epoch ([`Start::late`]), and the period
 //! is measured from there, so a slow backup shows up as overruns and a
 //! longer actual period, never as a silently longer interval.
 //!
@@ -18,8 +18,6 @@ pub struct Schedule {
     due: Instant,
     /// When it actually started (`None`: no epoch started yet).
     started: Option<Instant>,
-    /// Epochs that started late.
-    overruns: u64,
 }
 
 /// When the next epoch starts.
@@ -39,7 +37,6 @@ impl Schedule {
             interval,
             due: now,
             started: None,
-            overruns: 0,
         }
     }
 
@@ -52,9 +49,16 @@ impl Schedule {
         period
     }
 
+    /// An epoch was given up (its VM paused for as long as that took):
+    /// the next comes a whole interval after `now`, so that the VM runs
+    /// between two pauses however long a failing capture takes.
+    pub fn skipped(&mut self, now: Instant) {
+        self.due = now;
+    }
+
     /// The next epoch's start, asked at `now` once the current one is
     /// done: an interval after the current one was due, or at once if that
-    /// has passed (then counted as an overrun, and the schedule continues
+    /// has passed (then late, and the schedule continues
     /// from `now`).
     pub fn next(&mut self, now: Instant) -> Start {
         let due = self.due + self.interval;
@@ -65,17 +69,11 @@ impl Schedule {
                 late: None,
             };
         }
-        self.overruns += 1;
         self.due = now;
         Start {
             at: now,
             late: Some(now - due),
         }
-    }
-
-    /// Epochs that started late so far.
-    pub fn overruns(&self) -> u64 {
-        self.overruns
     }
 }
 
@@ -103,11 +101,10 @@ mod tests {
         assert_eq!(s.started(next.at), Some(2 * S));
         let next = s.next(t0 + 3 * S);
         assert_eq!(next.at, t0 + 4 * S);
-        assert_eq!(s.overruns(), 0);
     }
 
     #[test]
-    fn an_overrun_starts_the_next_epoch_at_once_and_is_counted() {
+    fn an_overrun_starts_the_next_epoch_at_once_and_late() {
         let t0 = Instant::now();
         let mut s = Schedule::new(2 * S, t0);
         s.started(t0);
@@ -121,7 +118,6 @@ mod tests {
             }
         );
         assert_eq!(s.started(next.at), Some(5 * S));
-        assert_eq!(s.overruns(), 1);
         // Back to speed: the period is kept from the late start.
         let next = s.next(t0 + 6 * S);
         assert_eq!(
@@ -131,7 +127,22 @@ mod tests {
                 late: None
             }
         );
-        assert_eq!(s.overruns(), 1);
+    }
+
+    #[test]
+    fn a_skipped_epoch_leaves_the_vm_a_whole_interval() {
+        let t0 = Instant::now();
+        let mut s = Schedule::new(2 * S, t0);
+        s.started(t0);
+        // The capture failed after 30 s (a stuck save).
+        s.skipped(t0 + 30 * S);
+        assert_eq!(
+            s.next(t0 + 30 * S),
+            Start {
+                at: t0 + 32 * S,
+                late: None
+            }
+        );
     }
 
     #[test]
@@ -147,6 +158,5 @@ mod tests {
             at = next.at + Duration::from_millis(9);
             s.started(at);
         }
-        assert_eq!(s.overruns(), 0);
     }
 }

@@ -56,6 +56,10 @@ fn best_split(base: &[u8], next: &[u8]) -> usize {
 pub fn encode(base: &[u8], next: &[u8]) -> Option<Vec<u8>> {
     let len = u32::try_from(next.len()).ok()?;
     u32::try_from(base.len()).ok()?;
+    // More than twice the base: its head and tail cannot cover it.
+    if next.len() > 2 * base.len() {
+        return None;
+    }
     let split = best_split(base, next);
     let differs_at = |i: usize| differs(base, next, i, i >= split);
     let mut out = len.to_le_bytes().to_vec();
@@ -186,6 +190,11 @@ mod tests {
         let base = state(1000, 1);
         assert_eq!(encode(&base, &state(1000, 2)), None);
         assert_eq!(encode(&base, &state(3000, 1)), None);
+        // Over twice the base, even if mostly the base twice over.
+        let mut twice = state(100, 1);
+        twice.extend(std::iter::repeat_n(9, 50));
+        twice.extend(state(100, 1));
+        assert_eq!(encode(&state(100, 1), &twice), None);
         assert_eq!(encode(&base, &[]), Some([0; 8].to_vec()));
     }
 

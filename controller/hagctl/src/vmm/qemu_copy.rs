@@ -105,6 +105,8 @@ pub struct QemuVm {
     memdevs: usize,
     /// When [`QemuVm::recheck`] next looks.
     next_recheck: Instant,
+    /// Its verdict, once it found the VM unprotectable: kept.
+    unprotectable: Option<String>,
 }
 
 /// How often, while protected, hagctl checks again that the dirty source
@@ -298,6 +300,7 @@ impl QemuVm {
                 ram_file,
                 memdevs: memdevs.as_array().map_or(0, Vec::len),
                 next_recheck: Instant::now() + RECHECK_EVERY,
+                unprotectable: None,
             },
             ram,
             vgpu_uuid,
@@ -316,22 +319,23 @@ impl QemuVm {
 
     /// Why the dirty source is no longer complete (memory hot-plugged,
     /// another process holding guest RAM's file), looked at once every
-    /// [`RECHECK_EVERY`].
-    fn recheck(&mut self) -> Result<Option<String>, VmmError> {
-        if Instant::now() < self.next_recheck {
-            return Ok(None);
+    /// [`RECHECK_EVERY`]; a verdict, once found, stays. A query that fails
+    /// gives none (the status query that follows says what is wrong).
+    fn recheck(&mut self) -> Option<String> {
+        if self.unprotectable.is_none() && Instant::now() >= self.next_recheck {
+            self.next_recheck = Instant::now() + RECHECK_EVERY;
+            let memdevs = self.qemu.qmp().execute("query-memdev", None).ok();
+            let n = memdevs.as_ref().and_then(Value::as_array).map(Vec::len);
+            self.unprotectable = match n {
+                Some(n) if n != self.memdevs => Some(format!(
+                    "it has {n} memory backends, {} when protection started: hagctl copies only guest RAM's, \
+                     so hot-plugged memory would not be protected",
+                    self.memdevs
+                )),
+                _ => self.ram_file.shared_with_others(),
+            };
         }
-        self.next_recheck = Instant::now() + RECHECK_EVERY;
-        let memdevs = self.qemu.qmp().execute("query-memdev", None)?;
-        let n = memdevs.as_array().map_or(0, Vec::len);
-        if n != self.memdevs {
-            return Ok(Some(format!(
-                "it has {n} memory backends, {} when protection started: hagctl copies only guest RAM's, \
-                 so hot-plugged memory would not be protected",
-                self.memdevs
-            )));
-        }
-        Ok(self.ram_file.shared_with_others())
+        self.unprotectable.clone()
     }
 }
 
@@ -484,7 +488,7 @@ impl CopyVm for QemuVm {
             Err(e) => return Err(e),
         };
         if st.is_running() {
-            if let Some(why) = self.recheck()? {
+            if let Some(why) = self.recheck() {
                 return Ok(VmStatus::Unprotectable(why));
             }
         }
