@@ -12,12 +12,15 @@
 # host 1's resumes, the guest verifies on host 1, and the client's view is
 # one run, never contradicted.
 FAULT=abort-during-takeover
-GUEST_ARGS="--seconds=60,--mib=8,--cpu-mib=8,--progress=1"
+GUEST_ARGS="--seconds=100,--mib=8,--cpu-mib=8,--progress=1"
 BACKUP_ARGS="--test-fault-file /tmp/fault"
-# Epochs every 3 s (each takes about 1 s here): the primary is stopped
-# between two, so that on waking it handles the SIGTERM at once rather
-# than after an epoch that the backup, taking over, never acknowledges.
-CP_INTERVAL=3s
+# Epochs every 6 s (each takes 1-3 s here): the primary is stopped between
+# two, so that on waking it handles the SIGTERM at once. Stopped within an
+# epoch, it would wake to an epoch the backup (taking over) never
+# acknowledges, lose the link, and send its ABORT nowhere; the backup,
+# hearing it, would rightly give that takeover up and take over once it
+# is silent again, and this scenario would test nothing.
+CP_INTERVAL=6s
 [ "$HAG_HOST" = 1 ] && echo hold-takeover >/tmp/fault
 host0=$(host_ip 0)
 host1=$(host_ip 1)
