@@ -101,6 +101,10 @@ host_root_up() {
 	mount --bind /hag "$HOST_ROOT/hag"
 	mount -t tmpfs tmpfs "$HOST_ROOT/run"
 	cp /bin/hagctl "$HOST_ROOT/usr/local/bin/hagctl"
+	# hagctl checkpoint reads a QEMU VM's disk deltas with the host root's
+	# qemu-img (their files are in /tmp, which both see).
+	printf '#!/bin/sh\nexec chroot %s qemu-img "$@"\n' "$HOST_ROOT" >/bin/qemu-img
+	chmod +x /bin/qemu-img
 	cp "/mnt/9p$(sed -n 's/.*hag_vm_kernel=\([^ ]*\).*/\1/p' /proc/cmdline)" "$(vm_kernel)" &&
 		cp "/mnt/9p$(sed -n 's/.*hag_vm_initrd=\([^ ]*\).*/\1/p' /proc/cmdline)" "$(vm_initrd)" ||
 		fail "copying the VM's kernel and initramfs from the runner"
@@ -129,7 +133,9 @@ VM_MIB=256
 # checkpoint --console holds), QEMU still logging all of it, unheld, to
 # /tmp/NAME.console for the scenario. VM_NET=1 adds a virtio-net NIC on tap
 # vmtap0 (joined to br0 by /hag/vm-ifup), VM_APPEND kernel command line
-# words. The same words start a standby (hagctl backup -- …).
+# words. VM_DISK=FILE adds a virtio-blk disk with device id vda (the
+# guest's /dev/vda) on that image, of format VM_DISK_FORMAT (qcow2 unless
+# set). The same words start a standby (hagctl backup -- …).
 vm_words() {
 	local name=$1 uuid=$2 gargs=$3 w
 	w="qemu-system-x86_64 -name $name -accel kvm -cpu host -m $VM_MIB -smp 1"
@@ -144,6 +150,11 @@ vm_words() {
 	fi
 	if [ -n "$uuid" ]; then
 		w="$w -device vfio-pci,sysfsdev=/sys/bus/mdev/devices/$uuid,id=vgpu0${VM_VGPU_OPTS:-}"
+	fi
+	if [ -n "${VM_DISK:-}" ]; then
+		w="$w -blockdev driver=file,filename=$VM_DISK,node-name=disk0-file"
+		w="$w -blockdev driver=${VM_DISK_FORMAT:-qcow2},file=disk0-file,node-name=disk0"
+		w="$w -device virtio-blk-pci,drive=disk0,id=vda"
 	fi
 	if [ "${VM_NET:-0}" = 1 ]; then
 		w="$w -netdev tap,id=net0,ifname=vmtap0,script=/hag/vm-ifup,downscript=no"

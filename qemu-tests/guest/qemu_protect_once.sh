@@ -15,6 +15,9 @@
 #   CP_ARGS      more hagctl checkpoint arguments (optional)
 #   CP_INTERVAL  hagctl checkpoint's --interval (1s unless set)
 #   BACKUP_ARGS  more hagctl backup arguments (optional)
+#   DISK=1       the VM has a 64 MiB qcow2 disk (vda) that hag-guest commits
+#                numbered records to (--disk), replicated to host 1's
+#                /tmp/hag-replicas/vda.raw, which its standby QEMU opens
 #   CONSOLE=1    the VM's console is a socket chardev that hagctl checkpoint
 #                holds too (--console), released to /tmp/vm.console.held;
 #                QEMU logs all of it, unheld, to /tmp/vm.console
@@ -64,6 +67,16 @@ GUEST_ARGS="$GUEST_ARGS,--report,$CLIENT:$PORT"
 if [ "${CONSOLE:-0}" = 1 ]; then
 	VM_CONSOLE_SOCKET=1
 	CP_ARGS="${CP_ARGS:-} --console /tmp/vm.console.sock --console-log /tmp/vm.console.held"
+fi
+if [ "${DISK:-0}" = 1 ]; then
+	GUEST_ARGS="$GUEST_ARGS,--disk,/dev/vda"
+	if [ "$HAG_HOST" = 0 ]; then
+		VM_DISK=/tmp/vm-disk.qcow2
+		CP_ARGS="${CP_ARGS:-} --delta-dir /tmp/hag-deltas"
+	else
+		VM_DISK=/tmp/hag-replicas/vda.raw VM_DISK_FORMAT=raw
+		BACKUP_ARGS="${BACKUP_ARGS:-} --replica-dir /tmp/hag-replicas"
+	fi
 fi
 backup=$(host_ip 1):7200
 peer=$(host_ip $((1 - HAG_HOST)))
@@ -147,6 +160,9 @@ if [ "$HAG_HOST" = 1 ]; then
 else
 	vm_net_up
 	step "host 0: VM with hag-guest on vGPU $uuid, RAM in a shared file"
+	if [ -n "${VM_DISK:-}" ]; then
+		in_root qemu-img create -q -f qcow2 "$VM_DISK" 64M || fail "cannot make the VM's disk"
+	fi
 	VM_SHARED_RAM=1 vm_start vm "$uuid" "$GUEST_ARGS"
 	vm_wait_console vm 600 HAG-GUEST-READY
 	echo "QEMU pid $(cat /tmp/vm.pid)"

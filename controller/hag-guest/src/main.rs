@@ -30,6 +30,7 @@
 //! <why>` on stderr) when it could not run.
 
 mod cpu;
+mod disk;
 mod pagemap;
 mod pci;
 mod report;
@@ -189,6 +190,11 @@ struct Cli {
     /// (an IP address: the guest has no resolver)
     #[arg(long, value_name = "HOST:PORT")]
     report: Option<SocketAddr>,
+    /// Also commit numbered records to this block device, each synced
+    /// before it counts, and read them all back at the end (progress lines
+    /// say how many are committed)
+    #[arg(long, value_name = "DEV")]
+    disk: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -340,6 +346,10 @@ fn run(cli: &Cli, reporter: &mut Reporter) -> anyhow::Result<Outcome> {
             None => "no CPU region".to_string(),
         }
     ));
+    let disk = match &cli.disk {
+        Some(path) => Some(disk::DiskLog::start(path)?),
+        None => None,
+    };
     say("HAG-GUEST-READY");
     let plan = Plan {
         iterations: cli.iterations,
@@ -347,11 +357,26 @@ fn run(cli: &Cli, reporter: &mut Reporter) -> anyhow::Result<Outcome> {
         progress: Duration::from_secs(cli.progress),
         rate: cli.rate,
     };
-    let (iterations, seconds) = work(&mut drv, &mut frames, cpu.as_ref(), plan, &mut |l: &str| {
-        reporter.line(l)
-    })?;
+    let (iterations, seconds) =
+        work(
+            &mut drv,
+            &mut frames,
+            cpu.as_ref(),
+            plan,
+            &mut |l: &str| match &disk {
+                Some(d) => reporter.line(&format!("{l}, disk {} records", d.committed())),
+                None => reporter.line(l),
+            },
+        )?;
     let now = pagemap::frames(ram.host_addr(), ram.pages()).context("GPU memory")?;
-    let failures = verify(&drv, &frames, cpu.as_ref(), iterations, &now)?;
+    let mut failures = verify(&drv, &frames, cpu.as_ref(), iterations, &now)?;
+    if let Some(d) = disk {
+        let (records, found) = d.finish()?;
+        say(&format!(
+            "hag-guest: disk: {records} records committed and read back"
+        ));
+        failures.extend(found);
+    }
     Ok(Outcome {
         iterations,
         seconds,

@@ -35,6 +35,7 @@ use hag_vmm::ram::PAGE_SIZE;
 
 use crate::admission::{self, Admission};
 use crate::migrate::{tune, IncomingVm};
+use crate::replica::{replica_path, standby_refusal, Replicas};
 use crate::secure::{self, Key, Outbox, Reader};
 use crate::stall::StallGuard;
 use crate::state_delta;
@@ -44,8 +45,8 @@ use crate::vmm::qemu_standby;
 use crate::wire::PageData;
 use crate::wire::MAX_PAYLOAD;
 use crate::wire::{
-    check_context, check_hello, read_msg, session_name, Msg, Round, Sides, VmmKind, ENDED_PHASE,
-    PAGE, VERSION_MAX,
+    check_context, check_hello, read_msg, session_name, DiskInfo, Msg, Round, Sides, VmmKind,
+    ENDED_PHASE, PAGE, VERSION_MAX,
 };
 
 /// `hagctl checkpoint` → `hagctl backup`.
@@ -230,6 +231,9 @@ pub struct StandbyStats {
     pub last_epoch_pages: u64,
     /// Changed pages of the last applied epoch.
     pub last_epoch_changed: u64,
+    /// Disk bytes the last applied epoch wrote into the replicas (data,
+    /// zeroes).
+    pub last_epoch_disk: (u64, u64),
 }
 
 /// What the backup accepts from any primary (issue 12, item 8): checked
@@ -283,6 +287,13 @@ pub struct Standby<I> {
     pub stats: StandbyStats,
     /// The connection feeding the stream (a number the I/O gives it).
     pub owner: u64,
+    /// Where disk replicas go, and the standby QEMU's command line that
+    /// must open them; `None`: this backup replicates no disks.
+    disk_policy: Option<(PathBuf, Vec<String>)>,
+    /// The replicas of the checkpoint's disks (and of the session's).
+    replicas: Option<Replicas>,
+    /// The session in progress named its disks.
+    session_disks: bool,
 }
 
 impl<I: Image> Standby<I> {
@@ -311,7 +322,17 @@ impl<I: Image> Standby<I> {
             generation,
             stats: StandbyStats::default(),
             owner: 0,
+            disk_policy: None,
+            replicas: None,
+            session_disks: false,
         }
+    }
+
+    /// Replicates a QEMU VM's disks into `dir`, for a standby QEMU started
+    /// with `command`, which must open each replica (checked when a
+    /// primary names its disks).
+    pub fn replicate_disks(&mut self, dir: PathBuf, command: Vec<String>) {
+        self.disk_policy = Some((dir, command));
     }
 
     /// A new connection from a primary: back to HELLO; an unfinished
@@ -322,12 +343,17 @@ impl<I: Image> Standby<I> {
         self.next = None;
         self.session = None;
         self.last_epoch_in_session = 0;
+        self.session_disks = false;
+        if let Some(r) = &mut self.replicas {
+            r.drop_staged();
+        }
     }
 
     /// Drops the checkpoint (protection ended).
     pub fn discard(&mut self) {
         self.committed = None;
         self.current = None;
+        self.replicas = None;
         self.new_session();
     }
 
@@ -451,6 +477,32 @@ impl<I: Image> Standby<I> {
                     .map_err(StandbyError::Invalid)?;
                 Ok((Phase::Rounds(at), None))
             }
+            (Phase::Rounds(at), Msg::Disks(disks)) => {
+                self.open_disks(&disks)?;
+                Ok((Phase::Rounds(at), None))
+            }
+            (
+                Phase::Rounds(at),
+                Msg::DiskData {
+                    disk,
+                    offset,
+                    extent,
+                },
+            ) => {
+                let direct = self.committed.is_none();
+                let r = self
+                    .replicas
+                    .as_mut()
+                    .filter(|_| self.session_disks)
+                    .ok_or_else(|| StandbyError::Invalid("DISK_DATA before DISKS".into()))?;
+                let written = if direct {
+                    r.write_direct(disk, offset, &extent)
+                } else {
+                    r.stage(disk, offset, extent)
+                };
+                written.map_err(StandbyError::Invalid)?;
+                Ok((Phase::Rounds(at), None))
+            }
             (Phase::Rounds(at), Msg::RoundEnd { round, pages }) => {
                 let next = at.on_end(round, pages).map_err(StandbyError::Invalid)?;
                 Ok((Phase::Rounds(next), Some(Msg::Ok { phase: at.round })))
@@ -514,6 +566,48 @@ impl<I: Image> Standby<I> {
         }
     }
 
+    /// A session names its VM's disks: their replicas are opened (made,
+    /// for a first checkpoint). The checkpoint's replicas must be of the
+    /// same disks; the standby QEMU must open every one.
+    fn open_disks(&mut self, disks: &[DiskInfo]) -> Result<(), StandbyError> {
+        let bad = |s: String| Err(StandbyError::Invalid(s));
+        if self.session_disks {
+            return bad("DISKS twice in one session".into());
+        }
+        let Some((dir, command)) = &self.disk_policy else {
+            return bad(format!(
+                "the primary's VM has {} writable disk(s) ({}), and this backup does not replicate disks (a hag-vmm standby)",
+                disks.len(),
+                disks.iter().map(|d| d.id.as_str()).collect::<Vec<_>>().join(", ")
+            ));
+        };
+        for d in disks {
+            if let Some(why) = standby_refusal(command, &d.id, &replica_path(dir, &d.id)) {
+                return bad(why);
+            }
+        }
+        let fresh = self.committed.is_none();
+        match &self.replicas {
+            Some(r) if r.matches(disks) => {}
+            Some(_) if !fresh => {
+                return bad(format!(
+                    "the primary names disks {} but the checkpoint holds others",
+                    disks
+                        .iter()
+                        .map(|d| d.id.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            }
+            _ => {
+                self.replicas =
+                    Some(Replicas::open(dir, disks, fresh).map_err(StandbyError::Invalid)?);
+            }
+        }
+        self.session_disks = true;
+        Ok(())
+    }
+
     /// An epoch's VM state arrived (whole, or rebuilt from a patch).
     fn got_state(
         &self,
@@ -561,6 +655,11 @@ impl<I: Image> Standby<I> {
                 "epoch {epoch} after epoch {after}"
             )));
         }
+        if self.replicas.is_some() && !self.session_disks && self.committed.is_some() {
+            return Err(StandbyError::Invalid(
+                "the checkpoint has disks, but this session named none".into(),
+            ));
+        }
         let staged = std::mem::take(&mut self.staged);
         self.stats.last_epoch_pages = staged.len() as u64;
         self.stats.last_epoch_changed = 0;
@@ -591,6 +690,22 @@ impl<I: Image> Standby<I> {
                 }
             }
             self.stats.staged_applied += staged.len() as u64;
+        }
+        // The memory is in; the disks follow, synced before the
+        // acknowledgement. A replica left half-written cannot be taken
+        // over onto: the checkpoint goes with it.
+        if let Some(r) = self.replicas.as_mut().filter(|_| self.session_disks) {
+            match r.commit() {
+                Ok(c) => self.stats.last_epoch_disk = (c.data, c.zero),
+                Err(e) => {
+                    self.committed = None;
+                    self.current = None;
+                    self.replicas = None;
+                    return Err(StandbyError::Invalid(format!(
+                        "epoch {epoch}: the disk replicas could not be written ({e}): the checkpoint is lost"
+                    )));
+                }
+            }
         }
         self.generation = generation;
         self.last_epoch_in_session = epoch;
@@ -787,6 +902,8 @@ pub struct BackupOptions {
     pub generation: u64,
     /// Where the backup's state file goes.
     pub status_dir: PathBuf,
+    /// Where a QEMU VM's disk replicas go.
+    pub replica_dir: PathBuf,
     /// JSON takeover report.
     pub json: bool,
     /// The pair's pre-shared key file.
@@ -1536,6 +1653,7 @@ impl BackupOptions {
 fn feasible_for(opts: &BackupOptions, ram_size: u64) -> Result<(), String> {
     feasible(opts)?;
     if opts.vmm_kind() == VmmKind::Qemu {
+        crate::replica::create_named(&opts.qemu, &opts.replica_dir)?;
         qemu_standby::dry_run(&opts.qemu, ram_size, &opts.status_dir)
             .map_err(|e| format!("the QEMU that would take over does not start here: {e}"))?;
     }
@@ -1777,7 +1895,13 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
     let b = Arc::new(Backup {
         opts: Arc::new(opts.clone()),
         live: Mutex::new(Live::new(generation)),
-        standby: Mutex::new(Standby::new(generation, limits)),
+        standby: Mutex::new({
+            let mut s = Standby::new(generation, limits);
+            if !opts.qemu.is_empty() {
+                s.replicate_disks(opts.replica_dir.clone(), opts.qemu.clone());
+            }
+            s
+        }),
         key,
         admission: Admission::new(
             admission::MAX_HANDSHAKES,
@@ -1983,6 +2107,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
 mod tests {
     use super::*;
     use crate::wire::tests::snapshot;
+    use crate::wire::DiskExtent;
 
     /// Plain memory; after `fail_after` writes every write fails, and
     /// write number `fail_once` fails (a full disk, a failing device).
@@ -2115,6 +2240,118 @@ mod tests {
             "{err}"
         );
         assert_eq!(s.committed.as_ref().unwrap().epoch, 2);
+    }
+
+    /// A standby replicating disks into a fresh directory, for a standby
+    /// QEMU that opens `vda`'s replica.
+    fn disk_standby(name: &str) -> (Standby<Ram>, PathBuf) {
+        let dir = std::env::temp_dir().join(format!("hag-standby-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut s = standby(0);
+        let file = format!("file={},format=raw", replica_path(&dir, "vda").display());
+        s.replicate_disks(dir.clone(), vec!["qemu".into(), "-drive".into(), file]);
+        (s, dir)
+    }
+
+    fn disk_data(offset: u64, fill: u8) -> Msg {
+        Msg::DiskData {
+            disk: 0,
+            offset,
+            extent: DiskExtent::Data(vec![fill; 512]),
+        }
+    }
+
+    fn replica_byte(dir: &std::path::Path, offset: u64) -> u8 {
+        use std::os::unix::fs::FileExt;
+        let mut b = [0u8];
+        std::fs::File::open(replica_path(dir, "vda"))
+            .unwrap()
+            .read_exact_at(&mut b, offset)
+            .unwrap();
+        b[0]
+    }
+
+    #[test]
+    fn an_epochs_disk_data_reaches_the_replica_only_at_its_end() {
+        let (mut s, dir) = disk_standby("epochs");
+        let vda = vec![DiskInfo {
+            id: "vda".into(),
+            size: 8192,
+        }];
+        // The first synchronisation writes the replica directly.
+        let mut msgs = vec![
+            hello(),
+            Msg::Disks(vda.clone()),
+            disk_data(0, 1),
+            disk_data(512, 1),
+        ];
+        msgs.extend(epoch_msgs(0, 1));
+        feed(&mut s, msgs).unwrap();
+        assert_eq!(
+            (replica_byte(&dir, 0), s.stats.last_epoch_disk),
+            (1, (1024, 0))
+        );
+        // Later epochs stage until EPOCH_END.
+        let mut e2 = epoch_msgs(1, 2);
+        e2.insert(0, disk_data(0, 2));
+        let end = e2.pop().unwrap();
+        feed(&mut s, e2).unwrap();
+        assert_eq!(replica_byte(&dir, 0), 1);
+        feed(&mut s, vec![end]).unwrap();
+        assert_eq!(
+            (replica_byte(&dir, 0), s.stats.last_epoch_disk),
+            (2, (512, 0))
+        );
+        // An epoch cut off part-way leaves the replica at the last one.
+        feed(&mut s, vec![disk_data(0, 3), disk_data(512, 3)]).unwrap();
+        s.new_session();
+        assert_eq!((replica_byte(&dir, 0), replica_byte(&dir, 512)), (2, 1));
+        // A resynchronisation stages too (the checkpoint stays valid), and
+        // must name the same disks.
+        let other = vec![DiskInfo {
+            id: "vda".into(),
+            size: 4096,
+        }];
+        let err = feed(&mut s, vec![hello(), Msg::Disks(other)]).unwrap_err();
+        assert!(err.to_string().contains("checkpoint holds others"), "{err}");
+        s.new_session();
+        let mut msgs = vec![hello(), Msg::Disks(vda), disk_data(512, 4)];
+        msgs.extend(epoch_msgs(0, 3));
+        let end = msgs.pop().unwrap();
+        feed(&mut s, msgs).unwrap();
+        assert_eq!(replica_byte(&dir, 512), 1);
+        feed(&mut s, vec![end]).unwrap();
+        assert_eq!(replica_byte(&dir, 512), 4);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn disks_are_refused_without_a_standby_that_opens_their_replicas() {
+        let (mut s, dir) = disk_standby("refused");
+        let vdb = vec![DiskInfo {
+            id: "vdb".into(),
+            size: 8192,
+        }];
+        let err = feed(&mut s, vec![hello(), Msg::Disks(vdb)]).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("would not open disk vdb's replica"),
+            "{err}"
+        );
+        s.new_session();
+        let err = feed(&mut s, vec![hello(), disk_data(0, 1)]).unwrap_err();
+        assert!(err.to_string().contains("DISK_DATA before DISKS"), "{err}");
+        let mut plain = standby(0);
+        let vda = vec![DiskInfo {
+            id: "vda".into(),
+            size: 8192,
+        }];
+        let err = feed(&mut plain, vec![hello(), Msg::Disks(vda)]).unwrap_err();
+        assert!(
+            err.to_string().contains("does not replicate disks"),
+            "{err}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     fn epoch_msgs(round: u32, epoch_no: u64) -> Vec<Msg> {

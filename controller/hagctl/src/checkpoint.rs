@@ -60,10 +60,11 @@ use crate::state_delta;
 use crate::vmm::copy::{CopyVm, OutputGate, VmStatus};
 use crate::vmm::qemu::Qemu;
 use crate::vmm::qemu_copy::{PlugGate, QemuVm};
+use crate::vmm::qemu_disks::DeltaStats;
 use crate::vmm::{Vmm, VmmError};
 use crate::wire::{
-    read_msg, session_name, write_msg, Msg, PageData, VmmKind, ENDED_PHASE, PAGE, PAGES_PER_FRAME,
-    STATE_DELTA_SINCE,
+    read_msg, session_name, write_msg, Msg, PageData, VmmKind, DISKS_SINCE, ENDED_PHASE, PAGE,
+    PAGES_PER_FRAME, STATE_DELTA_SINCE,
 };
 
 /// Options of `hagctl checkpoint`.
@@ -118,6 +119,10 @@ pub enum VmAt {
         console: Option<(PathBuf, PathBuf)>,
         /// For tests: withhold the CPU dirty log (a takeover must fail).
         withhold_cpu_dirty: bool,
+        /// For tests: withhold every epoch's disk delta.
+        withhold_disk_delta: bool,
+        /// Where disk deltas wait to be sent.
+        delta_dir: PathBuf,
     },
 }
 
@@ -176,6 +181,14 @@ pub struct EpochReport {
     pub state_bytes: u64,
     /// The state went as a patch.
     pub state_patched: bool,
+    /// Of the pause: re-activating the disks after the save and starting
+    /// their capture, milliseconds.
+    pub disk_capture_ms: f64,
+    /// Disk delta: bytes of data (zeroed ranges not counted).
+    pub disk_bytes: u64,
+    /// Disk delta: milliseconds QEMU's backup jobs ran after the resume
+    /// before the delta could be read.
+    pub disk_job_ms: u64,
 }
 
 /// What `hagctl checkpoint` reports.
@@ -195,6 +208,8 @@ pub struct CheckpointReport {
     pub syncs: u32,
     /// Bytes of the synchronisations' pre-copy rounds.
     pub sync_bytes: u64,
+    /// Bytes of disk data the synchronisations sent (their full copies).
+    pub sync_disk_bytes: u64,
     /// Mean / max pause per epoch, milliseconds.
     pub pause_ms_mean: f64,
     /// Max pause.
@@ -914,8 +929,36 @@ impl Primary {
             // A new session replaces the backup's image: it starts from zero.
             self.src.hashes = Some(PageHashes::new(self.src.ram.pages()));
         }
+        let disks = self.src.vm.disks();
+        if !disks.is_empty() {
+            if self.src.peer.version < DISKS_SINCE {
+                return Err(EpochError::Unprotectable(format!(
+                    "the VM has writable disks ({}), and backup {} speaks stream version {}, which has no disk replication (version {DISKS_SINCE} has)",
+                    disks.iter().map(|d| d.id.as_str()).collect::<Vec<_>>().join(", "),
+                    self.opts.backup,
+                    self.src.peer.version
+                )));
+            }
+            self.src.send(&Msg::Disks(disks), "sync")?;
+            // The session's full copy of the disks, taken now (the VM
+            // runs): QEMU copies it while the RAM is pre-copied.
+            self.src.vm.restart_disks();
+            self.src
+                .vm
+                .capture_disks()
+                .map_err(|e| EpochError::Link(format!("copying the disks: {e}")))?;
+        }
         let mut rep = MigrationReport::default();
         let (round, pending, _) = self.src.precopy(&mut rep)?;
+        let (_, disk) = self.send_disks()?;
+        if disk.data_bytes + disk.zero_bytes > 0 {
+            eprintln!(
+                "hagctl: disks copied: {:.1} MiB of data, {:.1} MiB of zeroes",
+                disk.data_bytes as f64 / f64::from(1 << 20),
+                disk.zero_bytes as f64 / f64::from(1 << 20)
+            );
+        }
+        self.report.sync_disk_bytes += disk.data_bytes;
         self.report.syncs += 1;
         self.report.sync_bytes += rep.per_round.iter().map(|r| r.wire_bytes).sum::<u64>();
         self.round = round;
@@ -929,8 +972,35 @@ impl Primary {
         self.epoch_once()
     }
 
+    /// Reads the captured disk delta and streams it as DISK_DATA (nothing
+    /// captured: nothing sent); returns the bytes on the wire and the
+    /// delta's figures.
+    fn send_disks(&mut self) -> Result<(u64, DeltaStats), EpochError> {
+        let Source { vm, stream, .. } = &mut self.src;
+        let mut wire = 0u64;
+        let stats = vm.read_disks(&mut |disk, offset, extent| {
+            let msg = Msg::DiskData {
+                disk: disk as u32,
+                offset,
+                extent,
+            };
+            let n = write_msg(stream, &msg).map_err(|e| format!("sending DISK_DATA: {e}"))?;
+            wire += n as u64;
+            Ok(())
+        });
+        // Whatever failed, the session's copy of the disks is now
+        // incomplete: the next synchronisation starts them over.
+        stats
+            .map(|s| (wire, s))
+            .map_err(|e| EpochError::Link(format!("the disks' delta: {e}")))
+    }
+
     /// Pause, capture, resume.
     fn capture(&mut self) -> Result<Captured, EpochError> {
+        self.src
+            .vm
+            .prepare_disks()
+            .map_err(|e| EpochError::Retry(format!("cannot prepare the disks' capture: {e}")))?;
         let t0 = Instant::now();
         let st = self
             .src
@@ -1087,6 +1157,14 @@ impl Primary {
             e => EpochError::Retry(format!("cannot get the VM state: {e}")),
         })?;
         report.state_ms = ms_since(tv);
+        // The disks' point in time, with the memory's: after the save,
+        // which leaves them inactive (see vmm::qemu_disks).
+        let tk = Instant::now();
+        self.src
+            .vm
+            .capture_disks()
+            .map_err(|e| EpochError::Retry(format!("cannot capture the disks: {e}")))?;
+        report.disk_capture_ms = ms_since(tk);
         let tc = Instant::now();
         let pages: Vec<u64> = self.carry.iter().copied().collect();
         let mut raw = vec![0u8; pages.len() * PAGE];
@@ -1122,6 +1200,10 @@ impl Primary {
                 .collect();
             bytes += self.src.send(&Msg::Pages { round, pages: list }, "epoch")?;
         }
+        let (disk_wire, disk) = self.send_disks()?;
+        bytes += disk_wire;
+        cap.report.disk_bytes = disk.data_bytes;
+        cap.report.disk_job_ms = disk.job_ms;
         bytes += self.src.send(
             &Msg::RoundEnd {
                 round,
@@ -1177,6 +1259,7 @@ impl Primary {
                 generation,
             } if e == epoch => {
                 self.src.stream.r.set_deadline(None);
+                self.src.vm.disks_acknowledged();
                 self.acked_state = Some((epoch, state));
                 cap.report.pages = cap.pages.len() as u64;
                 cap.report.raw_bytes = cap.report.pages * PAGE as u64;
@@ -1244,8 +1327,17 @@ impl Primary {
         } else {
             String::new()
         };
+        let disk = if r.disk_bytes > 0 || r.disk_job_ms > 0 {
+            format!(
+                ", disk {:.2} MiB (copied in {} ms)",
+                r.disk_bytes as f64 / f64::from(1 << 20),
+                r.disk_job_ms
+            )
+        } else {
+            String::new()
+        };
         eprintln!(
-            "epoch {}: pause {:.1} ms (quiesce {:.1}), {} pages (cpu {}, gpu {}), {:.2} MiB (VM state {} B{}), acked in {:.1} ms, period {:.0} ms{late}{}",
+            "epoch {}: pause {:.1} ms (quiesce {:.1}), {} pages (cpu {}, gpu {}){disk}, {:.2} MiB (VM state {} B{}), acked in {:.1} ms, period {:.0} ms{late}{}",
             r.epoch,
             r.pause_ms,
             r.quiesce_ms,
@@ -1557,6 +1649,8 @@ fn open_vm(at: &VmAt) -> anyhow::Result<OpenedVm> {
             plug,
             console,
             withhold_cpu_dirty,
+            withhold_disk_delta,
+            delta_dir,
         } => {
             let mut qemu = Qemu::connect(qmp, QMP_TIMEOUT)?;
             let state = qemu.run_state()?;
@@ -1574,10 +1668,21 @@ fn open_vm(at: &VmAt) -> anyhow::Result<OpenedVm> {
                     ConsoleGate::connect(socket, log).map_err(anyhow::Error::msg)?,
                 ));
             }
-            let mut opened = QemuVm::open(qemu, gates)?;
+            let mut opened = QemuVm::open(qemu, gates, delta_dir)?;
             if *withhold_cpu_dirty {
                 eprintln!("hagctl: TEST: the CPU dirty log is withheld");
                 opened.vm.withhold_cpu_dirty();
+            }
+            if *withhold_disk_delta {
+                eprintln!("hagctl: TEST: the epochs' disk deltas are withheld");
+                opened.vm.withhold_disk_delta();
+            }
+            for d in opened.vm.disks() {
+                eprintln!(
+                    "hagctl: disk {}: {} MiB, replicated with the VM's memory",
+                    d.id,
+                    d.size >> 20
+                );
             }
             let pid = opened.vm.mapping().pid;
             let dev = Device::open()?;

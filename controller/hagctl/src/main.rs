@@ -45,6 +45,7 @@ mod output;
 mod pagehash;
 mod plug;
 mod primary;
+mod replica;
 mod schedule;
 mod secure;
 mod stall;
@@ -460,6 +461,20 @@ exits non-zero on finished-unconfirmed, fenced and stop-failed.")]
         /// For tests only: withhold the CPU dirty log (a takeover must fail)
         #[arg(long, hide = true, requires = "qmp")]
         test_withhold_cpu_dirty: bool,
+        /// For tests only: send the disks' first copy but no epoch's disk
+        /// delta (a takeover must fail)
+        #[arg(long, hide = true, requires = "qmp")]
+        test_withhold_disk_delta: bool,
+        /// Where a QEMU VM's disk deltas wait between their capture and
+        /// their sending (a directory per QEMU process; the first
+        /// synchronisation's holds a copy of each disk's allocated data)
+        #[arg(
+            long,
+            value_name = "DIR",
+            default_value = "/var/lib/hag/deltas",
+            requires = "qmp"
+        )]
+        delta_dir: std::path::PathBuf,
         /// Where `hagctl backup` listens
         #[arg(long, value_name = "HOST:PORT")]
         backup: String,
@@ -552,6 +567,11 @@ the VM's status. If the primary ends protection (its VM finished), it exits
         /// start: a restarted backup never goes below a takeover)
         #[arg(long, value_name = "DIR", default_value = "/run/hag")]
         status_dir: std::path::PathBuf,
+        /// Where the replicas of a QEMU VM's writable disks are kept, one
+        /// raw file per disk, DIR/ID.raw (ID: the disk's device id); the
+        /// standby QEMU command line must open each
+        #[arg(long, value_name = "DIR", default_value = "/var/lib/hag/replicas")]
+        replica_dir: std::path::PathBuf,
         /// The pre-shared key file this host and the primary hold
         #[arg(long, value_name = "FILE", default_value = KEY_DEFAULT)]
         key: std::path::PathBuf,
@@ -781,6 +801,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             console,
             console_log,
             test_withhold_cpu_dirty,
+            test_withhold_disk_delta,
+            delta_dir,
             backup,
             heartbeat_addr,
             interval,
@@ -808,6 +830,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                         plug,
                         console: console.zip(console_log),
                         withhold_cpu_dirty: test_withhold_cpu_dirty,
+                        withhold_disk_delta: test_withhold_disk_delta,
+                        delta_dir,
                     }
                 }
                 (None, None) => anyhow::bail!("--vm or --qmp is needed"),
@@ -850,6 +874,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             failover_timeout,
             generation,
             status_dir,
+            replica_dir,
             key,
             max_ram,
             max_connections,
@@ -868,6 +893,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 failover_timeout,
                 generation,
                 status_dir,
+                replica_dir,
                 json,
                 key,
                 max_ram,

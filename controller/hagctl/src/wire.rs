@@ -121,10 +121,17 @@ pub const MAGIC: [u8; 8] = *b"HAGMIG\r\n";
 /// Oldest stream version this build speaks.
 pub const VERSION_MIN: u16 = 3;
 /// Newest stream version this build speaks.
-pub const VERSION_MAX: u16 = 4;
+pub const VERSION_MAX: u16 = 5;
 
 /// The first stream version with VM_STATE_DELTA.
 pub const STATE_DELTA_SINCE: u16 = 4;
+/// The first stream version with DISKS and DISK_DATA: a primary whose VM
+/// has writable disks needs a backup that speaks it.
+pub const DISKS_SINCE: u16 = 5;
+/// The most writable disks a VM may have under protection.
+pub const MAX_DISKS: usize = 16;
+/// The most data bytes one DISK_DATA carries.
+pub const DISK_DATA_MAX: usize = 1 << 20;
 /// Bytes of a frame header.
 pub const HEADER_BYTES: usize = 12;
 /// Largest payload accepted (a compressed vGPU context must fit: a GVT-g
@@ -174,6 +181,12 @@ pub enum MsgType {
     /// Primary → backup (version 4): the VM's state as a patch against
     /// the one the backup committed at an epoch ([`crate::state_delta`]).
     VmStateDelta = 16,
+    /// Primary → backup (version 5): the VM's writable disks, once per
+    /// session before any DISK_DATA.
+    Disks = 17,
+    /// Primary → backup (version 5): bytes (or zeroes) of one disk at an
+    /// offset, part of the round or epoch in progress.
+    DiskData = 18,
 }
 
 impl MsgType {
@@ -197,6 +210,8 @@ impl MsgType {
             14 => EpochAck,
             15 => Join,
             16 => VmStateDelta,
+            17 => Disks,
+            18 => DiskData,
             _ => return None,
         })
     }
@@ -221,6 +236,8 @@ impl MsgType {
             EpochAck => "EPOCH_ACK",
             Join => "JOIN",
             VmStateDelta => "VM_STATE_DELTA",
+            Disks => "DISKS",
+            DiskData => "DISK_DATA",
         }
     }
 }
@@ -406,6 +423,17 @@ pub enum Msg {
         /// The patch.
         patch: Vec<u8>,
     },
+    /// The VM's writable disks.
+    Disks(Vec<DiskInfo>),
+    /// Part of a disk's delta.
+    DiskData {
+        /// Index into the session's DISKS.
+        disk: u32,
+        /// Byte offset in the disk.
+        offset: u64,
+        /// What is there.
+        extent: DiskExtent,
+    },
     /// Restore and resume.
     Commit,
     /// Give up.
@@ -439,6 +467,48 @@ pub enum Msg {
         /// The backup's generation.
         generation: u64,
     },
+}
+
+/// A writable disk of a protected VM, as DISKS names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskInfo {
+    /// Its device's id (what names its replica on the backup).
+    pub id: String,
+    /// Its size, bytes.
+    pub size: u64,
+}
+
+/// The longest device id a disk may have.
+pub const DISK_ID_MAX: usize = 64;
+
+/// Whether `id` can name a disk (and its replica's file): QEMU's id
+/// characters, at most [`DISK_ID_MAX`] bytes, not starting with a dot.
+pub fn is_disk_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= DISK_ID_MAX
+        && !id.starts_with('.')
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+/// What a DISK_DATA says is at its offset.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DiskExtent {
+    /// These bytes (at most [`DISK_DATA_MAX`]).
+    Data(Vec<u8>),
+    /// This many bytes of zeroes.
+    Zero(u64),
+}
+
+impl DiskExtent {
+    /// Bytes of the disk it covers.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            DiskExtent::Data(b) => b.len() as u64,
+            DiskExtent::Zero(n) => *n,
+        }
+    }
 }
 
 /// The `phase` of the OK that acknowledges COMMIT.
@@ -509,6 +579,8 @@ impl Msg {
             Msg::Context(_) => MsgType::Context,
             Msg::VmState(_) => MsgType::VmState,
             Msg::VmStateDelta { .. } => MsgType::VmStateDelta,
+            Msg::Disks(_) => MsgType::Disks,
+            Msg::DiskData { .. } => MsgType::DiskData,
             Msg::Commit => MsgType::Commit,
             Msg::Abort { .. } => MsgType::Abort,
             Msg::Heartbeat { .. } => MsgType::Heartbeat,
@@ -586,6 +658,32 @@ impl Msg {
             Msg::VmStateDelta { base_epoch, patch } => {
                 p.extend_from_slice(&base_epoch.to_le_bytes());
                 p.extend_from_slice(patch);
+            }
+            Msg::Disks(disks) => {
+                p.extend_from_slice(&(disks.len() as u32).to_le_bytes());
+                for d in disks {
+                    p.push(d.id.len() as u8);
+                    p.extend_from_slice(d.id.as_bytes());
+                    p.extend_from_slice(&d.size.to_le_bytes());
+                }
+            }
+            Msg::DiskData {
+                disk,
+                offset,
+                extent,
+            } => {
+                p.extend_from_slice(&disk.to_le_bytes());
+                p.extend_from_slice(&offset.to_le_bytes());
+                match extent {
+                    DiskExtent::Zero(n) => {
+                        p.push(0);
+                        p.extend_from_slice(&n.to_le_bytes());
+                    }
+                    DiskExtent::Data(b) => {
+                        p.push(1);
+                        p.extend_from_slice(b);
+                    }
+                }
             }
             Msg::Commit => {}
         }
@@ -740,6 +838,59 @@ impl Msg {
                     base_epoch,
                     patch: c.b.to_vec(),
                 });
+            }
+            MsgType::Disks => {
+                let count = c.u32("disk count")? as usize;
+                if count > MAX_DISKS {
+                    return Err(WireError::Malformed {
+                        ty: ty.name(),
+                        what: format!("{count} disks, at most {MAX_DISKS}"),
+                    });
+                }
+                let mut disks = Vec::with_capacity(count);
+                for i in 0..count {
+                    let n = usize::from(c.u8("disk id length")?);
+                    let id = std::str::from_utf8(c.take(n, "disk id")?)
+                        .ok()
+                        .filter(|id| is_disk_id(id))
+                        .ok_or_else(|| WireError::Malformed {
+                            ty: MsgType::Disks.name(),
+                            what: format!("disk {i}: its id is not a device id"),
+                        })?
+                        .to_owned();
+                    let size = c.u64("disk size")?;
+                    disks.push(DiskInfo { id, size });
+                }
+                Msg::Disks(disks)
+            }
+            MsgType::DiskData => {
+                let disk = c.u32("disk")?;
+                let offset = c.u64("offset")?;
+                let extent = match c.u8("extent kind")? {
+                    0 => DiskExtent::Zero(c.u64("zero length")?),
+                    1 if !c.b.is_empty() && c.b.len() <= DISK_DATA_MAX => {
+                        let data = c.b.to_vec();
+                        c.b = &[];
+                        DiskExtent::Data(data)
+                    }
+                    1 => {
+                        return Err(WireError::Malformed {
+                            ty: ty.name(),
+                            what: format!("{} data bytes, 1 to {DISK_DATA_MAX} allowed", c.b.len()),
+                        })
+                    }
+                    k => {
+                        return Err(WireError::Malformed {
+                            ty: ty.name(),
+                            what: format!("unknown extent kind {k}"),
+                        })
+                    }
+                };
+                Msg::DiskData {
+                    disk,
+                    offset,
+                    extent,
+                }
             }
             MsgType::Commit => Msg::Commit,
         };
@@ -1368,6 +1519,34 @@ pub(crate) mod tests {
         .payload();
         hello[0] = b'X';
         assert!(read_msg(&mut &frame(MsgType::Hello, &hello)[..]).is_err());
+        // Disks: too many, an id that is not one; disk data over the cap,
+        // empty, of an unknown kind.
+        let disks = |count: u32, id: &[u8]| {
+            let mut p = count.to_le_bytes().to_vec();
+            p.push(id.len() as u8);
+            p.extend_from_slice(id);
+            p.extend_from_slice(&1u64.to_le_bytes());
+            frame(MsgType::Disks, &p)
+        };
+        assert!(read_msg(&mut &disks(1, b"vda")[..]).is_ok());
+        for (count, id) in [(17, &b"vda"[..]), (1, b"../etc"), (1, b""), (2, b"vda")] {
+            let err = read_msg(&mut &disks(count, id)[..]).unwrap_err();
+            assert!(matches!(err, WireError::Malformed { .. }), "{err}");
+        }
+        let data = |kind: u8, body: &[u8]| {
+            let mut p = 0u32.to_le_bytes().to_vec();
+            p.extend_from_slice(&0u64.to_le_bytes());
+            p.push(kind);
+            p.extend_from_slice(body);
+            frame(MsgType::DiskData, &p)
+        };
+        for (kind, len) in [(1u8, DISK_DATA_MAX + 1), (1, 0), (2, 8), (0, 7)] {
+            let err = read_msg(&mut &data(kind, &vec![0; len])[..]).unwrap_err();
+            assert!(
+                matches!(err, WireError::Malformed { .. }),
+                "{kind} {len}: {err}"
+            );
+        }
     }
 
     #[test]
@@ -1419,6 +1598,26 @@ pub(crate) mod tests {
                 generation: 9,
                 timeout_ms: 3000,
             },
+            Msg::Disks(vec![
+                DiskInfo {
+                    id: "vda".into(),
+                    size: 64 << 20,
+                },
+                DiskInfo {
+                    id: "virtio-disk1".into(),
+                    size: 1 << 40,
+                },
+            ]),
+            Msg::DiskData {
+                disk: 1,
+                offset: 65536,
+                extent: DiskExtent::Data(vec![7; 4096]),
+            },
+            Msg::DiskData {
+                disk: 0,
+                offset: 0,
+                extent: DiskExtent::Zero(64 << 20),
+            },
         ] {
             let frame = encode_frame(&msg);
             let (back, n) = read_msg(&mut &frame[..]).unwrap();
@@ -1438,7 +1637,8 @@ pub(crate) mod tests {
         assert_eq!(MsgType::from_u32(14), Some(MsgType::EpochAck));
         assert_eq!(MsgType::from_u32(15), Some(MsgType::Join));
         assert_eq!(MsgType::from_u32(16), Some(MsgType::VmStateDelta));
-        assert_eq!(MsgType::from_u32(17), None);
+        assert_eq!(MsgType::from_u32(18), Some(MsgType::DiskData));
+        assert_eq!(MsgType::from_u32(19), None);
     }
 
     #[test]
@@ -1453,8 +1653,8 @@ pub(crate) mod tests {
         };
         let err = run(vec![hello(32 * PAGE as u64, 3, 3)], &mut ram()).unwrap_err();
         assert!(matches!(err, ReceiveError::Handshake(_)), "{err}");
-        let err = run(vec![hello(16 * PAGE as u64, 5, 9)], &mut ram()).unwrap_err();
-        assert!(err.to_string().contains("versions 5..=9"), "{err}");
+        let err = run(vec![hello(16 * PAGE as u64, 6, 9)], &mut ram()).unwrap_err();
+        assert!(err.to_string().contains("versions 6..=9"), "{err}");
         // A page outside RAM; a round count that does not match.
         let out = Msg::Pages {
             round: 0,

@@ -11,8 +11,13 @@
 //! dirty pages from soft-dirty bits, device state from an `x-ignore-shared`
 //! migration, output held by an [`OutputGate`] on its network).
 
+use super::qemu_disks::DeltaStats;
 use super::{Vmm, VmmError};
-use crate::wire::VmmKind;
+use crate::wire::{DiskExtent, DiskInfo, VmmKind};
+
+/// Where [`CopyVm::read_disks`] puts a delta: (disk index, offset,
+/// extent).
+pub type DiskSink<'a> = dyn FnMut(usize, u64, DiskExtent) -> Result<(), String> + 'a;
 
 /// Where the VM stands when an epoch begins.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -102,4 +107,35 @@ pub trait CopyVm: Vmm {
     /// Returns how much was released, in the gate's unit (console lines;
     /// epochs for a network gate).
     fn release_output(&mut self, epoch: u64) -> Result<u64, String>;
+
+    /// The VM's writable disks, replicated with its memory (none: a VM
+    /// without disks, or a VMM whose disks hagctl does not see).
+    fn disks(&self) -> Vec<DiskInfo> {
+        Vec::new()
+    }
+
+    /// With the VM running: makes ready what the next disk capture needs
+    /// (so that the pause holds only the capture itself).
+    fn prepare_disks(&mut self) -> Result<(), VmmError> {
+        Ok(())
+    }
+
+    /// The disks' point in time: with the VM paused for an epoch, or
+    /// running for a session's first, full copy (after
+    /// [`CopyVm::restart_disks`]).
+    fn capture_disks(&mut self) -> Result<(), VmmError> {
+        Ok(())
+    }
+
+    /// After the VM resumed: the captured disk delta, into `sink`.
+    fn read_disks(&mut self, sink: &mut DiskSink<'_>) -> Result<DeltaStats, VmmError> {
+        let _ = sink;
+        Ok(DeltaStats::default())
+    }
+
+    /// The epoch the last delta went into was acknowledged.
+    fn disks_acknowledged(&mut self) {}
+
+    /// A new session with the backup: the next disk capture is a full copy.
+    fn restart_disks(&mut self) {}
 }

@@ -22,6 +22,7 @@ pub mod dirty_source;
 pub mod hagvmm;
 pub mod qemu;
 pub mod qemu_copy;
+pub mod qemu_disks;
 pub mod qemu_standby;
 pub mod qmp;
 pub mod shared_ram;

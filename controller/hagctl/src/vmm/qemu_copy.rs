@@ -30,12 +30,13 @@ use std::time::{Duration, Instant};
 use hag_vmm::ram::GuestRam;
 use serde_json::{json, Value};
 
-use super::copy::{CopyVm, OutputGate, VmStatus};
+use super::copy::{CopyVm, DiskSink, OutputGate, VmStatus};
 use super::dirty_source;
 use super::qemu::{self, Qemu};
+use super::qemu_disks::{DeltaStats, DiskEpochs};
 use super::shared_ram::Mapping;
 use super::{Feature, MigrationSettings, RunState, Vmm, VmmError};
-use crate::wire::{VmmKind, MAX_PAYLOAD};
+use crate::wire::{DiskInfo, VmmKind, MAX_PAYLOAD};
 
 /// What a QEMU epoch's VM_STATE holds: QEMU's stream, and the id of the
 /// memory backend it leaves out, which a standby's RAM must carry too (QEMU
@@ -107,6 +108,8 @@ pub struct QemuVm {
     next_recheck: Instant,
     /// Its verdict, once it found the VM unprotectable: kept.
     unprotectable: Option<String>,
+    /// Its writable disks' epochs.
+    disks: DiskEpochs,
 }
 
 /// How often, while protected, hagctl checks again that the dirty source
@@ -213,9 +216,14 @@ pub fn shared_backend(memdevs: &Value) -> Result<(String, u64), String> {
 }
 
 impl QemuVm {
-    /// Opens the VM behind `qemu` for copying: finds its shared RAM and
-    /// its hag vGPU, and sets `x-ignore-shared`.
-    pub fn open(mut qemu: Qemu, gates: Vec<Box<dyn OutputGate>>) -> Result<Opened, VmmError> {
+    /// Opens the VM behind `qemu` for copying: finds its shared RAM, its
+    /// hag vGPU and its writable disks (their deltas' files go in a
+    /// directory of `delta_dir` of its own), and sets `x-ignore-shared`.
+    pub fn open(
+        mut qemu: Qemu,
+        gates: Vec<Box<dyn OutputGate>>,
+        delta_dir: &std::path::Path,
+    ) -> Result<Opened, VmmError> {
         let protocol = |q: &Qemu, what: String| VmmError::Protocol {
             vmm: q.describe(),
             what,
@@ -277,6 +285,8 @@ impl QemuVm {
             ));
         }
         let vgpu_uuid = vgpu_of(&mut qemu)?;
+        let disks = DiskEpochs::open(qemu.qmp(), &delta_dir.join(format!("qemu-{pid}")))
+            .map_err(|e| protocol(&qemu, e))?;
         qemu.apply(&ignore_shared(true))?;
         // An epoch's save goes into a pipe: no return path there (a VM
         // that arrived by migration may have it set), nothing that needs
@@ -301,6 +311,7 @@ impl QemuVm {
                 memdevs: memdevs.as_array().map_or(0, Vec::len),
                 next_recheck: Instant::now() + RECHECK_EVERY,
                 unprotectable: None,
+                disks,
             },
             ram,
             vgpu_uuid,
@@ -310,6 +321,18 @@ impl QemuVm {
     /// For tests: report no CPU dirty pages at all.
     pub fn withhold_cpu_dirty(&mut self) {
         self.withhold_cpu_dirty = true;
+    }
+
+    /// For tests: send the disks' full copy but no epoch's delta.
+    pub fn withhold_disk_delta(&mut self) {
+        self.disks.withheld = true;
+    }
+
+    fn disk_error(&self, what: String) -> VmmError {
+        VmmError::Protocol {
+            vmm: self.qemu.describe(),
+            what,
+        }
     }
 
     /// The guest RAM mapping in QEMU.
@@ -341,6 +364,7 @@ impl QemuVm {
 
 impl Drop for QemuVm {
     fn drop(&mut self) {
+        self.disks.close(self.qemu.qmp());
         let _ = self.qemu.apply(&ignore_shared(false));
     }
 }
@@ -574,6 +598,43 @@ impl CopyVm for QemuVm {
             released += u64::from(g.release(epoch)?);
         }
         Ok(released)
+    }
+
+    fn disks(&self) -> Vec<DiskInfo> {
+        self.disks
+            .disks()
+            .iter()
+            .map(|d| DiskInfo {
+                id: d.id.clone(),
+                size: d.size,
+            })
+            .collect()
+    }
+
+    fn prepare_disks(&mut self) -> Result<(), VmmError> {
+        self.disks
+            .prepare(self.qemu.qmp())
+            .map_err(|e| self.disk_error(e))
+    }
+
+    fn capture_disks(&mut self) -> Result<(), VmmError> {
+        self.disks
+            .capture(self.qemu.qmp())
+            .map_err(|e| self.disk_error(e))
+    }
+
+    fn read_disks(&mut self, sink: &mut DiskSink<'_>) -> Result<DeltaStats, VmmError> {
+        self.disks
+            .read(self.qemu.qmp(), sink)
+            .map_err(|e| self.disk_error(e))
+    }
+
+    fn disks_acknowledged(&mut self) {
+        self.disks.acknowledged(self.qemu.qmp());
+    }
+
+    fn restart_disks(&mut self) {
+        self.disks.restart(self.qemu.qmp());
     }
 }
 
