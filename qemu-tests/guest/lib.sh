@@ -187,6 +187,24 @@ vm_start() {
 	wait_for 30 test -S "/tmp/$name.qmp" || fail "VM $name: no QMP socket"
 }
 
+# qmp_status NAME: VM NAME's run state, asked on its QMP socket (one
+# that no hagctl holds).
+qmp_status() {
+	in_root python3 -c '
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+f = s.makefile("rw")
+f.readline()
+for cmd in ("qmp_capabilities", "query-status"):
+    f.write(json.dumps({"execute": cmd}) + "\n"); f.flush()
+    while True:
+        r = json.loads(f.readline())
+        if "return" in r or "error" in r:
+            break
+print(r.get("return", {}).get("status", r))' "/tmp/$1.qmp"
+}
+
 # vm_net_up [ADDR/PREFIX]: the VMs' public network, eth1 bridged as br0
 # (with ADDR on this host, for a client), for VM_NET=1 VMs' taps. A VM's
 # packets leave this host by eth1's egress: what hagctl checkpoint --plug

@@ -35,7 +35,7 @@ use hag_vmm::ram::PAGE_SIZE;
 
 use crate::admission::{self, Admission};
 use crate::migrate::{tune, IncomingVm};
-use crate::replica::{replica_path, standby_refusal, Replicas};
+use crate::replica::{replica_path, shared_refusal, standby_refusal, Replicas};
 use crate::secure::{self, Key, Outbox, Reader};
 use crate::stall::StallGuard;
 use crate::state_delta;
@@ -582,7 +582,10 @@ impl<I: Image> Standby<I> {
             ));
         };
         for d in disks {
-            if let Some(why) = standby_refusal(command, &d.id, &replica_path(dir, &d.id)) {
+            let path = replica_path(dir, &d.id);
+            if let Some(why) = standby_refusal(command, &d.id, &path)
+                .or_else(|| shared_refusal(&d.id, &path))
+            {
                 return bad(why);
             }
         }

@@ -31,6 +31,29 @@ pub fn replica_path(dir: &Path, id: &str) -> PathBuf {
     dir.join(format!("{id}.raw"))
 }
 
+/// The marker a protecting primary leaves beside each disk image it
+/// protects (`IMAGE.hag-primary`): a backup that finds one beside a replica
+/// is looking at the primary's own image, on storage both hosts share.
+pub fn primary_marker(image: &Path) -> PathBuf {
+    let mut name = image.as_os_str().to_owned();
+    name.push(".hag-primary");
+    PathBuf::from(name)
+}
+
+/// Why the replica at `path` must not be used: it is a protected
+/// primary's own disk image (its marker is there).
+pub fn shared_refusal(id: &str, path: &Path) -> Option<String> {
+    let marker = primary_marker(path);
+    let says = std::fs::read_to_string(&marker).ok()?;
+    Some(format!(
+        "disk {id}'s replica {} is the primary's own disk image ({} says: {}): \
+         the backup must keep a replica of its own, on storage the primary does not use (--replica-dir)",
+        path.display(),
+        marker.display(),
+        says.trim()
+    ))
+}
+
 /// The files a QEMU command line names in `file=`, `filename=` or
 /// `file.filename=` options.
 fn named_files(command: &[String]) -> impl Iterator<Item = &str> {
@@ -49,7 +72,14 @@ fn named_files(command: &[String]) -> impl Iterator<Item = &str> {
 pub fn create_named(command: &[String], dir: &Path) -> Result<(), String> {
     for name in named_files(command) {
         let path = Path::new(name);
-        if path.parent() == Some(dir) && name.ends_with(".raw") && !path.exists() {
+        if path.parent() != Some(dir) || !name.ends_with(".raw") {
+            continue;
+        }
+        let id = name.rsplit('/').next().unwrap_or(name).trim_end_matches(".raw");
+        if let Some(why) = shared_refusal(id, path) {
+            return Err(why);
+        }
+        if !path.exists() {
             std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
             File::create(path).map_err(|e| format!("{name}: {e}"))?;
         }
@@ -432,6 +462,20 @@ mod tests {
         assert!(e.contains("changed size"), "{e}");
         let r = Replicas::open(&d, &[disk("vda", 8192)], true).unwrap();
         assert!(r.matches(&[disk("vda", 8192)]) && !r.matches(&[disk("vdb", 8192)]));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_replica_beside_a_primary_marker_is_refused() {
+        let d = dir("marker");
+        std::fs::create_dir_all(&d).unwrap();
+        let vda = replica_path(&d, "vda");
+        let cmd = vec!["-drive".to_owned(), format!("file={},format=raw", vda.display())];
+        create_named(&cmd, &d).unwrap();
+        assert!(vda.exists() && shared_refusal("vda", &vda).is_none());
+        std::fs::write(primary_marker(&vda), "hagctl checkpoint on host0\n").unwrap();
+        let e = create_named(&cmd, &d).unwrap_err();
+        assert!(e.contains("disk vda's replica") && e.contains("on host0"), "{e}");
         std::fs::remove_dir_all(&d).unwrap();
     }
 

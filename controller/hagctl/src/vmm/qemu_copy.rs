@@ -259,6 +259,10 @@ impl QemuVm {
         };
         let peer = qemu.qmp().peer_pid()?;
         let pid = super::shared_ram::vm_process(peer, size).map_err(|e| protocol(&qemu, e))?;
+        // A disk written past QEMU's block layer first: its back end also
+        // maps guest RAM, which the checks below would name instead.
+        let disks = DiskEpochs::open(qemu.qmp(), &delta_dir.join(format!("qemu-{pid}")))
+            .map_err(|e| protocol(&qemu, e))?;
         let (ram_map, ram) =
             Mapping::open(pid, size, Some(&path)).map_err(|e| protocol(&qemu, e))?;
         let ram_file = RamFile::of(&ram_map, &ram).map_err(|e| protocol(&qemu, e))?;
@@ -285,8 +289,6 @@ impl QemuVm {
             ));
         }
         let vgpu_uuid = vgpu_of(&mut qemu)?;
-        let disks = DiskEpochs::open(qemu.qmp(), &delta_dir.join(format!("qemu-{pid}")))
-            .map_err(|e| protocol(&qemu, e))?;
         qemu.apply(&ignore_shared(true))?;
         // An epoch's save goes into a pipe: no return path there (a VM
         // that arrived by migration may have it set), nothing that needs

@@ -48,6 +48,8 @@ pub struct Disk {
     pub node: String,
     /// Its virtual size, bytes.
     pub size: u64,
+    /// The image file its writes go to, where QEMU names one.
+    pub image: Option<PathBuf>,
 }
 
 /// Device types whose writes never pass through QEMU's block layer, so
@@ -126,10 +128,16 @@ pub fn writable_disks(query_block: &Value) -> Result<Vec<Disk>, String> {
         if disks.iter().any(|d: &Disk| d.id == id) {
             return Err(format!("two writable disks with device id {id} ({drive})"));
         }
+        let image = inserted
+            .pointer("/image/filename")
+            .and_then(Value::as_str)
+            .filter(|f| f.starts_with('/'))
+            .map(PathBuf::from);
         disks.push(Disk {
             id: id.to_owned(),
             node: node.to_owned(),
             size,
+            image,
         });
     }
     Ok(disks)
@@ -228,6 +236,8 @@ pub struct DiskEpochs {
     /// The next capture must be a full one: no full capture was read
     /// since the session began.
     needs_full: bool,
+    /// The markers left beside the disks' images.
+    markers: Vec<PathBuf>,
     /// For tests: epochs' deltas are read but never sent (a session's
     /// full copy still is).
     pub withheld: bool,
@@ -281,7 +291,7 @@ impl DiskEpochs {
             .execute("query-block", None)
             .map_err(|e| format!("query-block: {e}"))?;
         let disks = writable_disks(&answer)?;
-        let epochs = DiskEpochs {
+        let mut epochs = DiskEpochs {
             disks,
             dir: dir.to_owned(),
             live: Vec::new(),
@@ -290,6 +300,7 @@ impl DiskEpochs {
             ready: None,
             read: None,
             needs_full: true,
+            markers: Vec::new(),
             withheld: false,
         };
         for d in &epochs.disks {
@@ -308,7 +319,31 @@ impl DiskEpochs {
             std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
             epochs.remove_files();
         }
+        epochs.leave_markers();
         Ok(epochs)
+    }
+
+    /// Leaves a marker beside each disk's image, so that a backup that
+    /// would take the image itself for its replica (shared storage)
+    /// refuses to (`crate::replica::shared_refusal`). A directory this
+    /// host cannot write loses only that check.
+    fn leave_markers(&mut self) {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_owned())
+            .unwrap_or_default();
+        for d in &self.disks {
+            let Some(image) = &d.image else { continue };
+            let marker = crate::replica::primary_marker(image);
+            let text = format!(
+                "hagctl checkpoint on {host} (pid {}) protects {} as disk {}\n",
+                std::process::id(),
+                image.display(),
+                d.id
+            );
+            if std::fs::write(&marker, text).is_ok() {
+                self.markers.push(marker);
+            }
+        }
     }
 
     /// The disks.
@@ -614,6 +649,9 @@ impl DiskEpochs {
             }
         }
         self.remove_files();
+        for m in self.markers.drain(..) {
+            let _ = std::fs::remove_file(m);
+        }
     }
 
     fn remove_files(&self) {
@@ -722,7 +760,8 @@ mod tests {
             vec![Disk {
                 id: "vda".into(),
                 node: "disk0".into(),
-                size: 67108864
+                size: 67108864,
+                image: None,
             }]
         );
     }
