@@ -583,8 +583,8 @@ impl<I: Image> Standby<I> {
         };
         for d in disks {
             let path = replica_path(dir, &d.id);
-            if let Some(why) = standby_refusal(command, &d.id, &path)
-                .or_else(|| shared_refusal(&d.id, &path))
+            if let Some(why) =
+                standby_refusal(command, &d.id, &path).or_else(|| shared_refusal(&d.id, &path))
             {
                 return bad(why);
             }

@@ -75,7 +75,11 @@ pub fn create_named(command: &[String], dir: &Path) -> Result<(), String> {
         if path.parent() != Some(dir) || !name.ends_with(".raw") {
             continue;
         }
-        let id = name.rsplit('/').next().unwrap_or(name).trim_end_matches(".raw");
+        let id = name
+            .rsplit('/')
+            .next()
+            .unwrap_or(name)
+            .trim_end_matches(".raw");
         if let Some(why) = shared_refusal(id, path) {
             return Err(why);
         }
@@ -470,12 +474,18 @@ mod tests {
         let d = dir("marker");
         std::fs::create_dir_all(&d).unwrap();
         let vda = replica_path(&d, "vda");
-        let cmd = vec!["-drive".to_owned(), format!("file={},format=raw", vda.display())];
+        let cmd = vec![
+            "-drive".to_owned(),
+            format!("file={},format=raw", vda.display()),
+        ];
         create_named(&cmd, &d).unwrap();
         assert!(vda.exists() && shared_refusal("vda", &vda).is_none());
         std::fs::write(primary_marker(&vda), "hagctl checkpoint on host0\n").unwrap();
         let e = create_named(&cmd, &d).unwrap_err();
-        assert!(e.contains("disk vda's replica") && e.contains("on host0"), "{e}");
+        assert!(
+            e.contains("disk vda's replica") && e.contains("on host0"),
+            "{e}"
+        );
         std::fs::remove_dir_all(&d).unwrap();
     }
 
