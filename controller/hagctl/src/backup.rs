@@ -478,8 +478,8 @@ impl<I: Image> Standby<I> {
                 Ok((Phase::Rounds(at), None))
             }
             (Phase::Rounds(at), Msg::Disks(disks)) => {
-                self.open_disks(&disks)?;
-                Ok((Phase::Rounds(at), None))
+                let sums = self.open_disks(&disks)?;
+                Ok((Phase::Rounds(at), Some(Msg::DiskSums(sums))))
             }
             (
                 Phase::Rounds(at),
@@ -568,8 +568,9 @@ impl<I: Image> Standby<I> {
 
     /// A session names its VM's disks: their replicas are opened (made,
     /// for a first checkpoint). The checkpoint's replicas must be of the
-    /// same disks; the standby QEMU must open every one.
-    fn open_disks(&mut self, disks: &[DiskInfo]) -> Result<(), StandbyError> {
+    /// same disks; the standby QEMU must open every one. Returns what the
+    /// replicas hold, for the primary's first copy to skip.
+    fn open_disks(&mut self, disks: &[DiskInfo]) -> Result<Vec<Vec<[u8; 32]>>, StandbyError> {
         let bad = |s: String| Err(StandbyError::Invalid(s));
         if self.session_disks {
             return bad("DISKS twice in one session".into());
@@ -608,7 +609,11 @@ impl<I: Image> Standby<I> {
             }
         }
         self.session_disks = true;
-        Ok(())
+        let r = self
+            .replicas
+            .as_mut()
+            .ok_or_else(|| StandbyError::Invalid("no replicas".into()))?;
+        r.sums().map_err(StandbyError::Invalid)
     }
 
     /// An epoch's VM state arrived (whole, or rebuilt from a patch).

@@ -939,10 +939,27 @@ impl Primary {
                     self.src.peer.version
                 )));
             }
+            let count = disks.len();
             self.src.send(&Msg::Disks(disks), "sync")?;
+            let held = match read_msg(&mut self.src.stream) {
+                Ok((Msg::DiskSums(held), _)) if held.len() == count => held,
+                Ok((Msg::Error { message }, _)) => {
+                    return Err(EpochError::Link(format!(
+                        "the backup refused the disks: {message}"
+                    )))
+                }
+                Ok((other, _)) => {
+                    return Err(EpochError::Link(format!(
+                        "the backup answered DISKS with {}, expected DISK_SUMS for {count} disk(s)",
+                        other.ty().name()
+                    )))
+                }
+                Err(e) => return Err(EpochError::Link(format!("waiting for DISK_SUMS: {e}"))),
+            };
             // The session's full copy of the disks, taken now (the VM
-            // runs): QEMU copies it while the RAM is pre-copied.
-            self.src.vm.restart_disks();
+            // runs): QEMU copies it while the RAM is pre-copied, and only
+            // chunks the backup does not hold are sent.
+            self.src.vm.restart_disks(held);
             self.src
                 .vm
                 .capture_disks()
@@ -952,10 +969,12 @@ impl Primary {
         let (round, pending, _) = self.src.precopy(&mut rep)?;
         let (_, disk) = self.send_disks()?;
         if disk.data_bytes + disk.zero_bytes > 0 {
+            let mib = |b: u64| b as f64 / f64::from(1 << 20);
             eprintln!(
-                "hagctl: disks copied: {:.1} MiB of data, {:.1} MiB of zeroes",
-                disk.data_bytes as f64 / f64::from(1 << 20),
-                disk.zero_bytes as f64 / f64::from(1 << 20)
+                "hagctl: disks copied: {:.1} MiB of data sent, {:.1} MiB of zeroes, {:.1} MiB already on the backup",
+                mib(disk.data_bytes),
+                mib(disk.zero_bytes),
+                mib(disk.held_bytes)
             );
         }
         self.report.sync_disk_bytes += disk.data_bytes;

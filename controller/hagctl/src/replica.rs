@@ -20,7 +20,9 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::wire::{DiskExtent, DiskInfo};
+use std::collections::BTreeSet;
+
+use crate::wire::{disk_chunk_sum, DiskExtent, DiskInfo, DISK_DATA_MAX, MAX_PAYLOAD};
 
 /// What an offset and length of disk data must be a multiple of (except
 /// at the disk's end).
@@ -113,6 +115,10 @@ struct Replica {
     file: File,
     /// Written since the last sync.
     dirty: bool,
+    /// The sum of each chunk ([`disk_chunk_sum`]), once computed.
+    sums: Option<Vec<[u8; 32]>>,
+    /// Chunks written since their sum was computed.
+    stale: BTreeSet<u64>,
 }
 
 /// An extent of the epoch in progress.
@@ -182,6 +188,8 @@ impl Replicas {
                 path,
                 file,
                 dirty: false,
+                sums: None,
+                stale: BTreeSet::new(),
             });
         }
         Ok(Replicas {
@@ -313,6 +321,41 @@ impl Replicas {
         Ok(done)
     }
 
+    /// What each replica holds, as a sum per [`DISK_DATA_MAX`]-byte chunk,
+    /// for DISK_SUMS: computed once by reading the replica, then kept up
+    /// to date for the chunks epochs write. A replica whose sums would
+    /// not fit in one message gets none (its first copy is sent whole).
+    pub fn sums(&mut self) -> Result<Vec<Vec<[u8; 32]>>, String> {
+        let mut room = MAX_PAYLOAD as usize / 2;
+        let mut out = Vec::with_capacity(self.disks.len());
+        for r in &mut self.disks {
+            let chunks = r.info.size.div_ceil(DISK_DATA_MAX as u64);
+            let bytes = chunks as usize * 32;
+            if bytes > room {
+                out.push(Vec::new());
+                continue;
+            }
+            room -= bytes;
+            let todo: Vec<u64> = match &r.sums {
+                None => (0..chunks).collect(),
+                Some(_) => std::mem::take(&mut r.stale).into_iter().collect(),
+            };
+            let sums = r.sums.get_or_insert_with(|| vec![[0; 32]; chunks as usize]);
+            let mut buf = vec![0u8; DISK_DATA_MAX];
+            for k in todo {
+                let at = k * DISK_DATA_MAX as u64;
+                let n = (r.info.size - at).min(DISK_DATA_MAX as u64) as usize;
+                r.file
+                    .read_exact_at(&mut buf[..n], at)
+                    .map_err(|e| format!("reading {}: {e}", r.path.display()))?;
+                sums[k as usize] = disk_chunk_sum(&buf[..n]);
+            }
+            r.stale.clear();
+            out.push(sums.clone());
+        }
+        Ok(out)
+    }
+
     /// Forgets the epoch in progress (its stream was cut off).
     pub fn drop_staged(&mut self) {
         self.staged.clear();
@@ -337,6 +380,11 @@ fn put(r: &mut Replica, offset: u64, extent: &DiskExtent) -> Result<(), String> 
         DiskExtent::Zero(n) => zero(&r.file, offset, *n).map_err(io)?,
     }
     r.dirty = true;
+    if r.sums.is_some() {
+        let chunk = DISK_DATA_MAX as u64;
+        r.stale
+            .extend(offset / chunk..(offset + extent.bytes()).div_ceil(chunk));
+    }
     Ok(())
 }
 
@@ -432,6 +480,28 @@ mod tests {
         assert_eq!(read(&d, "vda", 512, 512), vec![0; 512]);
         assert_eq!(read(&d, "vda", 1024, 1), [1]);
         assert_eq!(read(&d, "vda", 4096, 1), [0]);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn sums_follow_what_the_replica_holds() {
+        let d = dir("sums");
+        let size = 2 * DISK_DATA_MAX as u64 + 4096;
+        let mut r = Replicas::open(&d, &[disk("vda", size)], true).unwrap();
+        let zero = disk_chunk_sum(&vec![0; DISK_DATA_MAX]);
+        let tail = disk_chunk_sum(&[0; 4096]);
+        assert_eq!(r.sums().unwrap(), vec![vec![zero, zero, tail]]);
+        r.stage(0, DISK_DATA_MAX as u64, DiskExtent::Data(vec![7; 512]))
+            .unwrap();
+        // Staged is not held yet.
+        assert_eq!(r.sums().unwrap()[0][1], zero);
+        r.commit().unwrap();
+        let mut want = vec![0u8; DISK_DATA_MAX];
+        want[..512].fill(7);
+        assert_eq!(
+            r.sums().unwrap(),
+            vec![vec![zero, disk_chunk_sum(&want), tail]]
+        );
         std::fs::remove_dir_all(&d).unwrap();
     }
 

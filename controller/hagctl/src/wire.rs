@@ -187,6 +187,9 @@ pub enum MsgType {
     /// Primary → backup (version 5): bytes (or zeroes) of one disk at an
     /// offset, part of the round or epoch in progress.
     DiskData = 18,
+    /// Backup → primary (version 5), the answer to DISKS: what each
+    /// replica already holds, as a sum per chunk.
+    DiskSums = 19,
 }
 
 impl MsgType {
@@ -212,6 +215,7 @@ impl MsgType {
             16 => VmStateDelta,
             17 => Disks,
             18 => DiskData,
+            19 => DiskSums,
             _ => return None,
         })
     }
@@ -238,6 +242,7 @@ impl MsgType {
             VmStateDelta => "VM_STATE_DELTA",
             Disks => "DISKS",
             DiskData => "DISK_DATA",
+            DiskSums => "DISK_SUMS",
         }
     }
 }
@@ -434,6 +439,10 @@ pub enum Msg {
         /// What is there.
         extent: DiskExtent,
     },
+    /// For each disk of DISKS, in order, the sum of each
+    /// [`DISK_DATA_MAX`]-byte chunk its replica holds
+    /// ([`disk_chunk_sum`]); an empty list: nothing known, send it all.
+    DiskSums(Vec<Vec<[u8; 32]>>),
     /// Restore and resume.
     Commit,
     /// Give up.
@@ -490,6 +499,13 @@ pub fn is_disk_id(id: &str) -> bool {
         && id
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+/// The sum of one chunk of a disk (at most [`DISK_DATA_MAX`] bytes, the
+/// chunk at its offset): BLAKE2b-256, which both sides compute alike.
+pub fn disk_chunk_sum(chunk: &[u8]) -> [u8; 32] {
+    use blake2::{digest::consts::U32, Blake2b, Digest};
+    Blake2b::<U32>::digest(chunk).into()
 }
 
 /// What a DISK_DATA says is at its offset.
@@ -581,6 +597,7 @@ impl Msg {
             Msg::VmStateDelta { .. } => MsgType::VmStateDelta,
             Msg::Disks(_) => MsgType::Disks,
             Msg::DiskData { .. } => MsgType::DiskData,
+            Msg::DiskSums(_) => MsgType::DiskSums,
             Msg::Commit => MsgType::Commit,
             Msg::Abort { .. } => MsgType::Abort,
             Msg::Heartbeat { .. } => MsgType::Heartbeat,
@@ -683,6 +700,13 @@ impl Msg {
                         p.push(1);
                         p.extend_from_slice(b);
                     }
+                }
+            }
+            Msg::DiskSums(disks) => {
+                p.extend_from_slice(&(disks.len() as u32).to_le_bytes());
+                for sums in disks {
+                    p.extend_from_slice(&(sums.len() as u32).to_le_bytes());
+                    sums.iter().for_each(|s| p.extend_from_slice(s));
                 }
             }
             Msg::Commit => {}
@@ -891,6 +915,28 @@ impl Msg {
                     offset,
                     extent,
                 }
+            }
+            MsgType::DiskSums => {
+                let count = c.u32("disk count")? as usize;
+                if count > MAX_DISKS {
+                    return Err(WireError::Malformed {
+                        ty: ty.name(),
+                        what: format!("{count} disks, at most {MAX_DISKS}"),
+                    });
+                }
+                let mut disks = Vec::with_capacity(count);
+                for _ in 0..count {
+                    let n = c.u32("sum count")? as usize;
+                    // Checked against what is left before it is allocated.
+                    let bytes = c.take(n.saturating_mul(32), "sums")?;
+                    disks.push(
+                        bytes
+                            .chunks_exact(32)
+                            .map(|b| b.try_into().unwrap_or([0; 32]))
+                            .collect(),
+                    );
+                }
+                Msg::DiskSums(disks)
             }
             MsgType::Commit => Msg::Commit,
         };
@@ -1618,6 +1664,7 @@ pub(crate) mod tests {
                 offset: 0,
                 extent: DiskExtent::Zero(64 << 20),
             },
+            Msg::DiskSums(vec![vec![[1; 32], [2; 32]], vec![]]),
         ] {
             let frame = encode_frame(&msg);
             let (back, n) = read_msg(&mut &frame[..]).unwrap();
@@ -1637,8 +1684,8 @@ pub(crate) mod tests {
         assert_eq!(MsgType::from_u32(14), Some(MsgType::EpochAck));
         assert_eq!(MsgType::from_u32(15), Some(MsgType::Join));
         assert_eq!(MsgType::from_u32(16), Some(MsgType::VmStateDelta));
-        assert_eq!(MsgType::from_u32(18), Some(MsgType::DiskData));
-        assert_eq!(MsgType::from_u32(19), None);
+        assert_eq!(MsgType::from_u32(19), Some(MsgType::DiskSums));
+        assert_eq!(MsgType::from_u32(20), None);
     }
 
     #[test]

@@ -136,6 +136,10 @@ pub trait CopyVm: Vmm {
     /// The epoch the last delta went into was acknowledged.
     fn disks_acknowledged(&mut self) {}
 
-    /// A new session with the backup: the next disk capture is a full copy.
-    fn restart_disks(&mut self) {}
+    /// A new session with the backup, whose replicas hold what `held`
+    /// sums (DISK_SUMS): the next disk capture is a full copy, which sends
+    /// only the chunks whose sums differ.
+    fn restart_disks(&mut self, held: Vec<Vec<[u8; 32]>>) {
+        let _ = held;
+    }
 }

@@ -635,8 +635,8 @@ impl CopyVm for QemuVm {
         self.disks.acknowledged(self.qemu.qmp());
     }
 
-    fn restart_disks(&mut self) {
-        self.disks.restart(self.qemu.qmp());
+    fn restart_disks(&mut self, held: Vec<Vec<[u8; 32]>>) {
+        self.disks.restart(self.qemu.qmp(), held);
     }
 }
 

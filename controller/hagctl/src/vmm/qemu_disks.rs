@@ -238,6 +238,8 @@ pub struct DiskEpochs {
     needs_full: bool,
     /// The markers left beside the disks' images.
     markers: Vec<PathBuf>,
+    /// What the backup's replicas hold (DISK_SUMS), for the next full copy.
+    held: Vec<Vec<[u8; 32]>>,
     /// For tests: epochs' deltas are read but never sent (a session's
     /// full copy still is).
     pub withheld: bool,
@@ -253,10 +255,12 @@ struct Capture {
 /// What a capture's reading sent.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeltaStats {
-    /// Bytes of data.
+    /// Bytes of data sent.
     pub data_bytes: u64,
     /// Bytes stated as zeroes.
     pub zero_bytes: u64,
+    /// Bytes of a full copy not sent: the backup held them.
+    pub held_bytes: u64,
     /// Milliseconds the backup jobs took after the capture.
     pub job_ms: u64,
 }
@@ -301,6 +305,7 @@ impl DiskEpochs {
             read: None,
             needs_full: true,
             markers: Vec::new(),
+            held: Vec::new(),
             withheld: false,
         };
         for d in &epochs.disks {
@@ -546,32 +551,51 @@ impl DiskEpochs {
         let file = std::fs::File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         // Withheld (a test): read, counted, not sent.
         let send = !self.withheld || cap.full;
+        let held = Some(&self.held)
+            .filter(|_| cap.full)
+            .and_then(|h| h.get(i))
+            .filter(|h| !h.is_empty());
+        let mut filter = ChunkFilter::new(held.map(Vec::as_slice));
+        let mut out = |start: u64, e: Extent| {
+            match &e {
+                Extent::Data(b) => stats.data_bytes += b.len() as u64,
+                Extent::Zero(n) => stats.zero_bytes += n,
+            }
+            if send {
+                sink(i, start, e)
+            } else {
+                Ok(())
+            }
+        };
+        // Pieces of at most a chunk, never across a chunk's end, so that
+        // a full copy is compared chunk by chunk with what the backup
+        // holds.
+        let chunk = EXTENT_MAX as u64;
         for r in ranges {
-            let Some(at) = r.file_offset else {
-                stats.zero_bytes += r.length;
-                if send {
-                    sink(i, r.start, Extent::Zero(r.length))?;
-                }
-                continue;
-            };
             let mut done = 0u64;
             while done < r.length {
-                let n = (r.length - done).min(EXTENT_MAX as u64) as usize;
-                let mut buf = vec![0u8; n];
-                file.read_exact_at(&mut buf, at + done).map_err(|e| {
-                    format!(
-                        "{}: reading {n} bytes at {}: {e}",
-                        path.display(),
-                        at + done
-                    )
-                })?;
-                stats.data_bytes += n as u64;
-                if send {
-                    sink(i, r.start + done, Extent::Data(buf))?;
-                }
-                done += n as u64;
+                let start = r.start + done;
+                let n = (r.length - done).min((start / chunk + 1) * chunk - start);
+                let extent = match r.file_offset {
+                    None => Extent::Zero(n),
+                    Some(at) => {
+                        let mut buf = vec![0u8; n as usize];
+                        file.read_exact_at(&mut buf, at + done).map_err(|e| {
+                            format!(
+                                "{}: reading {n} bytes at {}: {e}",
+                                path.display(),
+                                at + done
+                            )
+                        })?;
+                        Extent::Data(buf)
+                    }
+                };
+                filter.push(start, extent, &mut out)?;
+                done += n;
             }
         }
+        filter.flush(&mut out)?;
+        stats.held_bytes += filter.held_bytes;
         Ok(())
     }
 
@@ -618,9 +642,12 @@ impl DiskEpochs {
         self.live.retain(|n| !covers.contains(n));
     }
 
-    /// A new session (the backup may hold anything): forget every bitmap;
-    /// the next capture is a full one.
-    pub fn restart(&mut self, qmp: &mut Qmp) {
+    /// A new session, with a backup whose replicas hold what `held` sums
+    /// (may be empty: nothing known): forget every bitmap; the next
+    /// capture is a full one, which sends only chunks the backup does not
+    /// hold.
+    pub fn restart(&mut self, qmp: &mut Qmp, held: Vec<Vec<[u8; 32]>>) {
+        self.held = held;
         if let Some(cap) = self.pending.take() {
             self.release(qmp, &cap);
         }
@@ -639,7 +666,7 @@ impl DiskEpochs {
 
     /// Protection ends: nothing of hagctl's stays in QEMU or on disk.
     pub fn close(&mut self, qmp: &mut Qmp) {
-        self.restart(qmp);
+        self.restart(qmp, Vec::new());
         if let Some(seq) = self.ready.take() {
             for i in 0..self.disks.len() {
                 let _ = qmp.execute(
@@ -665,6 +692,66 @@ impl DiskEpochs {
                 let _ = std::fs::remove_file(e.path());
             }
         }
+    }
+}
+
+/// A full copy's pieces, held chunk by chunk: a chunk whose sum is what
+/// the backup already holds there is not sent. Without the backup's sums,
+/// every piece goes straight out.
+struct ChunkFilter<'a> {
+    held: Option<&'a [[u8; 32]]>,
+    index: u64,
+    bytes: Vec<u8>,
+    pieces: Vec<(u64, Extent)>,
+    /// Bytes not sent: the backup held them.
+    held_bytes: u64,
+}
+
+type Out<'a> = dyn FnMut(u64, Extent) -> Result<(), String> + 'a;
+
+impl<'a> ChunkFilter<'a> {
+    fn new(held: Option<&'a [[u8; 32]]>) -> Self {
+        ChunkFilter {
+            held,
+            index: 0,
+            bytes: Vec::new(),
+            pieces: Vec::new(),
+            held_bytes: 0,
+        }
+    }
+
+    /// A piece at `start`, within one chunk.
+    fn push(&mut self, start: u64, e: Extent, out: &mut Out<'_>) -> Result<(), String> {
+        if self.held.is_none() {
+            return out(start, e);
+        }
+        let index = start / EXTENT_MAX as u64;
+        if index != self.index {
+            self.flush(out)?;
+            self.index = index;
+        }
+        match &e {
+            Extent::Data(b) => self.bytes.extend_from_slice(b),
+            Extent::Zero(n) => self.bytes.resize(self.bytes.len() + *n as usize, 0),
+        }
+        self.pieces.push((start, e));
+        Ok(())
+    }
+
+    /// The chunk so far is complete: out, unless the backup holds it.
+    fn flush(&mut self, out: &mut Out<'_>) -> Result<(), String> {
+        let pieces = std::mem::take(&mut self.pieces);
+        let same = self.held.and_then(|h| h.get(self.index as usize))
+            == Some(&crate::wire::disk_chunk_sum(&self.bytes));
+        if same && !pieces.is_empty() {
+            self.held_bytes += self.bytes.len() as u64;
+        } else {
+            for (start, e) in pieces {
+                out(start, e)?;
+            }
+        }
+        self.bytes.clear();
+        Ok(())
     }
 }
 
@@ -890,6 +977,25 @@ mod tests {
         assert_eq!(full.values().map(Extent::bytes).sum::<u64>(), 8 << 20);
         assert!(data >= 128 << 10, "{data}");
         assert!(!epochs.needs_full());
+        // A new session with a backup that holds all of it: a full copy
+        // that sends nothing but the zeroes' ranges.
+        let mut image = vec![0u8; 8 << 20];
+        for (&at, e) in &full {
+            if let Extent::Data(b) = e {
+                image[at as usize..at as usize + b.len()].copy_from_slice(b);
+            }
+        }
+        let held = image
+            .chunks(EXTENT_MAX)
+            .map(crate::wire::disk_chunk_sum)
+            .collect();
+        epochs.restart(&mut qmp, vec![held]);
+        epochs.capture(&mut qmp).unwrap();
+        let stats = epochs.read(&mut qmp, &mut |_, _, _| Ok(())).unwrap();
+        assert_eq!(
+            (stats.data_bytes, stats.zero_bytes, stats.held_bytes),
+            (0, 0, 8 << 20)
+        );
         hmp(&mut qmp, "write -P 0x22 1M 64k");
         hmp(&mut qmp, "write -z 2M 64k");
         epochs.prepare(&mut qmp).unwrap();
