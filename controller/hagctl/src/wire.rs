@@ -569,6 +569,17 @@ impl<'a> Cursor<'a> {
         let b = self.take(16, what)?;
         Ok(u128::from_le_bytes(b.try_into().unwrap_or([0; 16])))
     }
+    /// A count of disks, at most [`MAX_DISKS`].
+    fn disk_count(&mut self) -> Result<usize, WireError> {
+        let count = self.u32("disk count")? as usize;
+        if count > MAX_DISKS {
+            return Err(WireError::Malformed {
+                ty: self.ty,
+                what: format!("{count} disks, at most {MAX_DISKS}"),
+            });
+        }
+        Ok(count)
+    }
     fn end(&self) -> Result<(), WireError> {
         if self.b.is_empty() {
             Ok(())
@@ -864,13 +875,7 @@ impl Msg {
                 });
             }
             MsgType::Disks => {
-                let count = c.u32("disk count")? as usize;
-                if count > MAX_DISKS {
-                    return Err(WireError::Malformed {
-                        ty: ty.name(),
-                        what: format!("{count} disks, at most {MAX_DISKS}"),
-                    });
-                }
+                let count = c.disk_count()?;
                 let mut disks = Vec::with_capacity(count);
                 for i in 0..count {
                     let n = usize::from(c.u8("disk id length")?);
@@ -917,13 +922,7 @@ impl Msg {
                 }
             }
             MsgType::DiskSums => {
-                let count = c.u32("disk count")? as usize;
-                if count > MAX_DISKS {
-                    return Err(WireError::Malformed {
-                        ty: ty.name(),
-                        what: format!("{count} disks, at most {MAX_DISKS}"),
-                    });
-                }
+                let count = c.disk_count()?;
                 let mut disks = Vec::with_capacity(count);
                 for _ in 0..count {
                     let n = c.u32("sum count")? as usize;
