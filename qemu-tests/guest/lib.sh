@@ -228,8 +228,14 @@ SH
 
 # vm_wait_console NAME SECONDS PATTERN: waits for PATTERN on NAME's console.
 vm_wait_console() {
-	wait_for "$2" grep -q "$3" "/tmp/$1.console" ||
-		fail "VM $1: no '$3' on its console after $2 s: $(tail -5 "/tmp/$1.console" 2>/dev/null)"
+	wait_for "$2" grep -q "$3" "/tmp/$1.console" && return 0
+	# A guest whose kernel died: its whole report, reworded so that the
+	# harness does not take it for this host's.
+	if grep -q 'Kernel panic\|Oops\|BUG:' "/tmp/$1.console" 2>/dev/null; then
+		echo "--- VM $1's kernel died; its console's end:"
+		tail -60 "/tmp/$1.console" | guest_oops_quoted
+	fi
+	fail "VM $1: no '$3' on its console after $2 s: $(tail -5 "/tmp/$1.console" 2>/dev/null | guest_oops_quoted)"
 }
 
 # vm_result NAME SECONDS: waits for hag-guest to end (vm-init's
