@@ -24,6 +24,9 @@ packages=(
 	rustc-web rust-web-src cargo-web
 	linux-source-6.12
 	busybox-static qemu-system-x86 python3
+	# qemu-img and qemu-storage-daemon: hagctl reads disk deltas with
+	# qemu-img; the disk scenarios make images and a vhost-user-blk export
+	qemu-utils
 	# real VMs in the test hosts (from bookworm-backports, pinned below)
 	libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients
 	# the evaluation's plots (qemu-tests/eval)
