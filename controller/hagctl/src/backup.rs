@@ -2261,6 +2261,14 @@ mod tests {
         (s, dir)
     }
 
+    /// DISKS' list of one disk.
+    fn disks(id: &str, size: u64) -> Vec<DiskInfo> {
+        vec![DiskInfo {
+            id: id.into(),
+            size,
+        }]
+    }
+
     fn disk_data(offset: u64, fill: u8) -> Msg {
         Msg::DiskData {
             disk: 0,
@@ -2282,10 +2290,7 @@ mod tests {
     #[test]
     fn an_epochs_disk_data_reaches_the_replica_only_at_its_end() {
         let (mut s, dir) = disk_standby("epochs");
-        let vda = vec![DiskInfo {
-            id: "vda".into(),
-            size: 8192,
-        }];
+        let vda = disks("vda", 8192);
         // The first synchronisation writes the replica directly.
         let mut msgs = vec![
             hello(),
@@ -2316,10 +2321,7 @@ mod tests {
         assert_eq!((replica_byte(&dir, 0), replica_byte(&dir, 512)), (2, 1));
         // A resynchronisation stages too (the checkpoint stays valid), and
         // must name the same disks.
-        let other = vec![DiskInfo {
-            id: "vda".into(),
-            size: 4096,
-        }];
+        let other = disks("vda", 4096);
         let err = feed(&mut s, vec![hello(), Msg::Disks(other)]).unwrap_err();
         assert!(err.to_string().contains("checkpoint holds others"), "{err}");
         s.new_session();
@@ -2336,10 +2338,7 @@ mod tests {
     #[test]
     fn disks_are_refused_without_a_standby_that_opens_their_replicas() {
         let (mut s, dir) = disk_standby("refused");
-        let vdb = vec![DiskInfo {
-            id: "vdb".into(),
-            size: 8192,
-        }];
+        let vdb = disks("vdb", 8192);
         let err = feed(&mut s, vec![hello(), Msg::Disks(vdb)]).unwrap_err();
         assert!(
             err.to_string()
@@ -2350,10 +2349,7 @@ mod tests {
         let err = feed(&mut s, vec![hello(), disk_data(0, 1)]).unwrap_err();
         assert!(err.to_string().contains("DISK_DATA before DISKS"), "{err}");
         let mut plain = standby(0);
-        let vda = vec![DiskInfo {
-            id: "vda".into(),
-            size: 8192,
-        }];
+        let vda = disks("vda", 8192);
         let err = feed(&mut plain, vec![hello(), Msg::Disks(vda)]).unwrap_err();
         assert!(
             err.to_string().contains("does not replicate disks"),

@@ -479,7 +479,7 @@ impl DiskEpochs {
         let result = waited.and_then(|()| {
             (0..self.disks.len()).try_for_each(|i| self.read_file(&cap, i, &mut stats, sink))
         });
-        self.release(qmp, &cap);
+        self.forget(qmp, &cap);
         result?;
         if cap.full {
             self.needs_full = false;
@@ -614,6 +614,11 @@ impl DiskEpochs {
     /// Ends a capture's jobs, nodes, merged bitmap and files.
     fn release(&self, qmp: &mut Qmp, cap: &Capture) {
         self.detach(qmp, cap);
+        self.forget(qmp, cap);
+    }
+
+    /// Removes a detached capture's merged bitmap and files.
+    fn forget(&self, qmp: &mut Qmp, cap: &Capture) {
         for (i, d) in self.disks.iter().enumerate() {
             if !cap.full {
                 let _ = qmp.execute(
