@@ -146,7 +146,7 @@ check-userspace: deps
 	cd rust && cargo fmt --check && cargo clippy --all-targets --quiet -- -D warnings && cargo test --quiet
 	cd controller && cargo fmt --check && cargo clippy --all-targets --quiet -- -D warnings && cargo test --quiet
 	# Disk deltas against a real QEMU on this machine (TCG, no guest; a second).
-	cd controller && cargo test --quiet -p hagctl qemu_disk_deltas -- --ignored
+	cd controller && cargo test --quiet -p hagctl qemu_disk_ -- --ignored
 	qemu-tests/guest/client_check.py --self-test
 
 # The auditor's fuzz target, bounded (FUZZ_SECONDS, default 60).

@@ -380,6 +380,17 @@ Every line of stdout is flushed as soon as it is printed.")]
         /// --qmp: cancel a migration still running after SECONDS
         #[arg(long, value_name = "SECONDS", conflicts_with = "vm", value_parser = parse_seconds)]
         timeout: Option<Duration>,
+        /// --qmp: copy the VM's local disks too: mirror each writable disk
+        /// to the target's NBD export of the same name (hagctl receive
+        /// --copy-storage) before migrating, as virsh migrate
+        /// --copy-storage-all does
+        #[arg(long, conflicts_with = "vm")]
+        copy_storage: bool,
+        /// --copy-storage: where the target serves the disks over NBD
+        /// (default: the --to host, port 10809)
+        #[arg(long, value_name = "HOST:PORT", requires = "copy_storage",
+              value_parser = vmm::MigrationAddress::parse_tcp)]
+        nbd: Option<vmm::MigrationAddress>,
         /// Print the report as one JSON object (--qmp: progress too, as
         /// JSON lines on stderr)
         #[arg(long)]
@@ -652,6 +663,17 @@ the VM's status. If the primary ends protection (its VM finished), it exits
         /// instead of ending it
         #[arg(long, conflicts_with = "vm")]
         keep_failed: bool,
+        /// --qmp: receive the VM's local disks too: serve each writable disk
+        /// over NBD for the source's mirrors (hagctl migrate
+        /// --copy-storage), and resume the VM once the source let go of
+        /// them (QEMU must be started with -S -incoming defer)
+        #[arg(long, conflicts_with = "vm")]
+        copy_storage: bool,
+        /// --copy-storage: where to serve the disks over NBD (default: the
+        /// --listen address, port 10809)
+        #[arg(long, value_name = "HOST:PORT", requires = "copy_storage",
+              value_parser = vmm::MigrationAddress::parse_tcp)]
+        nbd: Option<vmm::MigrationAddress>,
         /// Print one JSON object instead of text
         #[arg(long)]
         json: bool,
@@ -744,11 +766,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             parameter,
             keep_source,
             timeout,
+            copy_storage,
+            nbd,
             json,
         } => match (vm, qmp) {
             (_, Some(qmp)) => {
+                let to = vmm::MigrationAddress::parse_tcp(&to).map_err(anyhow::Error::msg)?;
                 let opts = vmm_migrate::VmmMigrateOptions {
-                    to: vmm::MigrationAddress::parse_tcp(&to).map_err(anyhow::Error::msg)?,
+                    copy_storage: copy_storage.then(|| vmm::qemu_storage::nbd_address(nbd, &to)),
+                    to,
                     settings: vmm::MigrationSettings {
                         downtime_limit_ms: Some(max_downtime),
                         max_bandwidth: bandwidth,
@@ -932,13 +958,18 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             capability,
             parameter,
             keep_failed,
+            copy_storage,
+            nbd,
             key,
             json,
         } => match (vm, qmp) {
             (_, Some(qmp)) => {
+                let listen =
+                    vmm::MigrationAddress::parse_tcp(&listen).map_err(anyhow::Error::msg)?;
                 let opts = vmm_migrate::VmmReceiveOptions {
-                    listen: vmm::MigrationAddress::parse_tcp(&listen)
-                        .map_err(anyhow::Error::msg)?,
+                    copy_storage: copy_storage
+                        .then(|| vmm::qemu_storage::nbd_address(nbd, &listen)),
+                    listen,
                     settings: vmm::MigrationSettings {
                         capabilities: capability,
                         parameters: parameter,

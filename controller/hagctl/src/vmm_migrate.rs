@@ -16,6 +16,15 @@
 //! The target side has a VMM that waits for a migration (QEMU `-incoming
 //! defer`) listen, and waits for it to complete and the VM to run; a
 //! failure is QEMU's own message.
+//!
+//! With `--copy-storage` the VM's local disks move too (see
+//! [`crate::vmm::qemu_storage`]): the target serves its disks over NBD
+//! before it listens; the source mirrors each disk there and starts the
+//! migration only once every mirror is ready; after the migration
+//! completed it completes the mirrors (the source staying on its own
+//! disks) and lets go of the exports, and only then does the target
+//! resume the VM. Before completion, any failure cancels the mirrors: the
+//! source VM runs on, on its own disks.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -24,7 +33,9 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail};
 use serde::Serialize;
 
-use crate::vmm::{Feature, MigrationAddress, MigrationInfo, MigrationSettings, RunKind, Vmm};
+use crate::vmm::{
+    DiskCopy, Feature, MigrationAddress, MigrationInfo, MigrationSettings, RunKind, RunState, Vmm,
+};
 
 /// How often the watch loops ask the VMM.
 const POLL: Duration = Duration::from_millis(100);
@@ -208,6 +219,44 @@ impl Progress {
     }
 }
 
+/// A mirror progress line: each disk's copy (`--copy-storage`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct MirrorProgress {
+    /// Since hagctl started, ms.
+    pub elapsed_ms: u64,
+    /// Each disk's mirror.
+    pub mirror: Vec<DiskCopy>,
+}
+
+impl MirrorProgress {
+    /// One line: `mirror at 1.2 s: vda 2.0 MiB of 8.0 MiB (running), …`.
+    pub fn text(&self) -> String {
+        let disks: Vec<String> = self
+            .mirror
+            .iter()
+            .map(|c| {
+                format!(
+                    "{} {} of {} ({})",
+                    c.disk,
+                    fmt_bytes(c.copied),
+                    fmt_bytes(c.total),
+                    c.status
+                )
+            })
+            .collect();
+        format!(
+            "mirror at {:.1} s: {}",
+            self.elapsed_ms as f64 / 1e3,
+            disks.join(", ")
+        )
+    }
+
+    /// One JSON object, one line.
+    pub fn json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+}
+
 /// What became of the source VM after a completed migration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -261,6 +310,10 @@ pub struct VmmMigrationReport {
     pub attempts: u32,
     /// What became of the source VM.
     pub source: Option<SourceOutcome>,
+    /// `--copy-storage`: each disk's mirror as it was when the migration
+    /// started (all `ready`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<DiskCopy>,
 }
 
 fn opt_ms(v: Option<u64>) -> String {
@@ -293,6 +346,7 @@ impl VmmMigrationReport {
                 .collect(),
             attempts: 1,
             source: None,
+            disks: Vec::new(),
         }
     }
 
@@ -328,6 +382,14 @@ impl VmmMigrationReport {
         }
         if self.attempts > 1 {
             details.push(format!("{} attempts", self.attempts));
+        }
+        if !self.disks.is_empty() {
+            let disks: Vec<String> = self
+                .disks
+                .iter()
+                .map(|c| format!("{} ({})", c.disk, fmt_bytes(c.total)))
+                .collect();
+            details.push(format!("disks mirrored over NBD: {}", disks.join(", ")));
         }
         if !details.is_empty() {
             s += &format!("  {}\n", details.join(", "));
@@ -366,6 +428,9 @@ pub struct VmmMigrateOptions {
     pub json: bool,
     /// Time between progress lines.
     pub progress_every: Duration,
+    /// `--copy-storage`: mirror the VM's writable disks to the target's
+    /// NBD exports at this address first.
+    pub copy_storage: Option<MigrationAddress>,
 }
 
 /// Blocks SIGINT and SIGTERM in this thread (call it before any other
@@ -464,37 +529,51 @@ pub fn migrate(
     }
     let return_path = settings.capability("return-path") == Some(true);
     let start = Instant::now();
-    let mut attempts = 0u32;
-    let end = loop {
-        if attempts == 0 && stop.load(Ordering::SeqCst) {
+    let mut disks = Vec::new();
+    if let Some(nbd) = &opts.copy_storage {
+        if !vm.supports(Feature::CopyStorage) {
+            return Err(vm.unsupported(Feature::CopyStorage).into());
+        }
+        if stop.load(Ordering::SeqCst) {
             bail!("interrupted before the migration started; {name} was not touched");
         }
-        attempts += 1;
-        if let Err(e) = vm.start_migration(&opts.to, &settings) {
-            match e.qemu_desc() {
-                Some(desc) => bail!("{name} refused to start the migration: {desc}"),
-                None => return Err(e.into()),
-            }
-        }
-        if attempts == 1 {
-            eprintln!("hagctl: {name} migrates to {} (state {state})", opts.to);
-        }
-        let end = watch(vm, opts, stop, start)?;
-        match &end {
-            End::Failed(info)
-                if refused(info)
-                    && start.elapsed() < opts.connect_timeout
-                    && !stop.load(Ordering::SeqCst) =>
-            {
-                std::thread::sleep(Duration::from_millis(250));
-            }
-            _ => break end,
+        disks = mirror_disks(vm, nbd, opts, stop, start)?;
+    }
+    let copying = opts.copy_storage.is_some();
+    let (end, attempts) = match run_migration(vm, opts, stop, &settings, &state, start) {
+        Ok(done) => done,
+        Err(e) if copying => bail!("{e:#}; {}", abort_mirrors(vm)),
+        Err(e) => return Err(e),
+    };
+    // Before the migration completed, a failure leaves the source on its
+    // own disks: the mirrors are cancelled.
+    let mirrors_note = |vm: &mut dyn Vmm| {
+        if copying {
+            format!("; {}", abort_mirrors(vm))
+        } else {
+            String::new()
         }
     };
     match end {
         End::Completed(info) => {
+            if copying {
+                vm.finish_disk_copy().map_err(|e| {
+                    anyhow!(
+                        "the migration to {} completed, but completing the disks' mirrors failed: \
+                         {e}; the source QEMU is paused (postmigrate) on its own disks, and the \
+                         target waits, paused, until its NBD exports are let go: check its disks \
+                         before resuming it there, and never resume both",
+                        opts.to
+                    )
+                })?;
+                eprintln!(
+                    "hagctl: every mirror completed (block-job-cancel: the source stays on its \
+                     own disks) and the NBD nodes are deleted: the target may resume the VM"
+                );
+            }
             let mut report = VmmMigrationReport::new(&opts.to.to_string(), &name, &info, &settings);
             report.attempts = attempts;
+            report.disks = disks;
             report.source = Some(if !return_path {
                 eprintln!(
                     "hagctl: warning: return-path is off: QEMU cannot know whether the target \
@@ -518,6 +597,7 @@ pub fn migrate(
             Ok(report)
         }
         End::Failed(info) => {
+            let mirrors = mirrors_note(vm);
             let why = info
                 .error
                 .clone()
@@ -531,12 +611,13 @@ pub fn migrate(
                 ""
             };
             bail!(
-                "the migration to {} failed: QEMU: {why}{hint}; {}",
+                "the migration to {} failed: QEMU: {why}{hint}; {}{mirrors}",
                 opts.to,
                 source_after(vm, &state.name)
             )
         }
         End::Cancelled => {
+            let mirrors = mirrors_note(vm);
             let by = if stop.load(Ordering::SeqCst) {
                 "cancelled on a signal".to_owned()
             } else if opts.timeout.is_some_and(|t| start.elapsed() >= t) {
@@ -548,11 +629,128 @@ pub fn migrate(
                 "cancelled by another QMP client".to_owned()
             };
             bail!(
-                "the migration to {} was {by} (migrate_cancel); {}",
+                "the migration to {} was {by} (migrate_cancel); {}{mirrors}",
                 opts.to,
                 source_after(vm, &state.name)
             )
         }
+    }
+}
+
+/// Starts the migration (retrying a refused connection for
+/// `--connect-timeout`) and watches it to its end; returns how it ended
+/// and the attempts.
+fn run_migration(
+    vm: &mut dyn Vmm,
+    opts: &VmmMigrateOptions,
+    stop: &AtomicBool,
+    settings: &MigrationSettings,
+    state: &RunState,
+    start: Instant,
+) -> anyhow::Result<(End, u32)> {
+    let name = vm.describe();
+    let mut attempts = 0u32;
+    loop {
+        if attempts == 0 && stop.load(Ordering::SeqCst) {
+            bail!("interrupted before the migration started; {name} was not migrated");
+        }
+
+        attempts += 1;
+        if let Err(e) = vm.start_migration(&opts.to, settings) {
+            match e.qemu_desc() {
+                Some(desc) => bail!("{name} refused to start the migration: {desc}"),
+                None => return Err(e.into()),
+            }
+        }
+        if attempts == 1 {
+            eprintln!("hagctl: {name} migrates to {} (state {state})", opts.to);
+        }
+        let end = watch(vm, opts, stop, start)?;
+        match &end {
+            End::Failed(info)
+                if refused(info)
+                    && start.elapsed() < opts.connect_timeout
+                    && !stop.load(Ordering::SeqCst) =>
+            {
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            _ => return Ok((end, attempts)),
+        }
+    }
+}
+
+/// `--copy-storage`: starts a mirror of each writable disk to the
+/// target's NBD exports at `nbd` and waits until every one is ready,
+/// printing progress. On a failure, a signal or `--timeout`, cancels the
+/// mirrors and says so.
+fn mirror_disks(
+    vm: &mut dyn Vmm,
+    nbd: &MigrationAddress,
+    opts: &VmmMigrateOptions,
+    stop: &AtomicBool,
+    start: Instant,
+) -> anyhow::Result<Vec<DiskCopy>> {
+    let name = vm.describe();
+    let disks = vm
+        .start_disk_copy(nbd, opts.connect_timeout)
+        .map_err(|e| anyhow!("{e}; nothing is mirrored: the source VM runs on its own disks"))?;
+    if disks.is_empty() {
+        eprintln!("hagctl: {name} has no writable disk: nothing to mirror");
+        return Ok(Vec::new());
+    }
+    eprintln!(
+        "hagctl: {name} mirrors disk {} to the NBD exports at {nbd}",
+        disks.join(", ")
+    );
+    let mut last_progress = Instant::now();
+    loop {
+        let failure = if stop.load(Ordering::SeqCst) {
+            Some("interrupted while mirroring the disks, before the migration started".to_owned())
+        } else if opts.timeout.is_some_and(|t| start.elapsed() >= t) {
+            Some(format!(
+                "--timeout {} s passed while mirroring the disks, before the migration started",
+                opts.timeout.unwrap_or_default().as_secs_f64()
+            ))
+        } else {
+            match vm.disk_copy_progress() {
+                Ok(copies) => {
+                    let p = MirrorProgress {
+                        elapsed_ms: start.elapsed().as_millis() as u64,
+                        mirror: copies,
+                    };
+                    let ready = p.mirror.iter().all(DiskCopy::is_ready);
+                    if ready || last_progress.elapsed() >= opts.progress_every {
+                        last_progress = Instant::now();
+                        eprintln!("{}", if opts.json { p.json() } else { p.text() });
+                    }
+                    if ready {
+                        eprintln!("hagctl: every mirror is ready: starting the migration");
+                        return Ok(p.mirror);
+                    }
+                    None
+                }
+                Err(e) => Some(format!("{e}")),
+            }
+        };
+        if let Some(why) = failure {
+            bail!("{why}; {}", abort_mirrors(vm));
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+/// Cancels the mirrors and says how that went.
+fn abort_mirrors(vm: &mut dyn Vmm) -> String {
+    match vm.abort_disk_copy() {
+        Ok(()) => {
+            "the mirrors were cancelled and their NBD nodes deleted: the source VM keeps its \
+                   own disks"
+                .to_owned()
+        }
+        Err(e) => format!(
+            "cancelling the mirrors failed: {e} (query-jobs and query-named-block-nodes show what \
+             is left); the source VM keeps its own disks"
+        ),
     }
 }
 
@@ -618,6 +816,10 @@ pub struct VmmReceiveOptions {
     pub cont: bool,
     /// Leave a failed incoming VMM running instead of ending it.
     pub keep_failed: bool,
+    /// `--copy-storage`: serve the VM's writable disks over NBD at this
+    /// address for the source's mirrors, and resume the VM once the source
+    /// let go of them.
+    pub copy_storage: Option<MigrationAddress>,
 }
 
 /// What `hagctl receive --qmp` reports.
@@ -640,19 +842,28 @@ pub struct VmmReceiveReport {
     pub transfer_ms: Option<u64>,
     /// From listening to the VM running, ms.
     pub running_ms: u64,
+    /// `--copy-storage`: the disks served over NBD for the source's
+    /// mirrors (their device ids).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<String>,
 }
 
 impl VmmReceiveReport {
     /// The text form, one line.
     pub fn text(&self) -> String {
         format!(
-            "received on {} by {}: migration {} {:.1} s after listening{}, VM {} here{}\n",
+            "received on {} by {}: migration {} {:.1} s after listening{}{}, VM {} here{}\n",
             self.listen,
             self.vmm,
             self.status,
             self.waited_ms as f64 / 1e3,
             self.transfer_ms
                 .map_or_else(String::new, |t| format!(" ({t} ms after the source began)")),
+            if self.disks.is_empty() {
+                String::new()
+            } else {
+                format!(", disks {} mirrored here over NBD", self.disks.join(", "))
+            },
             self.run_state,
             if self.resumed {
                 " (resumed by hagctl)"
@@ -690,7 +901,15 @@ pub fn receive(vm: &mut dyn Vmm, opts: &VmmReceiveOptions) -> anyhow::Result<Vmm
             }
         );
     }
+    let copying = opts.copy_storage.is_some();
+    let mut disks = Vec::new();
+    if let Some(nbd) = &opts.copy_storage {
+        disks = export_disks(vm, nbd)?;
+    }
     if let Err(e) = vm.start_incoming(&opts.listen, &opts.settings) {
+        if copying {
+            let _ = vm.unexport_disks(true);
+        }
         match e.qemu_desc() {
             Some(desc) => bail!("{name} cannot listen on {}: {desc}", opts.listen),
             None => return Err(e.into()),
@@ -719,6 +938,9 @@ pub fn receive(vm: &mut dyn Vmm, opts: &VmmReceiveOptions) -> anyhow::Result<Vmm
             "completed" => break info,
             "failed" | "cancelled" => {
                 let why = info.error.unwrap_or_else(|| "QEMU gave no reason".into());
+                if copying {
+                    let _ = vm.unexport_disks(true);
+                }
                 let discarded = if opts.keep_failed {
                     "the incoming QEMU is left as it is (--keep-failed)".to_owned()
                 } else {
@@ -749,13 +971,36 @@ pub fn receive(vm: &mut dyn Vmm, opts: &VmmReceiveOptions) -> anyhow::Result<Vmm
         std::thread::sleep(POLL);
     };
     let completed_at = Instant::now();
+    if copying {
+        // The source completes its mirrors only now: until it let go of
+        // every export the disks may still change, so the VM stays paused.
+        loop {
+            let busy = vm.unexport_disks(false).map_err(gone)?;
+            if busy.is_empty() {
+                break;
+            }
+            if left(start).is_some_and(|l| l.is_zero()) {
+                bail!(
+                    "the migration on {listen} completed, but the source still uses the NBD \
+                     export of disk {} (its mirror has not ended) after {:.1} s; the VM here \
+                     stays paused: resume it (QMP cont) only once the source QEMU has ended",
+                    busy.join(", "),
+                    opts.timeout.unwrap_or_default().as_secs_f64()
+                );
+            }
+            std::thread::sleep(POLL);
+        }
+        if !disks.is_empty() {
+            eprintln!("hagctl: the source let go of every NBD export; the NBD server is stopped");
+        }
+    }
     let mut resumed = false;
     let run = loop {
         let s = vm.run_state().map_err(gone)?;
         if s.is_running() {
             break s;
         }
-        if s.kind == RunKind::Paused && opts.cont && !resumed {
+        if s.kind == RunKind::Paused && (opts.cont || copying) && !resumed {
             vm.resume()?;
             resumed = true;
             continue;
@@ -777,13 +1022,44 @@ pub fn receive(vm: &mut dyn Vmm, opts: &VmmReceiveOptions) -> anyhow::Result<Vmm
         waited_ms: (completed_at - start).as_millis() as u64,
         transfer_ms: active_at.map(|a| (completed_at - a).as_millis() as u64),
         running_ms: start.elapsed().as_millis() as u64,
+        disks,
     })
+}
+
+/// `--copy-storage` on the target: checks that the VM will not run before
+/// told (QEMU `-S`), then serves its writable disks over NBD at `nbd`.
+fn export_disks(vm: &mut dyn Vmm, nbd: &MigrationAddress) -> anyhow::Result<Vec<String>> {
+    let name = vm.describe();
+    if !vm.supports(Feature::CopyStorage) {
+        return Err(vm.unsupported(Feature::CopyStorage).into());
+    }
+    match vm.starts_paused() {
+        Ok(true) => {}
+        Ok(false) => bail!(
+            "{name} was not started with -S: with --copy-storage it would run the VM the moment \
+             its RAM arrived, before the source finished mirroring the disks; start it with -S \
+             -incoming defer"
+        ),
+        Err(e) => bail!("{e}; --copy-storage needs a QEMU started with -S -incoming defer"),
+    }
+    let disks = vm.export_disks(nbd).map_err(|e| {
+        anyhow!("{e}; nothing is exported and no migration is awaited: QEMU is left as it is")
+    })?;
+    if disks.is_empty() {
+        eprintln!("hagctl: {name} has no writable disk: nothing to receive over NBD");
+    } else {
+        eprintln!(
+            "hagctl: {name} serves disk {} as NBD exports on {nbd}",
+            disks.join(", ")
+        );
+    }
+    Ok(disks)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::vmm::{RamProgress, RunState, VmmError};
+    use crate::vmm::{RamProgress, VmmError};
     use std::collections::VecDeque;
 
     #[test]
@@ -980,6 +1256,7 @@ mod tests {
             waited_ms: 1234,
             transfer_ms: Some(48),
             running_ms: 1240,
+            disks: Vec::new(),
         };
         assert_eq!(
             r.text(),
@@ -1082,6 +1359,7 @@ mod tests {
             timeout: None,
             json: false,
             progress_every: Duration::from_secs(1),
+            copy_storage: None,
         }
     }
 
@@ -1207,5 +1485,152 @@ mod tests {
             "{e}"
         );
         assert!(vm.calls.is_empty());
+    }
+
+    /// A free TCP port on 127.0.0.1 (free when this returns).
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    /// `--copy-storage` between two real QEMU 10 processes on this
+    /// machine (TCG, no guest): a source with data on its qcow2 disk and
+    /// an empty CD-ROM, a target with an empty qcow2 of the same size
+    /// started with `-S -incoming defer`. Afterwards the source QEMU is
+    /// gone, the target runs, and the two images hold the same data.
+    /// `cargo test -p hagctl qemu_disk_copy_storage -- --ignored`.
+    #[test]
+    #[ignore]
+    fn qemu_disk_copy_storage() {
+        use crate::vmm::qemu::Qemu;
+        use std::process::{Child, Command, Stdio};
+        let dir = std::env::temp_dir().join(format!("hag-copy-storage-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let img = |name: &str| dir.join(name);
+        let run = |cmd: &mut Command| {
+            let out = cmd.output().unwrap();
+            assert!(out.status.success(), "{cmd:?}: {out:?}");
+        };
+        for name in ["src.qcow2", "dst.qcow2"] {
+            run(Command::new("qemu-img")
+                .args(["create", "-q", "-f", "qcow2"])
+                .arg(img(name))
+                .arg("8M"));
+        }
+        run(Command::new("qemu-io")
+            .args([
+                "-f",
+                "qcow2",
+                "-c",
+                "write -P 0x5a 0 1M",
+                "-c",
+                "write -P 0xa5 3M 512k",
+            ])
+            .arg(img("src.qcow2")));
+        struct Kill(Child);
+        impl Drop for Kill {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let qemu = |image: &str, qmp: &str, extra: &[&str]| {
+            Kill(
+                Command::new("qemu-system-x86_64")
+                    .args(["-accel", "tcg", "-machine", "q35", "-nodefaults"])
+                    .args(["-display", "none", "-m", "64"])
+                    .arg("-blockdev")
+                    .arg(format!(
+                        "driver=file,filename={},node-name=f0",
+                        img(image).display()
+                    ))
+                    .args(["-blockdev", "driver=qcow2,file=f0,node-name=d0"])
+                    .args(["-device", "virtio-blk-pci,drive=d0,id=vda"])
+                    // An empty CD-ROM: nothing to mirror.
+                    .args(["-device", "ide-cd,bus=ide.1,id=cd0"])
+                    .arg("-qmp")
+                    .arg(format!("unix:{},server=on,wait=off", img(qmp).display()))
+                    .args(extra)
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .spawn()
+                    .unwrap(),
+            )
+        };
+        let connect = |qmp: &str| {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                match Qemu::connect(&img(qmp), Duration::from_secs(10)) {
+                    Ok(q) => break q,
+                    Err(_) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(50))
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        };
+        let mut src = qemu("src.qcow2", "src.qmp", &[]);
+        let mut dst = qemu("dst.qcow2", "dst.qmp", &["-S", "-incoming", "defer"]);
+        let (mport, nport) = (free_port(), free_port());
+        let listen = MigrationAddress::parse_tcp(&format!("127.0.0.1:{mport}")).unwrap();
+        let nbd = MigrationAddress::parse_tcp(&format!("127.0.0.1:{nport}")).unwrap();
+        let mut target = connect("dst.qmp");
+        let ropts = VmmReceiveOptions {
+            listen: listen.clone(),
+            settings: MigrationSettings::default(),
+            timeout: Some(Duration::from_secs(60)),
+            cont: false,
+            keep_failed: false,
+            copy_storage: Some(nbd.clone()),
+        };
+        let receiver = std::thread::spawn(move || {
+            let r = receive(&mut target, &ropts);
+            (r, target)
+        });
+        let mut source = connect("src.qmp");
+        let opts = VmmMigrateOptions {
+            to: listen,
+            timeout: Some(Duration::from_secs(60)),
+            connect_timeout: Duration::from_secs(20),
+            copy_storage: Some(nbd),
+            ..opts()
+        };
+        let stop = AtomicBool::new(false);
+        let report = migrate(&mut source, &opts, &stop);
+        let (received, mut target) = receiver.join().unwrap();
+        let report = report.unwrap();
+        let received = received.unwrap();
+        eprint!("{}{}", report.text(), received.text());
+        assert_eq!(report.source, Some(SourceOutcome::Quit));
+        assert_eq!(report.disks.len(), 1);
+        assert_eq!(
+            (report.disks[0].disk.as_str(), report.disks[0].total),
+            ("vda", 8 << 20)
+        );
+        assert_eq!(received.disks, ["vda"]);
+        assert!(received.resumed);
+        assert!(target.run_state().unwrap().is_running());
+        let ended = |qemu: &mut Kill| {
+            let t = Instant::now();
+            while qemu.0.try_wait().unwrap().is_none() {
+                if t.elapsed() > Duration::from_secs(10) {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            true
+        };
+        assert!(ended(&mut src), "the source QEMU runs on");
+        target.quit().unwrap();
+        assert!(ended(&mut dst), "the target QEMU runs on");
+        run(Command::new("qemu-img")
+            .arg("compare")
+            .arg(img("src.qcow2"))
+            .arg(img("dst.qcow2")));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

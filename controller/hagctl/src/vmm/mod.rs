@@ -24,6 +24,7 @@ pub mod qemu;
 pub mod qemu_copy;
 pub mod qemu_disks;
 pub mod qemu_standby;
+pub mod qemu_storage;
 pub mod qmp;
 pub mod shared_ram;
 
@@ -56,6 +57,12 @@ pub enum Feature {
     /// [`Vmm::start_incoming`] (and [`Vmm::migration_info`] on the
     /// target): the VMM receives a migration itself.
     Incoming,
+    /// [`Vmm::start_disk_copy`], [`Vmm::disk_copy_progress`],
+    /// [`Vmm::finish_disk_copy`], [`Vmm::abort_disk_copy`] on the source,
+    /// [`Vmm::starts_paused`], [`Vmm::export_disks`],
+    /// [`Vmm::unexport_disks`] on the target: the VMM copies the VM's
+    /// local disks along with its migration.
+    CopyStorage,
 }
 
 impl Feature {
@@ -71,6 +78,7 @@ impl Feature {
             Feature::CpuDirtyLog => "hand over the CPU dirty log",
             Feature::Migrate => "migrate the VM itself",
             Feature::Incoming => "receive a migration itself",
+            Feature::CopyStorage => "copy the VM's local disks with its migration",
         }
     }
 }
@@ -291,6 +299,33 @@ impl MigrationInfo {
     }
 }
 
+/// One disk's copy to the target (QEMU: a `mirror` job, `query-jobs`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DiskCopy {
+    /// The disk's device id (`vda`): also its NBD export's name.
+    pub disk: String,
+    /// The job's id (`hag-mirror-vda`).
+    pub job: String,
+    /// The job's status (QEMU's: `created`, `running`, `ready`,
+    /// `concluded`, …).
+    pub status: String,
+    /// Bytes copied so far (QEMU's `current-progress`).
+    pub copied: u64,
+    /// Bytes to copy in all, as known now (QEMU's `total-progress`: it
+    /// grows as the guest writes).
+    pub total: u64,
+    /// Why the job failed, if it did.
+    pub error: Option<String>,
+}
+
+impl DiskCopy {
+    /// Source and target are in sync, and every guest write goes to both
+    /// (QEMU: the mirror is `ready`).
+    pub fn is_ready(&self) -> bool {
+        self.status == "ready"
+    }
+}
+
 /// Why a VMM call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum VmmError {
@@ -484,6 +519,62 @@ pub trait Vmm {
     /// (it may still complete: watch [`Vmm::migration_info`]).
     fn cancel_migration(&mut self) -> Result<(), VmmError> {
         Err(self.unsupported(Feature::Migrate))
+    }
+
+    /// Source, before [`Vmm::start_migration`]: starts copying each
+    /// writable disk to the target's export of the same name at `nbd`
+    /// (retrying a refused connection for `connect_timeout`); returns the
+    /// disks' ids once every copy has begun. On failure nothing of it is
+    /// left and the VM runs on its own disks.
+    fn start_disk_copy(
+        &mut self,
+        nbd: &MigrationAddress,
+        connect_timeout: std::time::Duration,
+    ) -> Result<Vec<String>, VmmError> {
+        let _ = (nbd, connect_timeout);
+        Err(self.unsupported(Feature::CopyStorage))
+    }
+
+    /// Source: each disk copy's progress. A copy that failed is an error
+    /// naming the disk.
+    fn disk_copy_progress(&mut self) -> Result<Vec<DiskCopy>, VmmError> {
+        Err(self.unsupported(Feature::CopyStorage))
+    }
+
+    /// Source, after the migration completed (the VM paused here): ends
+    /// each copy with the target holding what the source holds, the VM
+    /// staying on its own disks here, and lets go of the target's
+    /// exports.
+    fn finish_disk_copy(&mut self) -> Result<(), VmmError> {
+        Err(self.unsupported(Feature::CopyStorage))
+    }
+
+    /// Source, on any failure before the migration completed: cancels the
+    /// copies and lets go of the target's exports; the VM keeps its own
+    /// disks. Does nothing if no copy was started.
+    fn abort_disk_copy(&mut self) -> Result<(), VmmError> {
+        Err(self.unsupported(Feature::CopyStorage))
+    }
+
+    /// Target: whether the VMM keeps the VM paused once its migration
+    /// arrived (QEMU: started with `-S`), so that it runs only when told.
+    fn starts_paused(&mut self) -> Result<bool, VmmError> {
+        Err(self.unsupported(Feature::CopyStorage))
+    }
+
+    /// Target, before [`Vmm::start_incoming`]: serves each writable disk,
+    /// writable, at `nbd` under its device id; returns the ids.
+    fn export_disks(&mut self, nbd: &MigrationAddress) -> Result<Vec<String>, VmmError> {
+        let _ = nbd;
+        Err(self.unsupported(Feature::CopyStorage))
+    }
+
+    /// Target: removes each export no client uses any more and, once none
+    /// is left, stops serving; returns the ids still in use (empty: all
+    /// done). `force` removes them whatever uses them (after a failure).
+    fn unexport_disks(&mut self, force: bool) -> Result<Vec<String>, VmmError> {
+        let _ = force;
+        Err(self.unsupported(Feature::CopyStorage))
     }
 }
 

@@ -16,10 +16,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
+use super::qemu_storage::{started_paused, Exports, Mirrors};
 use super::qmp::{QemuVersion, Qmp};
 use super::{
-    Feature, MigrationAddress, MigrationInfo, MigrationSettings, RamProgress, RunKind, RunState,
-    SavedState, Vmm, VmmError,
+    DiskCopy, Feature, MigrationAddress, MigrationInfo, MigrationSettings, RamProgress, RunKind,
+    RunState, SavedState, Vmm, VmmError,
 };
 
 /// The oldest QEMU whose `migrate-incoming` takes `exit-on-error`.
@@ -40,6 +41,10 @@ const SAVE_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct Qemu {
     qmp: Qmp,
     saves: u64,
+    /// `--copy-storage` on the source: the disks' mirrors.
+    mirrors: Option<Mirrors>,
+    /// `--copy-storage` on the target: the disks' NBD exports.
+    exports: Option<Exports>,
 }
 
 /// Whether a QEMU VM that no longer answers or runs has crashed: what
@@ -188,7 +193,12 @@ impl Qemu {
 
     /// The driver over a QMP connection in command mode.
     pub fn from_qmp(qmp: Qmp) -> Qemu {
-        Qemu { qmp, saves: 0 }
+        Qemu {
+            qmp,
+            saves: 0,
+            mirrors: None,
+            exports: None,
+        }
     }
 
     /// QEMU's version.
@@ -269,6 +279,7 @@ impl Vmm for Qemu {
             Feature::SaveDeviceState,
             Feature::Migrate,
             Feature::Incoming,
+            Feature::CopyStorage,
         ]
     }
 
@@ -408,6 +419,85 @@ impl Vmm for Qemu {
     fn cancel_migration(&mut self) -> Result<(), VmmError> {
         self.qmp.execute("migrate_cancel", None)?;
         Ok(())
+    }
+
+    /// See [`super::qemu_storage`].
+    fn start_disk_copy(
+        &mut self,
+        nbd: &MigrationAddress,
+        connect_timeout: Duration,
+    ) -> Result<Vec<String>, VmmError> {
+        if self.mirrors.is_some() {
+            return Err(self.protocol("the disks are being mirrored already".into()));
+        }
+        let m =
+            Mirrors::start(&mut self.qmp, nbd, connect_timeout).map_err(|w| self.protocol(w))?;
+        let disks = m.disks().to_vec();
+        self.mirrors = Some(m);
+        Ok(disks)
+    }
+
+    fn disk_copy_progress(&mut self) -> Result<Vec<DiskCopy>, VmmError> {
+        match &self.mirrors {
+            Some(m) => m.progress(&mut self.qmp).map_err(|w| self.protocol(w)),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// `block-job-cancel` on each ready mirror: completed without pivoting.
+    fn finish_disk_copy(&mut self) -> Result<(), VmmError> {
+        match self.mirrors.take() {
+            Some(m) => m.finish(&mut self.qmp).map_err(|w| self.protocol(w)),
+            None => Ok(()),
+        }
+    }
+
+    fn abort_disk_copy(&mut self) -> Result<(), VmmError> {
+        let Some(mut m) = self.mirrors.take() else {
+            return Ok(());
+        };
+        let left = m.abort(&mut self.qmp);
+        if left.is_empty() {
+            Ok(())
+        } else {
+            Err(self.protocol(left.join("; ")))
+        }
+    }
+
+    /// Reads QEMU's command line (`/proc/PID/cmdline`, the pid from the
+    /// QMP socket's peer credentials): QMP does not say whether `-S` was
+    /// given.
+    fn starts_paused(&mut self) -> Result<bool, VmmError> {
+        let pid = self.qmp.peer_pid()?;
+        let path = format!("/proc/{pid}/cmdline");
+        let cmdline = std::fs::read(&path).map_err(|source| VmmError::Io {
+            what: format!(
+                "cannot tell whether {} was started with -S: {path}",
+                self.describe()
+            ),
+            source,
+        })?;
+        Ok(started_paused(&cmdline))
+    }
+
+    fn export_disks(&mut self, nbd: &MigrationAddress) -> Result<Vec<String>, VmmError> {
+        if self.exports.is_some() {
+            return Err(self.protocol("the disks are exported already".into()));
+        }
+        let (x, disks) = Exports::start(&mut self.qmp, nbd).map_err(|w| self.protocol(w))?;
+        self.exports = Some(x);
+        Ok(disks)
+    }
+
+    fn unexport_disks(&mut self, force: bool) -> Result<Vec<String>, VmmError> {
+        let Some(x) = self.exports.as_mut() else {
+            return Ok(Vec::new());
+        };
+        let busy = x.remove(&mut self.qmp, force);
+        if busy.as_ref().is_ok_and(Vec::is_empty) {
+            self.exports = None;
+        }
+        busy.map_err(|w| self.protocol(w))
     }
 }
 

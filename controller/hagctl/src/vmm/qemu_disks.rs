@@ -68,15 +68,35 @@ const UNTRACKED: &[(&str, &str)] = &[
     ("scsi-block", "SCSI commands pass through to a host device"),
 ];
 
+/// The VM's devices, `(id or QOM path, QOM type)`, from `qom-list` of
+/// `/machine/peripheral` and `/machine/peripheral-anon`.
+pub fn devices(qmp: &mut Qmp) -> Result<Vec<(String, String)>, String> {
+    let mut devices = Vec::new();
+    for base in ["/machine/peripheral", "/machine/peripheral-anon"] {
+        let list = qmp
+            .execute("qom-list", Some(json!({ "path": base })))
+            .map_err(|e| format!("qom-list {base}: {e}"))?;
+        for child in list.as_array().into_iter().flatten() {
+            let name = child.get("name").and_then(Value::as_str).unwrap_or("?");
+            let ty = child.get("type").and_then(Value::as_str).unwrap_or("");
+            if let Some(ty) = ty.strip_prefix("child<").and_then(|t| t.strip_suffix('>')) {
+                devices.push((name.to_owned(), ty.to_owned()));
+            }
+        }
+    }
+    Ok(devices)
+}
+
 /// The devices among `devices` (`(id or QOM path, QOM type)`) whose disk
-/// writes hagctl cannot see, each as a sentence naming it.
-pub fn untracked(devices: &[(String, String)]) -> Vec<String> {
+/// writes hagctl cannot see, each as a sentence naming it and saying it
+/// cannot be `done` ("protected", "mirrored").
+pub fn untracked(devices: &[(String, String)], done: &str) -> Vec<String> {
     devices
         .iter()
         .filter_map(|(name, ty)| {
             let (_, why) = UNTRACKED.iter().find(|(k, _)| ty.starts_with(k))?;
             Some(format!(
-                "disk device {name} ({ty}) cannot be protected: {why}, unseen by QEMU's dirty bitmaps \
+                "disk device {name} ({ty}) cannot be {done}: {why}, unseen by QEMU's dirty bitmaps \
                  (use a virtio-blk, virtio-scsi or IDE/AHCI device on a QEMU block node)"
             ))
         })
@@ -275,20 +295,7 @@ impl DiskEpochs {
     /// writes a disk past QEMU's block layer. Leftover `hag-` bitmaps of
     /// an earlier hagctl are removed. Delta files go in `dir`.
     pub fn open(qmp: &mut Qmp, dir: &Path) -> Result<DiskEpochs, String> {
-        let mut devices = Vec::new();
-        for base in ["/machine/peripheral", "/machine/peripheral-anon"] {
-            let list = qmp
-                .execute("qom-list", Some(json!({ "path": base })))
-                .map_err(|e| format!("qom-list {base}: {e}"))?;
-            for child in list.as_array().into_iter().flatten() {
-                let name = child.get("name").and_then(Value::as_str).unwrap_or("?");
-                let ty = child.get("type").and_then(Value::as_str).unwrap_or("");
-                if let Some(ty) = ty.strip_prefix("child<").and_then(|t| t.strip_suffix('>')) {
-                    devices.push((name.to_owned(), ty.to_owned()));
-                }
-            }
-        }
-        if let Some(why) = untracked(&devices).into_iter().next() {
+        if let Some(why) = untracked(&devices(qmp)?, "protected").into_iter().next() {
             return Err(why);
         }
         let answer = qmp
@@ -782,7 +789,7 @@ fn qemu_img(id: &str, args: &[&str], file: &Path, more: &[&str]) -> Result<Vec<u
 
 /// Cancels job `id` if it still runs, waits (at most 10 s) until it has
 /// concluded, and dismisses it.
-fn end_job(qmp: &mut Qmp, id: &str) {
+pub(crate) fn end_job(qmp: &mut Qmp, id: &str) {
     let _ = qmp.execute("job-cancel", Some(json!({ "id": id })));
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
@@ -873,12 +880,16 @@ mod tests {
 
     #[test]
     fn devices_past_the_block_layer_are_named() {
-        let found = untracked(&[
-            ("vda".into(), "virtio-blk-pci".into()),
-            ("vub0".into(), "vhost-user-blk-pci".into()),
-            ("sg0".into(), "scsi-generic".into()),
-        ]);
+        let found = untracked(
+            &[
+                ("vda".into(), "virtio-blk-pci".into()),
+                ("vub0".into(), "vhost-user-blk-pci".into()),
+                ("sg0".into(), "scsi-generic".into()),
+            ],
+            "protected",
+        );
         assert_eq!(found.len(), 2);
+        assert!(found[0].contains("cannot be protected"), "{}", found[0]);
         assert!(
             found[0].contains("vub0") && found[0].contains("vhost-user"),
             "{}",
