@@ -109,6 +109,29 @@ migrate_cancel: QEMU stops and the source VM runs on; hagctl reports its
 run state and exits 1. A second signal exits at once (status 130). A
 migration that completed before the cancel took is a success.
 
+--copy-storage moves the VM's local disks too, as virsh migrate --live
+--copy-storage-all does, with QEMU's own machinery; the target runs hagctl
+receive --copy-storage. Before the migration, for each writable disk
+(query-block; read-only disks and empty CD-ROMs need nothing) hagctl adds
+an NBD client node (blockdev-add, driver nbd) for the target's NBD export
+named by the disk's device id (vda), at --nbd (default: the --to host, port
+10809; a target not serving yet is retried for --connect-timeout), checks
+that it has the disk's virtual size, and mirrors the disk into it
+(blockdev-mirror sync=full copy-mode=write-blocking, job hag-mirror-ID).
+Progress on stderr until every mirror is ready:
+  mirror at 2.1 s: vda 1.2 GiB of 8.00 GiB (running)
+(--json: {\"elapsed_ms\", \"mirror\": [{\"disk\", \"job\", \"status\", \"copied\",
+\"total\", \"error\"}]}). Then the migration runs as above; ready mirrors
+write every guest write to both hosts, so they stay in sync. Once it
+completed (the source paused), block-job-cancel completes each mirror
+without pivoting (the source stays on its own disks), the NBD nodes are
+deleted, which lets the target resume the VM, and the source QEMU is ended.
+Any failure before that cancels the mirrors and deletes the NBD nodes: the
+source VM runs on, on its own disks. Refused, naming the disk: a disk
+device whose writes bypass QEMU's block layer (vhost-user-blk, …), a
+writable disk without a device id, a target with no export of that name or
+of another virtual size.
+
 Other QEMU capabilities and parameters, by QEMU's names (see QEMU's
 migrate-set-capabilities and migrate-set-parameters; those marked * must be
 set on the target too, with hagctl receive --capability/--parameter):
@@ -136,7 +159,8 @@ JSON (--json): one object with to, vmm, status, downtime_ms,
 total_time_ms, setup_time_ms, transferred_bytes, rounds, throughput_mbps,
 ram_total_bytes, downtime_bytes, vfio_transferred_bytes, downtime_limit_ms,
 max_bandwidth (bytes/s), capabilities [\"NAME=on|off\"], attempts, source
-(quit, kept-paused, paused-no-return-path); null where QEMU said nothing.
+(quit, kept-paused, paused-no-return-path), and with --copy-storage disks
+(each mirror as the migration started); null where QEMU said nothing.
 Failure: one line with QEMU's error-desc (or each blocker) and what the
 source VM does now, exit status 1.
 
@@ -210,11 +234,26 @@ stderr, names the device that refused), ends that QEMU (quit; --keep-failed
 leaves it) and exits 1; the source VM runs on. --timeout (default: none)
 ends the wait with exit status 1 and leaves QEMU as it is.
 
+--copy-storage receives the VM's local disks from hagctl migrate
+--copy-storage. QEMU must have been started with -S as well as -incoming
+defer (hagctl refuses otherwise): without -S it would run the VM the moment
+its RAM arrived, before the source finished mirroring the disks. Each disk
+needs an image of the same virtual size at the path this QEMU opens (its
+content is overwritten). Before listening for the migration, hagctl starts
+QEMU's NBD server on --nbd (default: the --listen address, port 10809;
+nbd-server-start) and exports each writable disk, writable, under its
+device id (block-export-add; read-only disks and empty CD-ROMs are left
+out). Once the migration completed, it waits until the source has let go of
+every export (block-export-del mode=safe, retried within --timeout), stops
+the NBD server (nbd-server-stop) and resumes the VM (cont). A failed
+migration removes the exports.
+
 Text report: 'received on ADDR:PORT by QEMU 10.0.2 at vm.qmp: migration
 completed 1.2 s after listening (48 ms after the source began), VM running
 here'. JSON (--json): {listen, vmm, status, run_state, resumed (by --cont),
 waited_ms (listening to completed), transfer_ms (the source's first data to
-completed, to within 100 ms), running_ms}.
+completed, to within 100 ms), running_ms, and with --copy-storage disks
+[device ids]}.
 
 WITH --vm (hag-vmm)
 
@@ -1049,6 +1088,67 @@ mod tests {
         assert_eq!(gpu_dirty, migrate::GpuDirty::Full);
         // A backup fed by a log that ignores the GPU would miss writes.
         assert!(parse(&[&cp[..], &["--gpu-dirty", "none"]].concat()).is_err());
+    }
+
+    #[test]
+    fn copy_storage_flags_parse() {
+        let parse = |args: &[&str]| Cli::try_parse_from(args.iter().copied());
+        let mig = ["hagctl", "migrate", "--qmp", "vm.qmp", "--to", "h:1"];
+        let Command::Migrate {
+            copy_storage, nbd, ..
+        } = parse(&[&mig[..], &["--copy-storage", "--nbd", "[::1]:10810"]].concat())
+            .unwrap()
+            .command
+        else {
+            panic!("not migrate");
+        };
+        assert!(copy_storage);
+        assert_eq!(nbd.unwrap().to_string(), "[::1]:10810");
+        // --nbd only with --copy-storage; neither with --vm; a bad address
+        // is named.
+        assert!(parse(&[&mig[..], &["--nbd", "h:2"]].concat()).is_err());
+        assert!(parse(&[
+            "hagctl",
+            "migrate",
+            "--vm",
+            "s",
+            "--to",
+            "h:1",
+            "--copy-storage"
+        ])
+        .is_err());
+        let e = parse(&[&mig[..], &["--copy-storage", "--nbd", "nohost"]].concat())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("'nohost' is not HOST:PORT"), "{e}");
+        let rcv = [
+            "hagctl",
+            "receive",
+            "--qmp",
+            "vm.qmp",
+            "--listen",
+            "0.0.0.0:7100",
+        ];
+        let Command::Receive {
+            copy_storage, nbd, ..
+        } = parse(&[&rcv[..], &["--copy-storage"]].concat())
+            .unwrap()
+            .command
+        else {
+            panic!("not receive");
+        };
+        assert!(copy_storage && nbd.is_none());
+        assert!(parse(&[
+            "hagctl",
+            "receive",
+            "--vm",
+            "s",
+            "--listen",
+            "h:1",
+            "--copy-storage"
+        ])
+        .is_err());
     }
 
     #[test]
