@@ -24,6 +24,8 @@ use anyhow::{bail, Context};
 /// Bytes per record (and the alignment `O_DIRECT` needs).
 pub const RECORD: usize = 4096;
 const MAGIC: &[u8; 8] = b"HAGDISK1";
+/// The size of a record file `--disk` makes.
+pub const NEW_FILE_BYTES: u64 = 64 << 20;
 /// Between two records: the writer commits about this often.
 const PACE: Duration = Duration::from_millis(10);
 
@@ -56,14 +58,22 @@ pub struct DiskLog {
 }
 
 impl DiskLog {
-    /// Starts writing records to the block device (or file) at `path`.
+    /// Starts writing records to the block device or file at `path`; a
+    /// missing file is made, [`NEW_FILE_BYTES`] long (sparse: a record's
+    /// block is allocated by its write, as a database's files grow).
     pub fn start(path: &Path) -> anyhow::Result<DiskLog> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
+            .create(true)
+            .truncate(false)
             .custom_flags(nix::libc::O_DIRECT)
             .open(path)
             .with_context(|| format!("--disk {}", path.display()))?;
+        if file.metadata()?.is_file() && file.metadata()?.len() == 0 {
+            file.set_len(NEW_FILE_BYTES)
+                .with_context(|| format!("--disk {}: sizing it", path.display()))?;
+        }
         let size = nix::unistd::lseek(&file, 0, nix::unistd::Whence::SeekEnd)
             .with_context(|| format!("--disk {}: its size", path.display()))?;
         let capacity = u64::try_from(size).unwrap_or(0) / RECORD as u64;

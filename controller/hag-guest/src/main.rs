@@ -190,10 +190,10 @@ struct Cli {
     /// (an IP address: the guest has no resolver)
     #[arg(long, value_name = "HOST:PORT")]
     report: Option<SocketAddr>,
-    /// Also commit numbered records to this block device, each synced
-    /// before it counts, and read them all back at the end (progress lines
-    /// say how many are committed)
-    #[arg(long, value_name = "DEV")]
+    /// Also commit numbered records to this block device or file (made,
+    /// 64 MiB, if missing), each synced before it counts, and read them
+    /// all back at the end (progress lines say how many are committed)
+    #[arg(long, value_name = "PATH")]
     disk: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Option<Command>,
