@@ -31,6 +31,9 @@ packages=(
 	libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients
 	# the evaluation's plots (qemu-tests/eval)
 	python3-matplotlib
+	# the Debian guest's root filesystem (scripts/build-guest-rootfs.sh)
+	# and its database's client and checks (pg_amcheck, e2fsck)
+	mmdebstrap e2fsprogs postgresql-client-15 python3-psycopg2
 )
 
 # Backports, and a pin that takes just QEMU, libvirt and QEMU's firmware
