@@ -326,9 +326,25 @@ CONF
 # checkpoint --qmp copies and accepts), DOMAIN_CONSOLE_SOCKET=1 a serial console on
 # the unix socket /tmp/NAME.console.sock instead of the file
 # /tmp/NAME.console (what hagctl checkpoint --console holds),
-# DOMAIN_XML_EXTRA elements (<metadata>, <qemu:commandline>) at the end.
+# DOMAIN_DEBIAN_DISK=FILE boots the Debian guest from that qcow2 disk (vda;
+# debian_disk makes one), DOMAIN_NET=1 adds vm_words' VM_NET NIC (virtio,
+# MAC 52:54:00:56:4d:01) on the bridge br0 (vm_net_up; libvirt makes the
+# tap) and gives the guest a permanent neighbour entry for the client on
+# host 1's br0 (hag_vm_neigh=203.0.113.1,52:54:00:4a:48:01, as
+# qemu_protect_once's VMs have; the Debian guest's eth0 has its own
+# address, 203.0.113.50/24), DOMAIN_XML_EXTRA elements (<metadata>,
+# <qemu:commandline>) at the end.
 domain_xml() {
 	local backing= serial="<serial type='file'><source path='/tmp/$1.console' append='on'/></serial>"
+	local disk= words= nic=
+	if [ -n "${DOMAIN_DEBIAN_DISK:-}" ]; then
+		disk="<disk type='file' device='disk'><driver name='qemu' type='qcow2'/><source file='$DOMAIN_DEBIAN_DISK'/><target dev='vda' bus='virtio'/><alias name='ua-vda'/></disk>"
+		words="hag_root=/dev/vda net.ifnames=0"
+	fi
+	if [ "${DOMAIN_NET:-0}" = 1 ]; then
+		nic="<interface type='bridge'><source bridge='br0'/><mac address='52:54:00:56:4d:01'/><model type='virtio'/></interface>"
+		words="$words hag_vm_neigh=203.0.113.1,52:54:00:4a:48:01"
+	fi
 	[ "${DOMAIN_SHARED_RAM:-0}" != 1 ] ||
 		backing="<memoryBacking><source type='file'/><access mode='shared'/><locked/></memoryBacking>"
 	[ "${DOMAIN_CONSOLE_SOCKET:-0}" != 1 ] ||
@@ -343,7 +359,7 @@ domain_xml() {
     <type arch='x86_64' machine='q35'>hvm</type>
     <kernel>$(vm_kernel)</kernel>
     <initrd>$(vm_initrd)</initrd>
-    <cmdline>console=ttyS0 panic=-1 quiet loglevel=4 hag_guest=$3</cmdline>
+    <cmdline>console=ttyS0 panic=-1 quiet loglevel=4 hag_guest=$3 $words</cmdline>
   </os>
   <cpu mode='host-passthrough'/>
   <on_poweroff>destroy</on_poweroff>
@@ -351,6 +367,8 @@ domain_xml() {
   <devices>
     <emulator>/usr/bin/qemu-system-x86_64</emulator>
     $serial
+    $disk
+    $nic
     <hostdev mode='subsystem' type='mdev' managed='no' model='vfio-pci' display='off'>
       <source>
         <address uuid='$2'/>
