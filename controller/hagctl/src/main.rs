@@ -49,6 +49,7 @@ mod replica;
 mod schedule;
 mod secure;
 mod stall;
+mod standby_argv;
 mod state_delta;
 // The VMM interface is whole; today's commands use only part of it (the
 // QEMU checkpointing work is to use save_device_state; hag-vmm's pause is
@@ -596,7 +597,7 @@ the VM's status. If the primary ends protection (its VM finished), it exits
         #[arg(long, value_name = "ADDR:PORT")]
         heartbeat_listen: Vec<String>,
         /// This host's hag-sim mdev for a hag-vmm VM at takeover
-        #[arg(long, value_name = "UUID", required_unless_present = "qemu")]
+        #[arg(long, value_name = "UUID", required_unless_present_any = ["qemu", "libvirt_domain"])]
         mdev: Option<String>,
         /// Control socket of the VM started at takeover
         #[arg(long, value_name = "SOCKET", default_value = "/tmp/hag-backup-vm.sock")]
@@ -642,10 +643,47 @@ the VM's status. If the primary ends protection (its VM finished), it exits
         /// Print the takeover report as JSON
         #[arg(long)]
         json: bool,
+        /// The standby's QEMU command line is the one libvirt would start
+        /// this domain XML with (`virsh domxml-to-native qemu-argv`), each
+        /// writable disk opening its replica in --replica-dir as raw; it
+        /// is printed on stderr (instead of -- QEMU ARGS)
+        #[arg(long, value_name = "DOMAIN.xml", conflicts_with = "qemu")]
+        libvirt_domain: Option<std::path::PathBuf>,
+        /// The libvirt connection URI virsh uses for --libvirt-domain
+        /// (default: virsh's own)
+        #[arg(
+            long,
+            value_name = "URI",
+            requires = "libvirt_domain",
+            conflicts_with = "qemu"
+        )]
+        libvirt_uri: Option<String>,
         /// After --: the QEMU command line of a QEMU VM's standby, as on the
-        /// primary but with this host's mdev (hagctl adds its RAM backend,
-        /// -qmp, -incoming defer and -S)
+        /// primary but with this host's mdev and each writable disk opening
+        /// its replica (`hagctl standby-argv` writes that); hagctl adds its
+        /// RAM backend, -qmp, -incoming defer and -S
         #[arg(last = true, value_name = "QEMU ARGS")]
+        qemu: Vec<String>,
+    },
+    /// Print a QEMU command line with each writable disk opening its
+    /// replica as raw: the standby's, for `hagctl backup -- …`
+    #[command(after_long_help = "\
+Each writable disk device (virtio-blk, scsi-hd, ide-hd, nvme, usb-storage
+with a drive) gets its replica, DIR/ID.raw (ID: the device's id), opened as
+a raw image: its format node (-blockdev, JSON or key=value) becomes
+driver=raw with the format's own options and its backing chain dropped, its
+file node's filename the replica; a -drive gets file=DIR/ID.raw,format=raw.
+Read-only disks and CD-ROMs are left alone; everything else is printed as
+it was, as one shell-quoted line. A writable disk device with no id, or a
+disk on anything but a file (host_device, nbd, iscsi, ...), is an error
+naming it. For a libvirt domain: hagctl backup --libvirt-domain does this
+to virsh domxml-to-native's command line itself.")]
+    StandbyArgv {
+        /// Where the backup keeps the replicas (its --replica-dir)
+        #[arg(long, value_name = "DIR", default_value = "/var/lib/hag/replicas")]
+        replica_dir: std::path::PathBuf,
+        /// After --: the VM's QEMU command line
+        #[arg(last = true, required = true, value_name = "QEMU ARGS")]
         qemu: Vec<String>,
     },
     /// Write a new pre-shared key for a pair of hosts (mode 0600; copy it
@@ -945,8 +983,25 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             max_connections,
             test_fault_file,
             json,
+            libvirt_domain,
+            libvirt_uri,
             qemu,
         } => {
+            let qemu = match libvirt_domain {
+                Some(xml) => {
+                    let argv = standby_argv::libvirt_domain_argv(&xml, libvirt_uri.as_deref())
+                        .map_err(anyhow::Error::msg)?;
+                    let argv = standby_argv::standby_argv(&argv, &replica_dir).map_err(|e| {
+                        anyhow::anyhow!("the standby's command line from {}: {e}", xml.display())
+                    })?;
+                    eprintln!(
+                        "hagctl: the standby's QEMU command line: {}",
+                        shell_words::join(&argv)
+                    );
+                    argv
+                }
+                None => qemu,
+            };
             let status = backup::backup(&backup::BackupOptions {
                 listen,
                 heartbeat_listen,
@@ -970,6 +1025,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     anyhow::bail!("the VM resumed here ended with {status}");
                 }
             }
+        }
+        Command::StandbyArgv { replica_dir, qemu } => {
+            let argv = standby_argv::standby_argv(&qemu, &replica_dir)?;
+            println!("{}", shell_words::join(&argv));
         }
         Command::Keygen { file } => {
             secure::Key::generate()
@@ -1251,6 +1310,77 @@ mod tests {
         assert!(parse(&["hagctl", "receive", "--listen", "a:1"]).is_err());
         assert!(parse(&["hagctl", "receive", "--listen", "a:1", "--vm", "s", "--cont"]).is_err());
         assert!(parse(&["hagctl", "receive", "--listen", "a:1", "--vm", "s"]).is_ok());
+    }
+
+    #[test]
+    fn backup_takes_a_libvirt_domain_instead_of_a_command_line() {
+        let parse = |args: &[&str]| Cli::try_parse_from(args.iter().copied());
+        let backup = ["hagctl", "backup", "--listen", "0.0.0.0:7200"];
+        let Command::Backup {
+            libvirt_domain,
+            libvirt_uri,
+            qemu,
+            mdev,
+            replica_dir,
+            ..
+        } = parse(
+            &[
+                &backup[..],
+                &[
+                    "--libvirt-domain",
+                    "vm.xml",
+                    "--libvirt-uri",
+                    "qemu:///system",
+                ],
+            ]
+            .concat(),
+        )
+        .unwrap()
+        .command
+        else {
+            panic!("not backup");
+        };
+        assert_eq!(
+            libvirt_domain.as_deref(),
+            Some(std::path::Path::new("vm.xml"))
+        );
+        assert_eq!(libvirt_uri.as_deref(), Some("qemu:///system"));
+        assert!(qemu.is_empty() && mdev.is_none());
+        assert_eq!(replica_dir, std::path::Path::new("/var/lib/hag/replicas"));
+        // Not both ways to give the command line; a URI only for a domain;
+        // with neither, a hag-vmm standby's --mdev.
+        assert!(
+            parse(&[&backup[..], &["--libvirt-domain", "vm.xml", "--", "qemu"]].concat()).is_err()
+        );
+        assert!(parse(
+            &[
+                &backup[..],
+                &["--libvirt-uri", "qemu:///system", "--", "qemu"]
+            ]
+            .concat()
+        )
+        .is_err());
+        assert!(parse(&backup).is_err());
+        assert!(parse(&[&backup[..], &["--", "qemu", "-m", "512"]].concat()).is_ok());
+
+        let Command::StandbyArgv { replica_dir, qemu } = parse(&[
+            "hagctl",
+            "standby-argv",
+            "--replica-dir",
+            "/srv/replicas",
+            "--",
+            "qemu",
+            "-drive",
+            "file=/img/a.qcow2,if=none,id=d",
+        ])
+        .unwrap()
+        .command
+        else {
+            panic!("not standby-argv");
+        };
+        assert_eq!(replica_dir, std::path::Path::new("/srv/replicas"));
+        assert_eq!(qemu, ["qemu", "-drive", "file=/img/a.qcow2,if=none,id=d"]);
+        assert!(parse(&["hagctl", "standby-argv"]).is_err());
     }
 
     #[test]
