@@ -25,7 +25,10 @@ its hosts get more memory, a distinct SMBIOS UUID each, and this machine's root 
 root with QEMU 10 and libvirt in it, as virtme-ng does. The VMs boot the
 test kernel with the initramfs `build_vm_initramfs` writes (guest/vm-init
 and hag-guest); their paths reach the host on its kernel command line
-(`hag_vm_kernel=`, `hag_vm_initrd=`), as paths under that root.
+(`hag_vm_kernel=`, `hag_vm_initrd=`), as paths under that root. A scenario
+whose header also says `# debian: yes` gets the Debian guest's disk image
+(scripts/build-guest-rootfs.sh, built here once and cached) the same way,
+`hag_vm_debian=`; `# memory: MIB` sets its hosts' memory.
 
 A scenario loses a host for real by printing `HAG-KILL-HOST` on its console
 (lib.sh's `lose_this_host`): the harness then SIGKILLs that host's QEMU
@@ -287,7 +290,7 @@ class Result:
 def scenario_header(script, key, default):
     """Reads `# key: value` from a scenario's first lines (a number, or
     `yes`, read as 1)."""
-    for line in script.read_text().splitlines()[:5]:
+    for line in script.read_text().splitlines()[:8]:
         m = re.match(rf"#\s*{key}:\s*(\d+|yes)\b", line)
         if m:
             return 1 if m.group(1) == "yes" else int(m.group(1))
@@ -308,7 +311,15 @@ def host_tsc_khz():
     raise SystemExit("qemu-tests: no 'cpu MHz' in /proc/cpuinfo to give test hosts their TSC frequency")
 
 
-def vm_host_args(index, vm_initramfs, build):
+def debian_guest_image():
+    """The Debian guest's disk image (`# debian: yes`), built if not cached
+    (a few minutes, once per version of its script)."""
+    out = subprocess.run([ROOT / "scripts/build-guest-rootfs.sh"], check=True,
+                         stdout=subprocess.PIPE, text=True).stdout
+    return out.strip().splitlines()[-1]
+
+
+def vm_host_args(index, vm_initramfs, build, debian_image=None):
     """QEMU arguments and kernel command-line words for a test host that
     runs real VMs (`# vms: yes`)."""
     args = [
@@ -325,6 +336,8 @@ def vm_host_args(index, vm_initramfs, build):
     # vector. TCG's TSC is this machine's, so its frequency is given.
     words = (f" hag_vm_kernel={build.bzimage} hag_vm_initrd={vm_initramfs}"
              f" tsc_early_khz={host_tsc_khz()}")
+    if debian_image:
+        words += f" hag_vm_debian={debian_image}"
     return args, words
 
 
@@ -342,6 +355,8 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
     vms = scenario_header(script, "vms", 0)
     # One vCPU per host unless the script asks for more (`# cpus: N`).
     cpus = scenario_header(script, "cpus", 1)
+    debian_image = debian_guest_image() if vms and scenario_header(script, "debian", 0) else None
+    memory = scenario_header(script, "memory", VM_HOST_MIB if vms else 512)
     vm_initramfs = logdir / "vm-initramfs.cpio.gz"
     # Rebuilt when hag-guest or vm-init is newer.
     inputs = (build.guest, TESTS / "guest/vm-init")
@@ -366,9 +381,9 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
                     "-netdev", f"socket,id=net{n},udp=127.0.0.1:{hub.port},localaddr=127.0.0.1:{port}",
                     "-device", f"virtio-net-pci,netdev=net{n},mac=52:54:00:4a:{0x47 + n:02x}:{i:02x}",
                 ]
-            extra, words = vm_host_args(i, vm_initramfs.resolve(), build) if vms else ([], "")
+            extra, words = vm_host_args(i, vm_initramfs.resolve(), build, debian_image) if vms else ([], "")
             cmd = [
-                "qemu-system-x86_64", "-accel", "tcg", "-m", str(VM_HOST_MIB if vms else 512),
+                "qemu-system-x86_64", "-accel", "tcg", "-m", str(memory),
                 # -cpu max for every host: its RDRAND seeds the kernel's
                 # random pool at boot. Without it the pool took up to 309 s
                 # to seed on a busy machine, and anything calling

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Builds the Debian 12 guest of the disk scenarios (issue 19): a root
-# filesystem from Debian's own packages (mmdebstrap), ext4 in a sparse raw
-# image, booted by the test kernel from a virtio-blk disk (root=/dev/vda)
-# with systemd, PostgreSQL 15 as the service that matters, and a unit for
-# hag-guest's GPU workload. The image is cached under $HAG_CACHE like the
-# kernels, keyed on this script (its package list and configuration are
-# all here); a scenario copies it and writes what changes per run (the
-# hag-guest binary, its arguments) into the copy with debugfs, never into
-# the cache.
+# filesystem from Debian's own packages (mmdebstrap), ext4 in a qcow2
+# image (only its used clusters allocated), booted by the test kernel from
+# a virtio-blk disk with systemd, PostgreSQL 15 as the service that
+# matters, and a unit for hag-guest's GPU workload. The image is cached
+# under $HAG_CACHE like the kernels, keyed on this script (its package list
+# and configuration are all here). A scenario never writes it: the VM's
+# disk is a qcow2 overlay on it, and the VM's initramfs (vm-init, given
+# hag_root=/dev/vda) puts what changes per run, the hag-guest binary and
+# its arguments, into that overlay before it switches to the disk's root.
 #
 #   scripts/build-guest-rootfs.sh             build if not cached; print the image
 #   scripts/build-guest-rootfs.sh --cached    print the image if cached, else fail
@@ -16,8 +17,14 @@
 # root logs in on ttyS0 without a password (a test guest on a closed test
 # network); PostgreSQL listens on eth0 and trusts 203.0.113.0/24, with a
 # database `hag` owned by role `hag`; hag-guest.service runs
-# /usr/local/bin/hag-guest with the words of /etc/hag-guest.args and
-# powers nothing off.
+# /usr/local/bin/hag-guest with the words of /etc/hag-guest.args, on the
+# console as vm-init's guests say it (HAG-GUEST-READY, HAG-GUEST-RESULT,
+# HAG-GUEST-EXIT rc=N), and powers nothing off. A test shuts the guest
+# down cleanly over the network: PostgreSQL's superuser writes the file
+# /var/lib/postgresql/hag-shutdown (COPY ... TO), and hag-shutdown.path
+# has systemd power it off (the test kernel then halts). Documentation, manual pages
+# and translations are left out (dpkg path-exclude): every byte of the
+# image is copied at a VM's first synchronisation.
 set -euo pipefail
 
 HAG_CACHE=${HAG_CACHE:-/var/cache/hag}
@@ -26,7 +33,7 @@ SIZE=2G
 
 key=$(sha256sum "$0" | cut -c1-16)
 dir=$HAG_CACHE/guest-debian-$key
-img=$dir/root.raw
+img=$dir/root.qcow2
 
 if [ -s "$img" ]; then
 	echo "$img"
@@ -44,10 +51,10 @@ if [ -s "$img" ]; then
 	echo "$img"
 	exit 0
 fi
-for tool in mmdebstrap mke2fs; do
+for tool in mmdebstrap mke2fs qemu-img; do
 	command -v "$tool" >/dev/null || {
-		echo "build-guest-rootfs: installing $tool" >&2
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mmdebstrap e2fsprogs >/dev/null
+		echo "build-guest-rootfs: $tool missing (make deps installs it)" >&2
+		exit 1
 	}
 done
 
@@ -60,7 +67,10 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/hag-guest-rootfs.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 root=$work/root
 echo "build-guest-rootfs: Debian 12 with ${packages[*]} (mmdebstrap from $MIRROR, a few minutes)" >&2
-mmdebstrap --quiet --variant=minbase --include="$(
+mmdebstrap --quiet --variant=minbase \
+	--dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
+	--dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
+	--include="$(
 	IFS=,
 	echo "${packages[*]}"
 )" bookworm "$root" "$MIRROR" >&2
@@ -108,17 +118,38 @@ cat >"$root/etc/systemd/system/hag-guest.service" <<'EOF'
 [Unit]
 Description=hag-guest: the GPU and CPU workload on the hag vGPU
 ConditionPathExists=/usr/local/bin/hag-guest
+After=postgresql.service systemd-networkd.service
 
 [Service]
-Type=simple
-EnvironmentFile=-/etc/hag-guest.env
+Type=exec
 ExecStart=/bin/sh -c 'exec /usr/local/bin/hag-guest $(cat /etc/hag-guest.args 2>/dev/null)'
+ExecStopPost=/bin/sh -c 'echo "HAG-GUEST-EXIT rc=$$EXIT_STATUS" >/dev/console'
 StandardOutput=journal+console
+StandardError=journal+console
 
 [Install]
 WantedBy=multi-user.target
 EOF
-chroot "$root" systemctl enable hag-db-setup.service hag-guest.service >/dev/null 2>&1
+cat >"$root/etc/systemd/system/hag-shutdown.path" <<'EOF'
+[Unit]
+Description=A clean shutdown, asked for by PostgreSQL's superuser
+
+[Path]
+PathExists=/var/lib/postgresql/hag-shutdown
+
+[Install]
+WantedBy=multi-user.target
+EOF
+cat >"$root/etc/systemd/system/hag-shutdown.service" <<'EOF'
+[Unit]
+Description=A clean shutdown, asked for by PostgreSQL's superuser
+
+[Service]
+Type=oneshot
+ExecStart=/bin/rm -f /var/lib/postgresql/hag-shutdown
+ExecStart=/bin/systemctl poweroff --no-block
+EOF
+chroot "$root" systemctl enable hag-db-setup.service hag-guest.service hag-shutdown.path >/dev/null 2>&1
 # Nothing waits for a network that is not there, and no timer writes the
 # disk on its own between epochs.
 chroot "$root" systemctl mask systemd-networkd-wait-online.service apt-daily.timer \
@@ -128,6 +159,7 @@ touch "$root/etc/machine-id"
 
 mkdir -p "$dir"
 mke2fs -q -t ext4 -L hagroot -d "$root" "$work/root.raw" "$SIZE"
-mv "$work/root.raw" "$img"
-echo "build-guest-rootfs: $(du -h --apparent-size "$img" | cut -f1) image, $(du -h "$img" | cut -f1) allocated" >&2
+qemu-img convert -O qcow2 "$work/root.raw" "$work/root.qcow2"
+mv "$work/root.qcow2" "$img"
+echo "build-guest-rootfs: a $SIZE disk, $(du -h "$img" | cut -f1) in its image" >&2
 echo "$img"

@@ -29,7 +29,9 @@ fail() {
 	exit 1
 }
 
-step() { echo "--- $*"; }
+# A step of the scenario, with the host's uptime (hosts' logs have no
+# clock of their own outside the kernel's messages).
+step() { echo "--- [$(cut -d' ' -f1 /proc/uptime) s] $*"; }
 
 # expect_eq WHAT ACTUAL EXPECTED
 expect_eq() {
@@ -135,13 +137,17 @@ VM_MIB=256
 # vmtap0 (joined to br0 by /hag/vm-ifup), VM_APPEND kernel command line
 # words. VM_DISK=FILE adds a virtio-blk disk with device id vda (the
 # guest's /dev/vda) on that image, of format VM_DISK_FORMAT (qcow2 unless
-# set). The same words start a standby (hagctl backup -- …).
+# set). VM_DEBIAN=1 boots the Debian guest from that disk instead
+# (debian_disk makes one; vm-init switches to its root). The same words start a standby (hagctl backup -- …).
 vm_words() {
 	local name=$1 uuid=$2 gargs=$3 w
 	w="qemu-system-x86_64 -name $name -accel kvm -cpu host -m $VM_MIB -smp 1"
 	w="$w -machine q35 -nodefaults -no-user-config -display none -no-reboot"
 	w="$w -kernel $(vm_kernel) -initrd $(vm_initrd)"
-	w="$w -append 'console=ttyS0 panic=-1 quiet loglevel=4 hag_guest=$gargs ${VM_APPEND:-}'"
+	local root=
+	# net.ifnames=0: the NIC is eth0, as the guest's network config says.
+	[ "${VM_DEBIAN:-0}" != 1 ] || root="hag_root=/dev/vda net.ifnames=0"
+	w="$w -append 'console=ttyS0 panic=-1 quiet loglevel=4 hag_guest=$gargs $root ${VM_APPEND:-}'"
 	if [ "${VM_CONSOLE_SOCKET:-0}" = 1 ]; then
 		w="$w -chardev socket,id=con0,path=/tmp/$name.console.sock,server=on,wait=off,logfile=/tmp/$name.console"
 		w="$w -serial chardev:con0"
@@ -162,6 +168,25 @@ vm_words() {
 	fi
 	echo "$w"
 }
+
+# debian_image: the runner's cached Debian guest image (read-only).
+debian_image() {
+	local image
+	image=$(sed -n 's/.*hag_vm_debian=\([^ ]*\).*/\1/p' /proc/cmdline)
+	[ -n "$image" ] || fail "no Debian guest image (is the header '# debian: yes'?)"
+	echo "$image"
+}
+
+# debian_disk FILE: a qcow2 disk for the Debian guest (scenarios whose
+# header says `# debian: yes`): an overlay on the runner's cached image,
+# which it never writes.
+debian_disk() {
+	local image
+	image=$(debian_image)
+	in_root qemu-img create -q -f qcow2 -F qcow2 -b "$image" "$1" ||
+		fail "cannot make the Debian guest's disk $1 on $image"
+}
+
 
 # vm_start NAME MDEV-UUID GUEST-ARGS [QEMU-ARG...]: starts VM NAME
 # (vm_words) daemonized, QMP at /tmp/NAME.qmp, QEMU's stderr in
@@ -187,23 +212,31 @@ vm_start() {
 	wait_for 30 test -S "/tmp/$name.qmp" || fail "VM $name: no QMP socket"
 }
 
-# qmp_status NAME: VM NAME's run state, asked on its QMP socket (one
-# that no hagctl holds).
-qmp_status() {
+# qmp SOCKET COMMAND: runs a QMP command (no arguments) on the QMP socket
+# SOCKET (one that no hagctl holds); prints its return value as JSON.
+qmp() {
 	in_root python3 -c '
 import json, socket, sys
 s = socket.socket(socket.AF_UNIX)
 s.connect(sys.argv[1])
 f = s.makefile("rw")
 f.readline()
-for cmd in ("qmp_capabilities", "query-status"):
+for cmd in ("qmp_capabilities", sys.argv[2]):
     f.write(json.dumps({"execute": cmd}) + "\n"); f.flush()
     while True:
         r = json.loads(f.readline())
         if "return" in r or "error" in r:
             break
-print(r.get("return", {}).get("status", r))' "/tmp/$1.qmp"
+if "error" in r:
+    sys.exit("QMP " + sys.argv[2] + ": " + r["error"].get("desc", ""))
+print(json.dumps(r["return"]))' "$1" "$2"
 }
+
+# qmp_status NAME: VM NAME's run state, asked on its QMP socket.
+qmp_status() {
+	qmp "/tmp/$1.qmp" query-status | sed 's/.*"status": "\([a-z-]*\)".*/\1/'
+}
+
 
 # vm_net_up [ADDR/PREFIX]: the VMs' public network, eth1 bridged as br0
 # (with ADDR on this host, for a client), for VM_NET=1 VMs' taps. A VM's

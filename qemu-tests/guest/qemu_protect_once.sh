@@ -18,27 +18,47 @@
 #   DISK=1       the VM has a 64 MiB qcow2 disk (vda) that hag-guest commits
 #                numbered records to (--disk), replicated to host 1's
 #                /tmp/hag-replicas/vda.raw, which its standby QEMU opens
+#   DEBIAN=1     the VM is the Debian guest (a `# debian: yes` scenario),
+#                512 MiB: its root disk (vda, a qcow2 overlay on the cached
+#                image) is replicated to host 1's /tmp/hag-replicas/vda.raw;
+#                hag-guest runs as its systemd service and commits records
+#                to a file on that disk; a client on host 1 commits rows to
+#                its PostgreSQL (db_client.py, log /tmp/db.log). On host 1,
+#                once the taken-over guest has reported 20 s of progress,
+#                debian_checks asks the database and shuts the guest down
+#                (which stops hag-guest: it verifies and reports); the
+#                scenario's check_backup then has /tmp/db.verdict and can
+#                call replica_fsck. Host 1's replica starts as a raw copy
+#                of the image the VM's disk is an overlay on (a template
+#                both hosts hold, as a cloud's base images are): the first
+#                synchronisation sends only the chunks the VM changed.
+#   FAULT_EPOCH  the fault comes once this epoch is acknowledged (4 unless
+#                set)
 #   CONSOLE=1    the VM's console is a socket chardev that hagctl checkpoint
 #                holds too (--console), released to /tmp/vm.console.held;
 #                QEMU logs all of it, unheld, to /tmp/vm.console
 #   during_backup   if defined: run on host 1 alongside hagctl backup
 #   during_primary  if defined: run on host 0 alongside hagctl checkpoint
 #                   (its output in /tmp/during.out)
-#   before_fault    if defined: run on host 0 once epoch 4 is acknowledged,
-#                   before the fault
+#   before_fault    if defined: run on host 0 once epoch FAULT_EPOCH is
+#                   acknowledged, before the fault
 #   check_backup BACKUP-STATUS    host 1's verdict (/tmp/backup.*,
 #                                 /tmp/vm.console, /tmp/client.log)
 #   check_primary CHECKPOINT-STATUS  host 0's (/tmp/cp.*, /tmp/vm.console)
 # takeover_verified STATUS REASON: host 1's verdict after a takeover: the
 # backup ended well, took over at generation 1 for a reason matching REASON
 # (a grep pattern), the guest verified there, and the client's view is one
-# run, never contradicted.
+# run, never contradicted. (The Debian guest's verdict is read from the
+# client's view alone: its serial console stays silent after a takeover,
+# see docs/ha.md.)
 takeover_verified() {
 	expect_eq "hagctl backup exit status" "$1" 0
 	grep -q "\"reason\":\"$2" /tmp/backup.out || fail "no takeover for: $2"
 	grep -q '"generation":1' /tmp/backup.out || fail "the takeover did not raise the generation"
-	vm_result vm 600
-	grep -q 'HAG-GUEST-RESULT PASS' /tmp/vm.console || { vm_show vm; fail "the guest did not verify on host 1"; }
+	if [ "${DEBIAN:-0}" != 1 ]; then
+		vm_result vm 600
+		grep -q 'HAG-GUEST-RESULT PASS' /tmp/vm.console || { vm_show vm; fail "the guest did not verify on host 1"; }
+	fi
 	in_root python3 /hag/client_check.py --require-pass /tmp/client.log || fail "the client's view"
 }
 # handed_over STATUS: host 0's verdict after it handed the VM over: the
@@ -51,6 +71,69 @@ handed_over() {
 }
 # plug_gone: hagctl checkpoint took its sch_plug off eth1 (the VM stopped
 # for good: what it held dropped, never sent).
+# debian_checks: on host 1, the Debian guest's hag-guest has ended: the
+# client stops, db_client.py check asks the database (every acknowledged
+# commit present, no restart, no crash recovery), pg_amcheck checks its
+# tables and indexes, and the guest is shut down cleanly (asked through
+# PostgreSQL, scripts/build-guest-rootfs.sh): the replica must then be a
+# clean filesystem. Each step's exit
+# status goes to /tmp/db.verdict as "STEP STATUS".
+debian_checks() {
+	local rc
+	kill -TERM "$db_client" 2>/dev/null || true
+	wait "$db_client" 2>/dev/null || true
+	sed 's/^/[db client] /' /tmp/db.err
+	: >/tmp/db.verdict
+	rc=0
+	step "host 1: the database's verdict"
+	in_root python3 /hag/db_client.py check --host "$VM_ADDR" --log /tmp/db.log || rc=$?
+	echo "db-check $rc" >>/tmp/db.verdict
+	rc=0
+	step "host 1: pg_amcheck of the guest's database"
+	timeout 600 chroot "$HOST_ROOT" /usr/lib/postgresql/15/bin/pg_amcheck -h "$VM_ADDR" -U postgres \
+		-d postgres --install-missing --heapallindexed </dev/null || rc=$?
+	echo "pg_amcheck: exit status $rc"
+	echo "pg_amcheck $rc" >>/tmp/db.verdict
+	rc=0
+	step "host 1: the guest shut down (asked over the network, by PostgreSQL's superuser; hag-guest verifies as it stops)"
+	in_root psql -h "$VM_ADDR" -U postgres -q -c "COPY (SELECT 1) TO '/var/lib/postgresql/hag-shutdown'" || rc=$?
+	guest_went_down || rc=1
+	echo "halt $rc" >>/tmp/db.verdict
+	cat /tmp/db.verdict
+}
+# guest_went_down: waits (up to 300 s) until the Debian guest has shut
+# down: PostgreSQL no longer answers and the replica the VM runs on has
+# not changed for 15 s (the test kernel cannot power the VM off, and after
+# a takeover the guest's serial console says nothing: docs/ha.md; an ACPI
+# power button press, QMP system_powerdown, did not shut it down there
+# either).
+guest_went_down() {
+	local i=0 quiet=0 last=none now
+	while [ "$i" -lt 300 ]; do
+		now=$(in_root stat -c %y /tmp/hag-replicas/vda.raw)
+		if [ "$now" = "$last" ] && ! in_root /usr/lib/postgresql/15/bin/pg_isready -q -h "$VM_ADDR" -t 2; then
+			quiet=$((quiet + 1))
+			[ "$quiet" -lt 15 ] || { echo "the guest is down: PostgreSQL gone, its disk last written at $now"; return 0; }
+		else
+			quiet=0 last=$now
+		fi
+		i=$((i + 1))
+		sleep 1
+	done
+	echo "the guest did not shut down within 300 s"
+	return 1
+}
+# replica_fsck: e2fsck -fn of host 1's replica of the Debian guest's disk
+# (after its QEMU ended); its exit status.
+replica_fsck() {
+	local rc=0
+	in_root e2fsck -fn /tmp/hag-replicas/vda.raw || rc=$?
+	echo "e2fsck -fn of the replica: exit status $rc"
+	return "$rc"
+}
+# db_verdict STEP: STEP's exit status in /tmp/db.verdict (empty if it did
+# not run).
+db_verdict() { sed -n "s/^$1 //p" /tmp/db.verdict 2>/dev/null; }
 plug_gone() {
 	qdiscs=$(in_root tc qdisc show dev eth1) || fail "tc cannot show eth1's qdiscs"
 	case $qdiscs in
@@ -60,6 +143,7 @@ plug_gone() {
 CLIENT=203.0.113.1
 PORT=7400
 VM_NET=1
+VM_ADDR=203.0.113.50
 # The client is br0 on host 1, whose MAC is its eth1's (the harness's
 # 52:54:00:4a:48:HOST).
 VM_APPEND="hag_vm_ip=203.0.113.50/24 hag_vm_neigh=$CLIENT,52:54:00:4a:48:01"
@@ -68,8 +152,13 @@ if [ "${CONSOLE:-0}" = 1 ]; then
 	VM_CONSOLE_SOCKET=1
 	CP_ARGS="${CP_ARGS:-} --console /tmp/vm.console.sock --console-log /tmp/vm.console.held"
 fi
-if [ "${DISK:-0}" = 1 ]; then
+if [ "${DEBIAN:-0}" = 1 ]; then
+	VM_DEBIAN=1 VM_MIB=512 DISK=1
+	GUEST_ARGS="$GUEST_ARGS,--disk,/var/lib/hag-guest-records"
+elif [ "${DISK:-0}" = 1 ]; then
 	GUEST_ARGS="$GUEST_ARGS,--disk,/dev/vda"
+fi
+if [ "${DISK:-0}" = 1 ]; then
 	if [ "$HAG_HOST" = 0 ]; then
 		VM_DISK=/tmp/vm-disk.qcow2
 		CP_ARGS="${CP_ARGS:-} --delta-dir /tmp/hag-deltas"
@@ -96,6 +185,12 @@ if [ "$HAG_HOST" = 1 ]; then
 	step "host 1: client on $CLIENT:$PORT, backup on $backup (standby QEMU with vGPU $uuid)"
 	hag-guest listen --port "$PORT" >/tmp/client.log 2>/tmp/client.err &
 	client=$!
+	if [ "${DEBIAN:-0}" = 1 ]; then
+		: >/tmp/db.log
+		# chroot itself, not in_root: $! must be the client's own pid.
+		chroot "$HOST_ROOT" python3 /hag/db_client.py commit --host "$VM_ADDR" --log /tmp/db.log >/tmp/db.err 2>&1 &
+		db_client=$!
+	fi
 	eval "set -- $(vm_words vm "$uuid" "$GUEST_ARGS")"
 	# Live in the host's log: the backup's account, and the standby VM's
 	# console once a takeover started it.
@@ -112,6 +207,12 @@ if [ "$HAG_HOST" = 1 ]; then
 	if command -v during_backup >/dev/null; then
 		during_backup >/tmp/during.out 2>&1 &
 	fi
+	if [ "${DEBIAN:-0}" = 1 ]; then
+		mkdir -p /tmp/hag-replicas
+		in_root qemu-img convert -O raw "$(debian_image)" /tmp/hag-replicas/vda.raw ||
+			fail "cannot copy the template into the replica"
+		step "host 1: the replica starts as a copy of the template"
+	fi
 	# shellcheck disable=SC2086
 	hagctl backup --listen "$backup" --failover-timeout 3 --json --status-dir /tmp/hag-backup ${BACKUP_ARGS:-} \
 		-- chroot "$HOST_ROOT" "$@" >/tmp/backup.out 2>/tmp/backup.err &
@@ -119,19 +220,27 @@ if [ "$HAG_HOST" = 1 ]; then
 	# The guest halts when its work ends (the test kernel cannot power
 	# off): then its QEMU is ended with SIGTERM, as an operator would, and
 	# the backup must end with it.
-	n=0 quiet=0 size=0
+	n=0 quiet=0 size=0 since=
 	while kill -0 "$bk" 2>/dev/null; do
 		n=$((n + 1))
-		# A taken-over guest that prints nothing for 60 s (it prints every
-		# second while it runs; one resumed from a broken image may hang)
-		# is ended too, as is one that never ends.
-		now=$( (cat /tmp/vm.console 2>/dev/null || true) | wc -c)
+		# A taken-over guest that prints and reports nothing for 60 s (it
+		# does every second while it runs; one resumed from a broken image
+		# may hang) is ended too, as is one that never ends.
+		now=$( (cat /tmp/vm.console /tmp/client.log 2>/dev/null || true) | wc -c)
 		if [ "$now" = "$size" ] && grep -q 'takeover: QEMU (pid' /tmp/backup.err; then
 			quiet=$((quiet + 1))
 		else
 			quiet=0 size=$now
 		fi
-		if grep -q HAG-GUEST-EXIT /tmp/vm.console 2>/dev/null || [ "$quiet" -gt 60 ] || [ "$n" -gt 700 ]; then
+		# The Debian guest is checked once it has run 20 s after the
+		# takeover (reported progress), or once its workload ended.
+		if [ "${DEBIAN:-0}" = 1 ] && [ -z "$since" ] && grep -q 'takeover: generation' /tmp/backup.err; then
+			since=$(wc -l </tmp/client.log)
+		fi
+		if grep -q HAG-GUEST-EXIT /tmp/vm.console 2>/dev/null || [ "$quiet" -gt 60 ] || [ "$n" -gt 700 ] ||
+			{ [ "${DEBIAN:-0}" = 1 ] && grep -q HAG-GUEST-RESULT /tmp/client.log; } ||
+			{ [ -n "$since" ] && [ "$(wc -l </tmp/client.log)" -ge $((since + 20)) ]; }; then
+			[ "${DEBIAN:-0}" != 1 ] || debian_checks
 			qemu=$(sed -n 's/.*takeover: QEMU (pid \([0-9]*\)).*/\1/p' /tmp/backup.err)
 			[ -z "$qemu" ] || kill -TERM "$qemu" 2>/dev/null || true
 			wait_for 30 sh -c "! kill -0 $bk 2>/dev/null" || {
@@ -160,7 +269,9 @@ if [ "$HAG_HOST" = 1 ]; then
 else
 	vm_net_up
 	step "host 0: VM with hag-guest on vGPU $uuid, RAM in a shared file"
-	if [ -n "${VM_DISK:-}" ]; then
+	if [ "${DEBIAN:-0}" = 1 ]; then
+		debian_disk "$VM_DISK"
+	elif [ -n "${VM_DISK:-}" ]; then
 		in_root qemu-img create -q -f qcow2 "$VM_DISK" 64M || fail "cannot make the VM's disk"
 	fi
 	VM_SHARED_RAM=1 vm_start vm "$uuid" "$GUEST_ARGS"
@@ -171,11 +282,14 @@ else
 	hagctl checkpoint --qmp /tmp/vm.qmp --backup "$backup" --plug eth1 --interval "${CP_INTERVAL:-1s}" \
 		--json ${CP_ARGS:-} >/tmp/cp.out 2>/tmp/cp.err &
 	cp=$!
+	# Live in the host's log: a lost host prints nothing at its end.
+	tail -f /tmp/cp.err 2>/dev/null | sed 's/^/[checkpoint] /' &
+	live=$!
 	if command -v during_primary >/dev/null; then
 		during_primary >/tmp/during.out 2>&1 &
 		during=$!
 	fi
-	wait_for 300 grep -q '^epoch 4:' /tmp/cp.err || fail "no 4 epochs: $(cat /tmp/cp.err)"
+	wait_for 300 grep -q "^epoch ${FAULT_EPOCH:-4}:" /tmp/cp.err || fail "no ${FAULT_EPOCH:-4} epochs: $(cat /tmp/cp.err)"
 	hagctl status
 	if command -v before_fault >/dev/null; then
 		before_fault
@@ -194,7 +308,7 @@ else
 	host-loss)
 		# At a random point of an epoch interval.
 		ms=$(($(od -An -N2 -tu2 /dev/urandom) % 1000))
-		step "host 0: lost ${ms} ms after epoch 4 was acknowledged"
+		step "host 0: lost ${ms} ms after epoch ${FAULT_EPOCH:-4} was acknowledged"
 		usleep $((ms * 1000))
 		lose_this_host
 		;;
@@ -213,7 +327,8 @@ else
 	rc=0
 	wait "$cp" || rc=$?
 	[ -z "${during:-}" ] || kill "$during" 2>/dev/null || true
-	cat /tmp/cp.err /tmp/cp.out
+	kill "$live" 2>/dev/null || true
+	cat /tmp/cp.out
 	vm_show vm
 	check_primary "$rc"
 fi

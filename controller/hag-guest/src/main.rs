@@ -55,6 +55,7 @@ use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -113,7 +114,8 @@ WORKLOAD
   (which KVM tracks). The run ends once both --iterations iterations are
   done and --seconds seconds have passed (at most 262144 iterations, the
   history's size: a very fast machine is paced to fit). Progress goes to
-  stdout every --progress seconds.
+  stdout every --progress seconds. SIGTERM (systemctl stop) ends the run
+  early: it verifies and reports as at its end.
 
 VERIFICATION
   At the end: no buffer page moved (pagemap again); every GPU-written byte
@@ -266,7 +268,7 @@ fn run_cpu_only(cli: &Cli, reporter: &mut Reporter) -> anyhow::Result<Outcome> {
     let progress = Duration::from_secs(cli.progress);
     let mut next_progress = progress;
     let mut done = 0u32;
-    while done < cli.iterations || start.elapsed() < time {
+    while (done < cli.iterations || start.elapsed() < time) && !stop_requested() {
         cpu.write(done).context("CPU workload")?;
         done += 1;
         let due = pace * done;
@@ -403,6 +405,13 @@ fn work<R: Registers>(
         if done >= plan.iterations && elapsed >= plan.time {
             break;
         }
+        if stop_requested() {
+            say(&format!(
+                "hag-guest: SIGTERM: ending the run at {done} iterations after {:.1} s",
+                elapsed.as_secs_f64()
+            ));
+            break;
+        }
         if done >= MAX_ITERATIONS {
             say(&format!(
                 "hag-guest: stopping at {done} iterations after {:.1} s: the history holds no more",
@@ -485,6 +494,31 @@ fn verify<R: Registers>(
     Ok(failures)
 }
 
+/// Raised by SIGTERM: the run ends early, verified as at its end.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+fn stop_requested() -> bool {
+    STOP.load(Ordering::Relaxed)
+}
+
+/// SIGTERM, blocked in every thread (call before any other starts), is
+/// taken by a thread of its own that raises [`STOP`].
+fn watch_sigterm() -> anyhow::Result<()> {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGTERM);
+    set.thread_block().context("blocking SIGTERM")?;
+    std::thread::Builder::new()
+        .name("sigterm".into())
+        .spawn(move || {
+            if set.wait().is_ok() {
+                STOP.store(true, Ordering::Relaxed);
+            }
+        })
+        .context("starting the SIGTERM thread")?;
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -511,6 +545,10 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         };
+    }
+    if let Err(e) = watch_sigterm() {
+        fail(&format!("{e:#}"));
+        return ExitCode::from(2);
     }
     let mut reporter = match Reporter::new(cli.report) {
         Ok(r) => r,

@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""The database client of the Debian guest's scenarios (qemu_failover_database,
+qemu_checkpoint_no_disk_delta): a user of the guest's PostgreSQL, on another
+test host, over the VMs' network.
+
+  db_client.py commit --host ADDR --log FILE
+      Commits one row after another, ids increasing, each in its own
+      transaction, and logs `acked ID` for each whose COMMIT PostgreSQL
+      acknowledged (the reply reached this host: under hagctl checkpoint
+      --plug, only once the epoch that wrote it was acknowledged by the
+      backup). A connection lost mid-commit leaves that id in doubt
+      (`lost ID: ...`, either outcome is right); the client reconnects and
+      goes on with the next id. The log's first line is `postmaster START`,
+      PostgreSQL's start time. Runs until SIGTERM.
+  db_client.py check --host ADDR --log FILE
+      Asks the database, wherever it now runs: every acknowledged id must
+      be in the table, PostgreSQL must not have restarted since the log's
+      start time, and its log must show no crash recovery. Prints what it
+      found; exits 1 if any of that is false.
+
+Connects as `postgres` to database `postgres` (the guest's pg_hba.conf
+trusts the test network; scripts/build-guest-rootfs.sh).
+"""
+
+import argparse
+import signal
+import sys
+import time
+
+import psycopg2
+
+TABLE = "hag_commits"
+PG_LOG = "/var/log/postgresql/postgresql-15-main.log"
+# What PostgreSQL logs when it starts from a data directory that was not
+# shut down cleanly, or when a backend crash made it reinitialise.
+RECOVERY_SIGNS = (
+    "database system was interrupted",
+    "database system was not properly shut down",
+    "redo starts at",
+    "automatic recovery in progress",
+    "terminated by signal",
+    "PANIC:",
+)
+
+
+def connect(host, patience):
+    """A connection, retried for `patience` seconds (PostgreSQL may still
+    be starting, or the VM moving)."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            conn = psycopg2.connect(host=host, user="postgres", dbname="postgres", connect_timeout=10,
+                                    keepalives=1, keepalives_idle=30)
+            conn.autocommit = False
+            return conn
+        except psycopg2.OperationalError as e:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"db_client: cannot connect to PostgreSQL on {host}: {e}".strip())
+            time.sleep(1)
+
+
+def commit(args):
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    log = open(args.log, "a", buffering=1)
+    conn = connect(args.host, 600)
+    with conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} ("
+                    "id bigint PRIMARY KEY, at timestamptz NOT NULL DEFAULT now(), payload text NOT NULL)")
+        cur.execute("SELECT pg_postmaster_start_time()::text")
+        log.write(f"postmaster {cur.fetchone()[0]}\n")
+        cur.execute(f"SELECT coalesce(max(id), 0) FROM {TABLE}")
+        next_id = cur.fetchone()[0] + 1
+    conn.commit()
+    print(f"db_client: committing to {TABLE} on {args.host} from id {next_id}", flush=True)
+    while not stop:
+        try:
+            with conn.cursor() as cur:
+                cur.execute(f"INSERT INTO {TABLE} (id, payload) VALUES (%s, repeat(md5(%s::text), 8))",
+                            (next_id, next_id))
+            conn.commit()
+            log.write(f"acked {next_id}\n")
+        except psycopg2.Error as e:
+            log.write(f"lost {next_id}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}\n")
+            try:
+                conn.close()
+            except psycopg2.Error:
+                pass
+            if stop:
+                break
+            conn = connect(args.host, 600)
+        next_id += 1
+    conn.close()
+
+
+def read_log(path):
+    start, acked, lost = None, [], []
+    for line in open(path):
+        word, _, rest = line.strip().partition(" ")
+        if word == "postmaster" and start is None:
+            start = rest
+        elif word == "acked":
+            acked.append(int(rest))
+        elif word == "lost":
+            lost.append(rest)
+    return start, acked, lost
+
+
+def check(args):
+    start, acked, lost = read_log(args.log)
+    if start is None:
+        print("db: the client never connected")
+        return 1
+    problems = []
+    conn = connect(args.host, 120)
+    with conn.cursor() as cur:
+        cur.execute(f"SELECT id FROM {TABLE}")
+        present = {row[0] for row in cur.fetchall()}
+        cur.execute("SELECT pg_postmaster_start_time()::text")
+        now_start = cur.fetchone()[0]
+        cur.execute("SELECT pg_read_file(%s)", (PG_LOG,))
+        pg_log = cur.fetchone()[0]
+    conn.close()
+    missing = [i for i in acked if i not in present]
+    print(f"db: {len(acked)} commits acknowledged (ids {acked[0] if acked else '-'}..{acked[-1] if acked else '-'}), "
+          f"{len(lost)} in doubt, {len(present)} rows in {TABLE}")
+    for line in lost:
+        print(f"db: in doubt: {line}")
+    if not acked:
+        problems.append("no commit was acknowledged")
+    if missing:
+        problems.append(f"{len(missing)} acknowledged commits missing (ids {', '.join(map(str, missing[:10]))}"
+                        f"{', ...' if len(missing) > 10 else ''})")
+    if now_start != start:
+        problems.append(f"PostgreSQL restarted: up since {now_start}, not {start}")
+    else:
+        print(f"db: PostgreSQL up since {start}, never restarted")
+    signs = [line for line in pg_log.splitlines() if any(s in line for s in RECOVERY_SIGNS)]
+    if signs:
+        problems.append("PostgreSQL's log shows crash recovery: " + " | ".join(signs[:5]))
+    else:
+        print(f"db: {PG_LOG} shows no crash recovery ({len(pg_log.splitlines())} lines)")
+    for p in problems:
+        print(f"db: FAIL: {p}")
+    return 1 if problems else 0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("mode", choices=("commit", "check"))
+    p.add_argument("--host", required=True)
+    p.add_argument("--log", required=True)
+    args = p.parse_args()
+    sys.exit(commit(args) if args.mode == "commit" else check(args))
+
+
+if __name__ == "__main__":
+    main()
