@@ -244,8 +244,65 @@ fn is_assignment(word: &str) -> bool {
     })
 }
 
+/// `argv` without what ties libvirt's command line to a domain libvirt
+/// runs, which a standby started by hagctl must not have: libvirt's
+/// monitor (`-chardev …id=charmonitor` and its `-mon`), its master key
+/// (`-object secret,id=masterKey0`, a file in the running domain's
+/// directory) and the guest RAM backend `-machine memory-backend=` names
+/// (hagctl's standby puts guest RAM on its standby image under the same
+/// id). Options it cannot read are kept as they are.
+pub fn without_libvirt_runtime(argv: &[String]) -> Vec<String> {
+    let opts = |value: &str| -> Option<Opts> {
+        if value.starts_with('{') {
+            serde_json::from_str::<Ordered>(value)
+                .ok()
+                .map(|Ordered(fields)| Opts::Json(fields))
+        } else {
+            Some(Opts::KeyValue(split_key_values(value)))
+        }
+    };
+    let option = |word: &str| word.trim_start_matches('-').to_owned();
+    let ram_backend = argv.windows(2).find_map(|w| {
+        (option(&w[0]) == "machine")
+            .then(|| opts(&w[1])?.get("memory-backend"))
+            .flatten()
+    });
+    let object_type = |o: &Opts| match o {
+        Opts::Json(_) => o.get("qom-type"),
+        Opts::KeyValue(_) => o.device_driver(),
+    };
+    let libvirts = |flag: &str, value: &str| -> bool {
+        let Some(o) = opts(value) else {
+            return false;
+        };
+        match flag {
+            "chardev" => o.get("id").as_deref() == Some("charmonitor"),
+            "mon" => o.get("chardev").as_deref() == Some("charmonitor"),
+            "object" => {
+                let (kind, id) = (object_type(&o).unwrap_or_default(), o.get("id"));
+                (kind == "secret" && id.as_deref() == Some("masterKey0"))
+                    || (kind.starts_with("memory-backend-") && id.is_some() && id == ram_backend)
+            }
+            _ => false,
+        }
+    };
+    let mut out = Vec::with_capacity(argv.len());
+    let mut i = 0;
+    while i < argv.len() {
+        let flag = option(&argv[i]);
+        if argv[i].starts_with('-') && i + 1 < argv.len() && libvirts(&flag, &argv[i + 1]) {
+            i += 2;
+            continue;
+        }
+        out.push(argv[i].clone());
+        i += 1;
+    }
+    out
+}
+
 /// The QEMU command line libvirt would start the domain of the file `xml`
-/// with: `virsh [--connect URI] domxml-to-native qemu-argv XML`.
+/// with: `virsh [--connect URI] domxml-to-native qemu-argv XML`, without
+/// what ties it to a running domain ([`without_libvirt_runtime`]).
 pub fn libvirt_domain_argv(xml: &Path, uri: Option<&str>) -> Result<Vec<String>, String> {
     let mut cmd = Command::new("virsh");
     if let Some(uri) = uri {
@@ -265,7 +322,9 @@ pub fn libvirt_domain_argv(xml: &Path, uri: Option<&str>) -> Result<Vec<String>,
     }
     let text =
         String::from_utf8(out.stdout).map_err(|_| format!("{what}: its output is not UTF-8"))?;
-    native_argv(&text).map_err(|e| format!("{what}: {e}"))
+    native_argv(&text)
+        .map(|argv| without_libvirt_runtime(&argv))
+        .map_err(|e| format!("{what}: {e}"))
 }
 
 /// Rewrites the block node `n`, the drive of the disk device `id`, to
@@ -1156,5 +1215,53 @@ mod tests {
         );
         assert!(native_argv("LC_ALL=C\n").is_err());
         assert!(native_argv("qemu '-m").is_err());
+    }
+
+    #[test]
+    fn libvirts_monitor_master_key_and_ram_backend_are_left_out() {
+        let line = argv(&[
+            "/usr/bin/qemu-system-x86_64",
+            "-name",
+            "guest=gpu-guest,debug-threads=on",
+            "-object",
+            r#"{"qom-type":"secret","id":"masterKey0","format":"raw","file":"/var/lib/libvirt/qemu/domain-1-gpu-guest/master-key.aes"}"#,
+            "-machine",
+            "pc-q35-10.0,usb=off,dump-guest-core=off,memory-backend=pc.ram",
+            "-object",
+            r#"{"qom-type":"memory-backend-file","id":"pc.ram","mem-path":"/var/lib/libvirt/qemu/ram/1-gpu-guest/pc.ram","share":true,"prealloc":true,"size":536870912}"#,
+            "-object",
+            r#"{"qom-type":"memory-backend-ram","id":"other","size":1048576}"#,
+            "-chardev",
+            "socket,id=charmonitor,path=/var/lib/libvirt/qemu/domain-1-gpu-guest/monitor.sock,server=on,wait=off",
+            "-mon",
+            "chardev=charmonitor,id=monitor,mode=control",
+            "-chardev",
+            "socket,id=charserial0,path=/run/hag/gpu-guest.console,server=on,wait=off",
+            "-S",
+        ]);
+        assert_eq!(
+            without_libvirt_runtime(&line),
+            argv(&[
+                "/usr/bin/qemu-system-x86_64",
+                "-name",
+                "guest=gpu-guest,debug-threads=on",
+                "-machine",
+                "pc-q35-10.0,usb=off,dump-guest-core=off,memory-backend=pc.ram",
+                "-object",
+                r#"{"qom-type":"memory-backend-ram","id":"other","size":1048576}"#,
+                "-chardev",
+                "socket,id=charserial0,path=/run/hag/gpu-guest.console,server=on,wait=off",
+                "-S",
+            ])
+        );
+        // A command line of its own (the tests') is left as it is.
+        let ours = argv(&[
+            "qemu-system-x86_64",
+            "-machine",
+            "q35",
+            "-object",
+            "secret,id=s0,data=x",
+        ]);
+        assert_eq!(without_libvirt_runtime(&ours), ours);
     }
 }
