@@ -294,7 +294,10 @@ fn migrates_and_ends_the_source_then_keeps_it_on_request() {
     assert_eq!(report["downtime_limit_ms"], 300);
     assert_eq!(report["max_bandwidth"], 16 << 20);
     assert!(report["transferred_bytes"].as_u64().unwrap() > 60 << 20);
-    assert_eq!(report["capabilities"], json!(["return-path=on"]));
+    assert_eq!(
+        report["capabilities"],
+        json!(["return-path=on", "x-ignore-shared=off"])
+    );
     // Progress: JSON objects, one per line, about once a second.
     let progress: Vec<Value> = text(&migrate.stderr)
         .lines()
