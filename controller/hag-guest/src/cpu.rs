@@ -13,8 +13,8 @@
 //! page, or a torn page all differ from the model.
 
 use anyhow::{bail, Context};
-use hag_vmm::frames::Mismatches;
-use hag_vmm::ram::{GuestRam, PAGE_SIZE};
+use guest_gpu::frames::Mismatches;
+use guest_ram::{GuestRam, PAGE_SIZE};
 
 /// Dwords per page.
 const DWORDS: usize = (PAGE_SIZE / 4) as usize;

@@ -5,10 +5,10 @@
 //! It finds the vGPU (PCI `1234:4847`) in sysfs, maps its BAR0
 //! ([`pci`]), takes locked memory whose pages lie scattered in guest
 //! physical memory and finds their frames ([`pagemap`]), and drives the
-//! vGPU with `hag-vmm`'s own guest driver ([`hag_vmm::driver::Driver`])
-//! and `frames` workload ([`hag_vmm::frames::Frames`]) over that memory:
-//! the driver's GTT entries carry the real guest physical frames
-//! ([`hag_vmm::ram::GuestRam::with_frames`]). Alongside, the CPU rewrites
+//! vGPU with the guest driver ([`guest_gpu::driver::Driver`]) and `frames`
+//! workload ([`guest_gpu::frames::Frames`]) that `hag-vmm` runs too, over
+//! that memory: the driver's GTT entries carry the real guest physical frames
+//! ([`guest_ram::GuestRam::with_frames`]). Alongside, the CPU rewrites
 //! a region of its own ([`cpu`]). It runs for at least `--iterations`
 //! iterations and `--seconds` seconds (a migration happens meanwhile),
 //! then checks all of it.
@@ -35,22 +35,6 @@ mod pagemap;
 mod pci;
 mod report;
 
-// Tests drive the workload loop on hag-vmm's fake hag-sim device, whose
-// source is test-only in hag-vmm; it is compiled here as it is there, its
-// `crate::driver` and `crate::ram` being hag-vmm's.
-#[cfg(test)]
-mod driver {
-    pub use hag_vmm::driver::*;
-}
-#[cfg(test)]
-#[allow(dead_code)]
-#[path = "../../hag-vmm/src/fake.rs"]
-mod fake;
-#[cfg(test)]
-mod ram {
-    pub use hag_vmm::ram::*;
-}
-
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
@@ -60,9 +44,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
-use hag_vmm::driver::{Driver, DriverConfig, Registers};
-use hag_vmm::frames::{Frames, Mismatches, Step, MAX_DIRTY_PAGES, MAX_ITERATIONS};
-use hag_vmm::ram::{GuestRam, PAGE_SIZE};
+use guest_gpu::driver::{Driver, DriverConfig, Registers};
+use guest_gpu::frames::{Frames, Mismatches, Step, MAX_DIRTY_PAGES, MAX_ITERATIONS};
+use guest_ram::{GuestRam, PAGE_SIZE};
 
 use crate::cpu::CpuRegion;
 use crate::pci::Bar0;
@@ -625,6 +609,7 @@ fn usage_error(e: &clap::Error) -> String {
 mod tests {
     use super::*;
     use clap::CommandFactory;
+    use guest_gpu::fake;
     use hag_abi::sim_regs as r;
 
     #[test]

@@ -12,7 +12,7 @@
 //! because nothing in this guest moves them:
 //!
 //! - the buffer is private anonymous memory, populated, written and locked
-//!   ([`hag_vmm::ram::GuestRam::new_locked`]): it is never reclaimed, and
+//!   ([`guest_ram::GuestRam::new_locked`]): it is never reclaimed, and
 //!   never the shared zero page;
 //! - the guest kernel (the test kernel, 6.12 from `tinyconfig`) has no
 //!   swap (`CONFIG_SWAP` needs `CONFIG_BLOCK`, which it lacks) and no page
@@ -36,7 +36,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use anyhow::bail;
-use hag_vmm::ram::PAGE_SIZE;
+use guest_ram::PAGE_SIZE;
 
 use crate::pci::os_error;
 
@@ -211,7 +211,7 @@ mod tests {
     /// error says to run as root.
     #[test]
     fn locked_memory_has_frames_of_its_own() {
-        let ram = hag_vmm::ram::GuestRam::new_locked(16 * PAGE_SIZE).unwrap();
+        let ram = guest_ram::GuestRam::new_locked(16 * PAGE_SIZE).unwrap();
         match frames(ram.host_addr(), ram.pages()) {
             Ok(f) => {
                 assert_eq!(f.len(), 16);

@@ -13,8 +13,8 @@ use std::ptr::NonNull;
 use std::sync::atomic::{fence, Ordering};
 
 use anyhow::{bail, Context};
+use guest_gpu::driver::{RegError, Registers};
 use hag_abi::sim_regs as r;
-use hag_vmm::driver::{RegError, Registers};
 use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
 
 /// Where the kernel lists PCI devices.

@@ -20,8 +20,8 @@ use anyhow::{anyhow, bail, Context};
 use hag_abi::sim_regs as r;
 use hag_audit::audit::{self, AuditSink, SinkFull, ValidatedCommand};
 
-use crate::driver::{gpr_registers, Driver, DriverError, Failure, Registers};
-use crate::workloads::{Expect, Workload};
+use guest_gpu::driver::{gpr_registers, Driver, DriverError, Failure, Registers};
+use guest_gpu::workloads::{Expect, Workload};
 
 /// Where the GPU dirty log comes from.
 pub trait DirtyLog {
@@ -308,7 +308,7 @@ pub fn run_workload_with<R: Registers>(
     report.missed_gpas = missed
         .iter()
         .take(16)
-        .map(|p| format!("{:#x}", p * crate::ram::PAGE_SIZE))
+        .map(|p| format!("{:#x}", p * guest_ram::PAGE_SIZE))
         .collect();
     report.precision = (!dirty.is_empty()).then(|| written.len() as f64 / dirty.len() as f64);
     let mut vfio_missed = Vec::new();
@@ -321,7 +321,7 @@ pub fn run_workload_with<R: Registers>(
             vfio_missed
                 .iter()
                 .take(16)
-                .map(|p| format!("{:#x}", p * crate::ram::PAGE_SIZE))
+                .map(|p| format!("{:#x}", p * guest_ram::PAGE_SIZE))
                 .collect(),
         );
     }
@@ -362,10 +362,10 @@ pub fn run_workload_with<R: Registers>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::driver::{DriverConfig, GttLayout};
-    use crate::fake::FakeGpu;
-    use crate::ram::GuestRam;
-    use crate::workloads::{by_name, NAMES};
+    use guest_gpu::driver::{DriverConfig, GttLayout};
+    use guest_gpu::fake::FakeGpu;
+    use guest_gpu::workloads::{by_name, NAMES};
+    use guest_ram::GuestRam;
 
     /// The fake's own dirty bits, as hag's log would report them.
     struct FakeLog<'a, 'b>(&'b FakeGpu<'a>);

@@ -22,15 +22,15 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
+use guest_gpu::driver::{Driver, DriverConfig, GttLayout, Registers, HWS_SEQNO};
+use guest_gpu::workloads::{self, Gate, Workload};
+use guest_ram::{GuestRam, PAGE_SIZE};
 use hag_abi::abi;
 use hag_abi::sim_regs as r;
 use hag_abi::snapshot;
 use hag_audit::audit::encode;
 use hag_dev::Device;
-use hag_vmm::driver::{Driver, DriverConfig, GttLayout, Registers, HWS_SEQNO};
-use hag_vmm::ram::{GuestRam, PAGE_SIZE};
 use hag_vmm::vfio::VfioDevice;
-use hag_vmm::workloads::{self, Gate, Workload};
 use nix::errno::Errno;
 
 const SUBMIT_TIMEOUT: Duration = Duration::from_secs(10);

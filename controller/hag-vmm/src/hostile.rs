@@ -40,10 +40,10 @@ use nix::sys::eventfd::{EfdFlags, EventFd};
 use nix::sys::uio::{pread, pwrite};
 use std::os::fd::{AsFd, AsRawFd};
 
-use crate::driver::{Driver, DriverConfig, DriverError, GttLayout, Pending, Registers};
-use crate::ram::{GuestRam, PAGE_SIZE};
 use crate::vfio::VfioDevice;
 use crate::vfio_sys as sys;
+use guest_gpu::driver::{Driver, DriverConfig, DriverError, GttLayout, Pending, Registers};
+use guest_ram::{GuestRam, PAGE_SIZE};
 
 /// Graphics memory of a hag-sim vGPU.
 const GFX: u64 = abi::SIM_GFX_MEM_SIZE;
@@ -2094,7 +2094,7 @@ mod tests {
     #[test]
     fn generated_rounds_fit_and_mix_accepted_and_rejected() {
         let mut gen = Gen::new(42, Layout::packed());
-        let regs = crate::driver::gpr_registers();
+        let regs = guest_gpu::driver::gpr_registers();
         let cfg = AuditConfig::new(GFX, gen.lay.hws).with_registers(&regs);
         let mut pages = Pages(Default::default());
         let (mut accepted, mut rejected) = (0, 0);
@@ -2136,7 +2136,7 @@ mod tests {
                 Ok(())
             }
         }
-        let regs = crate::driver::gpr_registers();
+        let regs = guest_gpu::driver::gpr_registers();
         let cfg = AuditConfig::new(GFX, lay.hws).with_registers(&regs);
         let mut keep = Keep(Vec::new());
         audit(ring, ring_gfx, &cfg, pages, &mut keep).expect("the stream is valid");
@@ -2173,7 +2173,7 @@ mod tests {
     #[test]
     fn expensive_streams_are_valid_and_refused_only_for_their_size() {
         let lay = Layout::packed();
-        let regs = crate::driver::gpr_registers();
+        let regs = guest_gpu::driver::gpr_registers();
         let cfg = AuditConfig::new(GFX, lay.hws).with_registers(&regs);
         // One page of register loads is valid on its own, and pages of it
         // follow each other; 512 of them are over the entry limit only.

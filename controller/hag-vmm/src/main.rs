@@ -29,14 +29,14 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
+use guest_gpu::driver::{Driver, DriverConfig, GttLayout};
+use guest_gpu::workloads;
+use guest_ram::GuestRam;
 use hag_abi::abi;
 use hag_dev::{bitmap_pages, bitmap_words, Device};
 use hag_vmm::check::{run_workload_with, DirtyLog, Report};
-use hag_vmm::driver::{Driver, DriverConfig, GttLayout};
 use hag_vmm::hostile::{self, HostileConfig};
-use hag_vmm::ram::GuestRam;
 use hag_vmm::vfio::{DmaLogStart, VfioDevice, VfioDmaLog};
-use hag_vmm::workloads;
 
 #[derive(Parser)]
 #[command(
@@ -249,8 +249,8 @@ all state in guest RAM), then verifies all of it and prints one line:
   PASS frames: 3000 iterations verified
   FAIL frames: history slot 812 at gfx 0x3000 (guest page 1234) is 0x00000000, expected …
 and exits 0 or 1. A controller (hagctl migrate / receive) talks to the VM
-through --control; the protocol is in hag_vmm::control. A VM stopped with
-'quit' prints 'stopped: quit at iteration N' and exits 0.
+through --control; the protocol is in the vmm-control crate. A VM stopped
+with 'quit' prints 'stopped: quit at iteration N' and exits 0.
 
 --incoming attaches the vGPU and guest RAM but does not initialise either:
 it waits for a controller to fill RAM, restore the vGPU context, set the VM
@@ -266,8 +266,8 @@ state and resume it, then continues the workload where it was.")]
         #[arg(long, value_name = "NAME", default_value = "frames")]
         workload: String,
         /// Iterations of the workload
-        #[arg(long, value_name = "N", default_value_t = hag_vmm::frames::DEFAULT_ITERATIONS,
-              value_parser = clap::value_parser!(u32).range(0..=i64::from(hag_vmm::frames::MAX_ITERATIONS)))]
+        #[arg(long, value_name = "N", default_value_t = guest_gpu::frames::DEFAULT_ITERATIONS,
+              value_parser = clap::value_parser!(u32).range(0..=i64::from(guest_gpu::frames::MAX_ITERATIONS)))]
         iterations: u32,
         /// Guest RAM in MiB
         #[arg(long, value_name = "MIB", default_value_t = 64,
@@ -283,7 +283,7 @@ state and resume it, then continues the workload where it was.")]
         /// The synthetic workload: each iteration also fills N more pages
         /// (one of 4 windows of N pages), to sweep the GPU's dirty rate
         #[arg(long, value_name = "N", default_value_t = 0,
-              value_parser = clap::value_parser!(u32).range(0..=i64::from(hag_vmm::frames::MAX_DIRTY_PAGES)))]
+              value_parser = clap::value_parser!(u32).range(0..=i64::from(guest_gpu::frames::MAX_DIRTY_PAGES)))]
         dirty_pages: u32,
     },
 }
@@ -652,7 +652,7 @@ mod tests {
             panic!("not serve");
         };
         assert_eq!(workload, "frames");
-        assert_eq!(iterations, hag_vmm::frames::DEFAULT_ITERATIONS);
+        assert_eq!(iterations, guest_gpu::frames::DEFAULT_ITERATIONS);
         assert_eq!((ram_mib, incoming), (64, false));
     }
 

@@ -26,12 +26,12 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
+use guest_gpu::driver::{Driver, DriverConfig, GttLayout};
+use guest_gpu::workloads::Gate;
+use guest_ram::GuestRam;
 use hag_abi::abi;
 use hag_dev::{Device, DirtyError};
-use hag_vmm::driver::{Driver, DriverConfig, GttLayout};
-use hag_vmm::ram::GuestRam;
 use hag_vmm::vfio::VfioDevice;
-use hag_vmm::workloads::Gate;
 use nix::errno::Errno;
 
 const SIM_CREATE: &str = "/sys/class/mdev_bus/hag/mdev_supported_types/hag-sim/create";

@@ -1,6 +1,6 @@
 //! `hag-vmm serve`: a migratable VM. Guest RAM is a memfd, the vGPU is
-//! attached through VFIO, and the [`crate::frames`] workload runs as the
-//! VM, step by step, while a control socket ([`crate::control`]) lets a
+//! attached through VFIO, and the [`guest_gpu::frames`] workload runs as the
+//! VM, step by step, while a control socket ([`vmm_control`]) lets a
 //! controller pause it, read its RAM and CPU dirty log, move its state and
 //! resume it (here, or as an `--incoming` VM on another host).
 //!
@@ -19,11 +19,11 @@ use anyhow::{bail, Context};
 use hag_abi::abi;
 use hag_dev::Device;
 
-use crate::control::{bitmap_hex, hex, send_with_fd, unhex, Reply, Request};
-use crate::driver::{Driver, DriverConfig, GttLayout};
-use crate::frames::{Frames, FramesState, Step};
-use crate::ram::{CpuDirtyLog, GuestRam, PAGE_SIZE};
 use crate::vfio::VfioDevice;
+use guest_gpu::driver::{Driver, DriverConfig, GttLayout};
+use guest_gpu::frames::{Frames, FramesState, Step};
+use guest_ram::{CpuDirtyLog, GuestRam, PAGE_SIZE};
+use vmm_control::{bitmap_hex, hex, send_with_fd, unhex, Reply, Request};
 
 /// Settings of `hag-vmm serve`.
 #[derive(Clone, Debug)]
@@ -107,7 +107,7 @@ pub struct Shared {
     new_state: Option<Vec<u8>>,
     quit_replied: bool,
     /// Console output is held until a controller releases it (Remus
-    /// output commit, see [`crate::control`]).
+    /// output commit, see [`vmm_control`]).
     hold_output: bool,
     /// Held lines: the checkpoint epoch they were tagged with (none yet),
     /// the line, and whether it is the final result line (printed by the

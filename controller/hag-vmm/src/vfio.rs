@@ -19,9 +19,9 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use nix::sys::uio::{pread, pwrite};
 
-use crate::driver::{RegError, Registers};
-use crate::ram::GuestRam;
 use crate::vfio_sys as sys;
+use guest_gpu::driver::{RegError, Registers};
+use guest_ram::GuestRam;
 
 /// Why the mdev could not be attached.
 #[derive(Debug, thiserror::Error)]

@@ -31,14 +31,14 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
+use guest_gpu::driver::{Driver, DriverConfig, DriverError, GttLayout, RegError, Registers};
+use guest_gpu::workloads::{self, Gate, Workload};
+use guest_ram::GuestRam;
 use hag_abi::abi;
 use hag_abi::sim_regs as r;
 use hag_dev::Device;
-use hag_vmm::driver::{Driver, DriverConfig, DriverError, GttLayout, RegError, Registers};
-use hag_vmm::ram::GuestRam;
 use hag_vmm::vfio::VfioDevice;
 use hag_vmm::vfio_sys;
-use hag_vmm::workloads::{self, Gate, Workload};
 use nix::errno::Errno;
 
 /// `enum vfio_device_mig_state`.

@@ -2,10 +2,10 @@
 //! Linux 6.12: ioctl numbers, flags and `#[repr(C)]` structures (with layout
 //! tests), and a thin wrapper per ioctl.
 //!
-//! This file holds every VFIO `unsafe` block of hag-vmm (the only other one
-//! is the guest RAM mapping in [`crate::ram`]). Each wrapper takes a live,
-//! correctly typed argument, so callers stay safe; errors come back as
-//! [`Errno`] for [`crate::vfio`] to name.
+//! This file holds hag-vmm's VFIO `unsafe` blocks (but for the one ioctl its
+//! migration check adds; the guest RAM mapping's are in the `guest-ram`
+//! crate). Each wrapper takes a live, correctly typed argument, so callers
+//! stay safe; errors come back as [`Errno`] for [`crate::vfio`] to name.
 
 use std::ffi::CStr;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};

@@ -30,8 +30,8 @@ use std::process::{Child, Command, ExitStatus};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use hag_vmm::control::VmClient;
-use hag_vmm::ram::PAGE_SIZE;
+use guest_ram::PAGE_SIZE;
+use vmm_control::VmClient;
 
 use crate::admission::{self, Admission};
 use crate::migrate::{tune, IncomingVm};

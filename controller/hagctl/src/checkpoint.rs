@@ -40,10 +40,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use guest_ram::{GuestRam, PAGE_SIZE};
 use hag_abi::abi;
 use hag_dev::Device;
-use hag_vmm::control::VmClient;
-use hag_vmm::ram::{GuestRam, PAGE_SIZE};
+use vmm_control::VmClient;
 
 use crate::backup::HEARTBEAT;
 use crate::console::ConsoleGate;
@@ -810,8 +810,8 @@ impl From<hag_dev::DirtyError> for EpochError {
     }
 }
 
-impl From<hag_vmm::ram::RamError> for EpochError {
-    fn from(e: hag_vmm::ram::RamError) -> Self {
+impl From<guest_ram::RamError> for EpochError {
+    fn from(e: guest_ram::RamError) -> Self {
         EpochError::Retry(e.to_string())
     }
 }

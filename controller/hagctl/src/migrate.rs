@@ -25,9 +25,9 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use guest_ram::{GuestRam, PAGE_SIZE};
 use hag_dev::{bitmap_pages, bitmap_words, Device};
-use hag_vmm::control::VmClient;
-use hag_vmm::ram::{GuestRam, PAGE_SIZE};
+use vmm_control::VmClient;
 
 use crate::pagehash::{PageHashes, Scan};
 use crate::secure::{self, Key};
@@ -206,7 +206,7 @@ pub fn gtt_guest_pages(context: &[u8]) -> Result<Vec<u64>, hag_abi::snapshot::Sn
 pub enum MigrateError {
     /// Reaching the VM.
     #[error(transparent)]
-    Vm(#[from] hag_vmm::control::ControlError),
+    Vm(#[from] vmm_control::ControlError),
     /// The VM's VMM.
     #[error(transparent)]
     Vmm(#[from] VmmError),
@@ -221,7 +221,7 @@ pub enum MigrateError {
     Vgpu(#[from] hag_dev::DirtyError),
     /// Guest RAM access.
     #[error(transparent)]
-    Ram(#[from] hag_vmm::ram::RamError),
+    Ram(#[from] guest_ram::RamError),
     /// Connecting to the target.
     #[error("cannot connect to the target {to}: {why}")]
     Connect {

@@ -15,7 +15,7 @@
 //! state). The cost (pages hashed, milliseconds) is reported, since it is
 //! what this baseline pays instead of auditing.
 
-use hag_vmm::ram::{GuestRam, RamError, PAGE_SIZE};
+use guest_ram::{GuestRam, RamError, PAGE_SIZE};
 
 use crate::wire::PAGE;
 

@@ -25,7 +25,7 @@
 
 use std::os::unix::fs::MetadataExt;
 
-use hag_vmm::ram::{GuestRam, PAGE_SIZE};
+use guest_ram::{GuestRam, PAGE_SIZE};
 
 use super::shared_ram::Mapping;
 
@@ -196,7 +196,7 @@ impl SelfTest {
 /// soft-dirty bit, and no other, says so (this process's bits: clearing
 /// them costs it a few write faults, nothing else).
 pub fn self_test() -> Result<(), String> {
-    let err = |e: hag_vmm::ram::RamError| format!("soft-dirty self-test: {e}");
+    let err = |e: guest_ram::RamError| format!("soft-dirty self-test: {e}");
     let ram = GuestRam::new_memfd(2 * PAGE_SIZE).map_err(err)?;
     // Both present first: a missing page would read clean either way.
     ram.write(0, &[1]).map_err(err)?;

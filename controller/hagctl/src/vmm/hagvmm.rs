@@ -1,5 +1,5 @@
 //! The [`Vmm`] driver for `hag-vmm serve`, over its control socket
-//! ([`hag_vmm::control`]).
+//! ([`vmm_control`]).
 //!
 //! hag-vmm hands hagctl what QEMU keeps to itself, its guest RAM (a memfd)
 //! and its CPU dirty log, and has no migration of its own: hagctl copies
@@ -11,8 +11,8 @@ use std::io::Write;
 use std::os::fd::OwnedFd;
 use std::path::Path;
 
-use hag_vmm::control::VmClient;
-use hag_vmm::ram::GuestRam;
+use guest_ram::GuestRam;
+use vmm_control::VmClient;
 
 use super::copy::{CopyVm, VmStatus};
 use super::{Feature, RunKind, RunState, SavedState, Vmm, VmmError};
@@ -174,9 +174,9 @@ impl CopyVm for HagVmm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use hag_vmm::control::{bitmap_hex, hex, Reply};
     use std::io::{BufRead, BufReader};
     use std::os::unix::net::UnixListener;
+    use vmm_control::{bitmap_hex, hex, Reply};
 
     #[test]
     fn states_map() {

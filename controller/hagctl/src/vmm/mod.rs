@@ -30,7 +30,7 @@ pub mod shared_ram;
 
 use std::os::fd::OwnedFd;
 
-use hag_vmm::ram::GuestRam;
+use guest_ram::GuestRam;
 
 /// Something a VMM may or may not be able to do for hagctl.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
@@ -341,7 +341,7 @@ pub enum VmmError {
     },
     /// hag-vmm's control socket.
     #[error(transparent)]
-    HagVmm(#[from] hag_vmm::control::ControlError),
+    HagVmm(#[from] vmm_control::ControlError),
     /// QMP.
     #[error(transparent)]
     Qmp(#[from] qmp::QmpError),

@@ -27,7 +27,7 @@ use std::io::Read;
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
-use hag_vmm::ram::GuestRam;
+use guest_ram::GuestRam;
 use serde_json::{json, Value};
 
 use super::copy::{CopyVm, DiskSink, OutputGate, VmStatus};

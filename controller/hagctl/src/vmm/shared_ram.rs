@@ -21,7 +21,7 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::OwnedFd;
 
-use hag_vmm::ram::{GuestRam, PAGE_SIZE};
+use guest_ram::{GuestRam, PAGE_SIZE};
 
 /// Guest RAM of at most this much is all below 4 GiB on q35 (and pc),
 /// where a guest-physical address is the backend's offset.

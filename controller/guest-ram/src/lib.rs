@@ -12,6 +12,10 @@
 //! physical frame [`GuestRam::frame`]`(p)`, which is what a device is told
 //! (the driver's GTT entries).
 //!
+//! A controller maps a running VM's RAM with it too ([`GuestRam::map_fd`]):
+//! `hagctl` reaches a `hag-vmm`'s memfd, or a QEMU's shared memory backend,
+//! to read and write its pages (migration, checkpoints, page hashes).
+//!
 //! The vGPU writes this memory by DMA (through VFIO's pinning) while the
 //! VMM holds it, so no Rust reference to its bytes is ever handed out: every
 //! access copies through a raw pointer.

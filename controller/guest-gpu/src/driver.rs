@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use hag_abi::sim_regs as r;
 use hag_audit::audit::{self, encode, AddressSpace, GfxMemory, MemoryFault};
 
-use crate::ram::{GuestRam, RamError, PAGE_SIZE};
+use guest_ram::{GuestRam, RamError, PAGE_SIZE};
 
 /// A BAR0 register access failed.
 #[derive(Debug, thiserror::Error)]

@@ -11,7 +11,7 @@ use hag_audit::audit::encode::{self, BlitRect};
 use hag_audit::audit::opcodes::PC_CS_STALL;
 
 use crate::driver::{Driver, DriverError, GfxMem, Registers, Setup, HWS_SEQNO};
-use crate::ram::PAGE_SIZE;
+use guest_ram::PAGE_SIZE;
 
 /// MI_ATOMIC opcodes (PRM "MI_ATOMIC", ATOMIC_OPCODE, dword forms; bits
 /// 6:5 = 0 select 4-byte operands). `hag_audit` encodes any opcode, so the
@@ -661,7 +661,7 @@ mod tests {
     use super::*;
     use crate::driver::{gpr_registers, Driver, DriverConfig};
     use crate::fake::FakeGpu;
-    use crate::ram::GuestRam;
+    use guest_ram::GuestRam;
     use hag_audit::audit::{self, NoSink, Reason};
 
     /// Every workload's submissions, ring and batch buffers read from guest

@@ -39,8 +39,8 @@ use anyhow::{bail, ensure, Context};
 use hag_audit::audit::encode::{self, BlitRect};
 
 use crate::driver::{Driver, DriverState, GfxMem, Registers, HWS_SEQNO};
-use crate::ram::PAGE_SIZE;
 use crate::workloads::atomic_op;
+use guest_ram::PAGE_SIZE;
 
 /// Frames.
 pub const FRAMES: u32 = 8;
@@ -589,7 +589,7 @@ mod tests {
     use super::*;
     use crate::driver::{Driver, DriverConfig};
     use crate::fake::FakeGpu;
-    use crate::ram::GuestRam;
+    use guest_ram::GuestRam;
 
     fn run_to_end(frames: &mut Frames, drv: &mut Driver<'_, &FakeGpu<'_>>) {
         while frames.step(drv).unwrap() == Step::Continue {}

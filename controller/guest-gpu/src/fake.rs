@@ -7,8 +7,9 @@
 //! whose pages are scattered ([`GuestRam::with_frames`], as in `hag-guest`)
 //! it finds the page of RAM behind each frame, and a frame outside RAM is
 //! a fault. The real device is the kernel module, exercised by the VM
-//! scenarios; this double lets the driver, the workloads and the dirty
-//! check be tested without it (`hag-guest`'s tests compile it too).
+//! scenarios; this double lets the driver, the workloads, `hag-vmm`'s
+//! dirty check and `hag-guest`'s workload loop be tested without it (their
+//! tests turn on this crate's feature `fake`, which compiles this module).
 
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
@@ -20,7 +21,7 @@ use hag_audit::audit::{
 };
 
 use crate::driver::{RegError, Registers};
-use crate::ram::{GuestRam, PAGE_SIZE};
+use guest_ram::{GuestRam, PAGE_SIZE};
 
 const GFX_MEM: u64 = 64 << 20;
 const ENTRIES: u32 = (GFX_MEM / PAGE_SIZE) as u32;

@@ -34,7 +34,7 @@ use std::time::Duration;
 
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 
-use crate::ram::{GuestRam, PAGE_SIZE};
+use guest_ram::{GuestRam, PAGE_SIZE};
 
 /// A request.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
