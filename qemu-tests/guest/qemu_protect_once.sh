@@ -34,6 +34,8 @@
 #                synchronisation sends only the chunks the VM changed.
 #   FAULT_EPOCH  the fault comes once this epoch is acknowledged (4 unless
 #                set)
+#   FAULT_DELAY_MS  host-loss: this many ms after that acknowledgement
+#                (random in 0-999 unless set)
 #   CONSOLE=1    the VM's console is a socket chardev that hagctl checkpoint
 #                holds too (--console), released to /tmp/vm.console.held;
 #                QEMU logs all of it, unheld, to /tmp/vm.console
@@ -309,8 +311,9 @@ else
 		kill -"$1" "$(cat /tmp/vm.pid)"
 		;;
 	host-loss)
-		# At a random point of an epoch interval.
-		ms=$(($(od -An -N2 -tu2 /dev/urandom) % 1000))
+		# At a random point of an epoch interval (or FAULT_DELAY_MS after
+		# the epoch's acknowledgement: qemu-tests/chaos draws it).
+		ms=${FAULT_DELAY_MS:-$(($(od -An -N2 -tu2 /dev/urandom) % 1000))}
 		step "host 0: lost ${ms} ms after epoch ${FAULT_EPOCH:-4} was acknowledged"
 		usleep $((ms * 1000))
 		lose_this_host

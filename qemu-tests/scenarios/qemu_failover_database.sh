@@ -14,7 +14,8 @@
 # and records it synced to a file on the disk) verifies; and after a clean
 # shutdown of the guest, e2fsck -fn finds the replica clean.
 FAULT=host-loss
-FAULT_EPOCH=6
+# qemu-tests/chaos --database sets CP_INTERVAL, FAULT_EPOCH and FAULT_DELAY_MS.
+FAULT_EPOCH=${FAULT_EPOCH:-6}
 DEBIAN=1
 GUEST_ARGS="--seconds=900,--mib=8,--cpu-mib=8,--progress=1"
 check_backup() {
