@@ -10,8 +10,10 @@
 #                 step runs even if an earlier one failed, and the failed
 #                 ones are named at the end
 #   make eval     the evaluation (qemu-tests/eval/run, ~40 min, then the real-VM
-#                 migration benchmark qemu-tests/eval/qemu-migration and the
-#                 real-VM checkpoint benchmark qemu-tests/eval/qemu-checkpoint) into
+#                 migration benchmark qemu-tests/eval/qemu-migration, the
+#                 real-VM checkpoint benchmark qemu-tests/eval/qemu-checkpoint
+#                 and the Debian guest's database benchmark
+#                 qemu-tests/eval/qemu-database) into
 #                 $(EVAL_OUT): report.md, results.json, plots; `make
 #                 eval-quick` does the same in short; `make eval-report`
 #                 redraws them
@@ -179,16 +181,22 @@ test-debug-test-if-cached:
 # the same QEMU/KVM VM without a vGPU, with hag's, and with QEMU's fallback;
 # then the real-VM checkpoint benchmark (qemu-tests/eval/qemu-checkpoint):
 # a QEMU/KVM VM unprotected and under hagctl checkpoint --qmp at 100 ms ..
-# 5 s, the pause floor, takeover after a GPU hang and after host loss.
+# 5 s, the pause floor, takeover after a GPU hang and after host loss;
+# then the database benchmark (qemu-tests/eval/qemu-database): the Debian
+# guest's pgbench and a client's commit latency unprotected and protected
+# at 2 s and 500 ms, its first synchronisation with and without a template,
+# takeover after host loss.
 eval: all
 	qemu-tests/eval/run --out $(EVAL_OUT) --readme README.md
 	qemu-tests/eval/qemu-migration --runs 5 --out $(EVAL_OUT) --readme README.md
 	qemu-tests/eval/qemu-checkpoint --runs 2 --out $(EVAL_OUT) --readme README.md
+	qemu-tests/eval/qemu-database --runs 2 --out $(EVAL_OUT) --readme README.md
 
 eval-quick: all
 	qemu-tests/eval/run --quick --out $(EVAL_OUT) --readme README.md
 	qemu-tests/eval/qemu-migration --runs 3 --out $(EVAL_OUT) --readme README.md
 	qemu-tests/eval/qemu-checkpoint --quick --out $(EVAL_OUT) --readme README.md
+	qemu-tests/eval/qemu-database --quick --out $(EVAL_OUT) --readme README.md
 
 eval-report: deps
 	qemu-tests/eval/run --report-only --out $(EVAL_OUT) --readme README.md
@@ -196,6 +204,8 @@ eval-report: deps
 		qemu-tests/eval/qemu-migration --report-only --out $(EVAL_OUT) --readme README.md
 	[ ! -e $(EVAL_OUT)/qemu-checkpoint.json ] || \
 		qemu-tests/eval/qemu-checkpoint --report-only --out $(EVAL_OUT) --readme README.md
+	[ ! -e $(EVAL_OUT)/qemu-database.json ] || \
+		qemu-tests/eval/qemu-database --report-only --out $(EVAL_OUT) --readme README.md
 
 demo: all
 	qemu-tests/demo

@@ -36,7 +36,6 @@ PORT=7400
 VM_NET=1
 VM_APPEND="hag_vm_ip=203.0.113.50/24 hag_vm_neigh=$CLIENT,52:54:00:4a:48:01"
 WORK="--mib=8,--cpu-mib=8,--progress=1,--report,$CLIENT:$PORT"
-peer=$(host_ip $((1 - HAG_HOST)))
 bhost=$(host_ip 1)
 # Hang injection is allowed on host 0 for the whole boot (it only permits
 # hagctl inject-hang).
@@ -45,16 +44,7 @@ if [ "$HAG_HOST" = 0 ]; then
 else
 	load_hag
 fi
-ha_key
-host_root_up
-wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
-if [ "$HAG_HOST" = 1 ]; then
-	vm_net_up "$CLIENT/24"
-else
-	vm_net_up
-fi
-
-up() { read -r u _ </proc/uptime && echo "$u"; }
+bench_hosts_up "$CLIENT"
 
 # stamp FILE PID: FILE's lines as they are written, each after this host's
 # uptime (/proc/uptime, as `up`), until process PID ends: the host root's
@@ -153,14 +143,12 @@ primary() {
 		[ "$rc" = 0 ] || { echo "item $id: hagctl checkpoint exited $rc:"; tail -5 "/tmp/cp$id.err"; }
 		echo "QCPCP $id $(cat "/tmp/cp$id.out")"
 	fi
-	kill -TERM "$qpid" 2>/dev/null || true
-	wait_for 30 sh -c "! kill -0 $qpid 2>/dev/null" || kill -KILL "$qpid" 2>/dev/null || true
+	bench_item_ends "$id" "$uuid" "$qpid"
 	sleep 0.5
 	grep 'hag-guest: iteration' "/tmp/con$id.st" | sed "s/^/QCPCON $id /"
 	[ ! -s "/tmp/ep$id.st" ] || grep ' epoch [0-9]*:' "/tmp/ep$id.st" | sed "s/^/QCPEPOCH $id /"
 	grep HAG-GUEST-RESULT "/tmp/vm$id.console" | sed "s/^/QCPGUEST $id /" || true
 	rm -f "/tmp/vm$id.ram"
-	wait_for 30 sh -c "echo 1 >/sys/bus/mdev/devices/$uuid/remove" || echo "item $id: mdev $uuid not removed"
 	await_ready "$bhost" $((7800 + id)) 900
 }
 
@@ -197,22 +185,11 @@ backup() {
 	# Host 0 is done with the item (a lost host 0 never says so).
 	[ "$mode" = loss ] || timeout 900 nc -l -p $((7800 + id)) </dev/null >/dev/null || echo "item $id: no end from host 0"
 	if [ -n "$bk" ]; then
-		wait_for 60 sh -c "! kill -0 $bk 2>/dev/null" || { echo "item $id: hagctl backup still runs"; kill "$bk"; }
-		wait "$bk" || echo "item $id: hagctl backup exited $?: $(tail -3 "/tmp/backup$id.err")"
-		grep '^{' "/tmp/backup$id.out" | sed "s/^/QCPTAKE $id /" || true
+		bench_backup_ended "$id" "$bk" QCP
 		grep 'takeover' "/tmp/backup$id.err" | sed "s/^/QCPTAKELOG $id /" || true
 	fi
 	kill "$client" 2>/dev/null || true
-	wait_for 30 sh -c "echo 1 >/sys/bus/mdev/devices/$uuid/remove" || echo "item $id: mdev $uuid not removed"
+	bench_item_ends "$id" "$uuid"
 }
 
-echo "$PLAN" | while read -r id mode; do
-	[ -n "$id" ] || continue
-	step "item $id: $mode"
-	if [ "$HAG_HOST" = 0 ]; then
-		primary "$id" "$mode" </dev/null
-	else
-		backup "$id" "$mode" </dev/null
-	fi
-	echo "QCPDONE $id"
-done
+bench_plan QCP

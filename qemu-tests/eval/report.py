@@ -8,6 +8,7 @@ reads results.json only: a report can be redrawn on any machine.
 
 import math
 import statistics
+import subprocess
 from pathlib import Path
 
 # The original work (gHA/HAG on gVirt) and hag's targets, as ARCHITECTURE.md
@@ -632,6 +633,51 @@ def qemu_checkpoint_section(out):
     return included_section(out, "qemu-checkpoint.md", QEMU_CHECKPOINT_BEGIN, QEMU_CHECKPOINT_END)
 
 
+QEMU_DATABASE_BEGIN = "<!-- qemu-database:begin (written by qemu-tests/eval/qemu-database) -->"
+QEMU_DATABASE_END = "<!-- qemu-database:end -->"
+
+
+def qemu_database_section(out):
+    """The Debian guest's database benchmark's section (qemu-tests/eval/qemu-database
+    writes qemu-database.md), between its markers, or nothing."""
+    return included_section(out, "qemu-database.md", QEMU_DATABASE_BEGIN, QEMU_DATABASE_END)
+
+
+def put_section(out, section, begin, end):
+    """Puts a benchmark's section (with its markers) into DIR/report.md,
+    in place of its previous one or at the end, as render() does when it
+    redraws report.md."""
+    path = Path(out) / "report.md"
+    text = path.read_text() if path.exists() else "# hag evaluation\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = head.rstrip("\n") + "\n" + section + tail.lstrip("\n")
+    else:
+        text = text.rstrip("\n") + "\n" + section
+    path.write_text(text)
+
+
+def put_readme_block(path, begin, end, block, who):
+    """Rewrites the README's text between `begin` and `end` (a benchmark's
+    table); says so, or that the markers are missing."""
+    text = Path(path).read_text()
+    if begin not in text or end not in text:
+        print(f"{who}: {path} has no {who} markers; left as it is")
+        return
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    Path(path).write_text(f"{head}{begin}\n{block}\n{end}{tail}")
+    print(f"{who}: table in {path} rewritten")
+
+
+def git_commit():
+    """This tree's commit, short (what a benchmark ran)."""
+    r = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+                       capture_output=True, text=True)
+    return r.stdout.strip() or "unknown"
+
+
 def render(res, out):
     """Writes report.md and every plot (SVG and PNG) into `out`."""
     out = Path(out)
@@ -641,4 +687,5 @@ def render(res, out):
                      ("bandwidth", plot_bandwidth), ("bytes_per_epoch", plot_bytes), ("precision", plot_precision),
                      ("dirty_sweep", plot_sweep), ("takeover", plot_takeover)]:
         fn(plt, res, out)
-    (out / "report.md").write_text(report_md(res) + qemu_migration_section(out) + qemu_checkpoint_section(out))
+    (out / "report.md").write_text(report_md(res) + qemu_migration_section(out) + qemu_checkpoint_section(out)
+                                   + qemu_database_section(out))

@@ -5,10 +5,12 @@ test host, over the VMs' network.
 
   db_client.py commit --host ADDR --log FILE
       Commits one row after another, ids increasing, each in its own
-      transaction, and logs `acked ID` for each whose COMMIT PostgreSQL
-      acknowledged (the reply reached this host: under hagctl checkpoint
-      --plug, only once the epoch that wrote it was acknowledged by the
-      backup). A connection lost mid-commit leaves that id in doubt
+      transaction, and logs `acked ID MS AT` for each whose COMMIT
+      PostgreSQL acknowledged (the reply reached this host: under hagctl
+      checkpoint --plug, only once the epoch that wrote it was acknowledged
+      by the backup): MS is the transaction's latency as this client saw
+      it (INSERT sent to COMMIT acknowledged), AT this host's uptime at
+      the acknowledgement (/proc/uptime's clock, CLOCK_BOOTTIME). A connection lost mid-commit leaves that id in doubt
       (`lost ID: ...`, either outcome is right); the client reconnects and
       goes on with the next id. The log's first line is `postmaster START`,
       PostgreSQL's start time. Runs until SIGTERM.
@@ -17,6 +19,10 @@ test host, over the VMs' network.
       be in the table, PostgreSQL must not have restarted since the log's
       start time, and its log must show no crash recovery. Prints what it
       found; exits 1 if any of that is false.
+  db_client.py latency --log FILE --from T0 --to T1
+      The commits acknowledged between uptimes T0 and T1: prints their
+      count and latency percentiles, `N P50 P99 MAX` (ms; for the
+      benchmark, qemu-tests/eval/qemu-database).
 
 Connects as `postgres` to database `postgres` (the guest's pg_hba.conf
 trusts the test network; scripts/build-guest-rootfs.sh).
@@ -75,11 +81,13 @@ def commit(args):
     print(f"db_client: committing to {TABLE} on {args.host} from id {next_id}", flush=True)
     while not stop:
         try:
+            sent = time.clock_gettime(time.CLOCK_BOOTTIME)
             with conn.cursor() as cur:
                 cur.execute(f"INSERT INTO {TABLE} (id, payload) VALUES (%s, repeat(md5(%s::text), 8))",
                             (next_id, next_id))
             conn.commit()
-            log.write(f"acked {next_id}\n")
+            acked = time.clock_gettime(time.CLOCK_BOOTTIME)
+            log.write(f"acked {next_id} {(acked - sent) * 1000:.1f} {acked:.3f}\n")
         except psycopg2.Error as e:
             log.write(f"lost {next_id}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}\n")
             try:
@@ -100,7 +108,7 @@ def read_log(path):
         if word == "postmaster" and start is None:
             start = rest
         elif word == "acked":
-            acked.append(int(rest))
+            acked.append(int(rest.split()[0]))
         elif word == "lost":
             lost.append(rest)
     return start, acked, lost
@@ -145,13 +153,31 @@ def check(args):
     return 1 if problems else 0
 
 
+def latency(args):
+    lats = []
+    for line in open(args.log):
+        word, *rest = line.split()
+        if word == "acked" and len(rest) == 3 and args.t0 <= float(rest[2]) <= args.t1:
+            lats.append(float(rest[1]))
+    lats.sort()
+
+    def pct(q):
+        return lats[min(len(lats) - 1, int(q * len(lats)))] if lats else 0.0
+    print(f"{len(lats)} {pct(0.5):.1f} {pct(0.99):.1f} {lats[-1] if lats else 0.0:.1f}")
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=("commit", "check"))
-    p.add_argument("--host", required=True)
+    p.add_argument("mode", choices=("commit", "check", "latency"))
+    p.add_argument("--host")
     p.add_argument("--log", required=True)
+    p.add_argument("--from", dest="t0", type=float, default=0.0)
+    p.add_argument("--to", dest="t1", type=float, default=float("inf"))
     args = p.parse_args()
-    sys.exit(commit(args) if args.mode == "commit" else check(args))
+    if args.mode != "latency" and not args.host:
+        p.error(f"{args.mode} needs --host")
+    sys.exit({"commit": commit, "check": check, "latency": latency}[args.mode](args))
 
 
 if __name__ == "__main__":

@@ -432,3 +432,56 @@ ha_key() {
 ha_rogue_key() {
 	(umask 077 && echo "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef" >"$1")
 }
+
+# ---- Benchmark scenarios (qemu-tests/eval/*.sh) -------------------------------
+# up: this host's uptime in seconds (the benchmarks' clock).
+up() { cut -d' ' -f1 /proc/uptime; }
+
+# bench_hosts_up CLIENT: the key, the host root, the peer reachable, and the
+# VMs' network, with CLIENT (the client's address on it) on host 1.
+bench_hosts_up() {
+	ha_key
+	host_root_up
+	wait_for 60 ping -c 1 -W 1 "$(host_ip $((1 - HAG_HOST)))" || fail "$(host_ip $((1 - HAG_HOST))) unreachable"
+	if [ "$HAG_HOST" = 1 ]; then
+		vm_net_up "$1/24"
+	else
+		vm_net_up
+	fi
+}
+
+# bench_plan TAG: a benchmark's items, PLAN's "ID MODE" lines, one after
+# another: host 0 runs the scenario's `primary ID MODE`, host 1 its
+# `backup ID MODE`; each side prints "TAGDONE ID" when done with an item.
+bench_plan() {
+	echo "$PLAN" | while read -r id mode; do
+		[ -n "$id" ] || continue
+		step "item $id: $mode"
+		if [ "$HAG_HOST" = 0 ]; then
+			primary "$id" "$mode" </dev/null
+		else
+			backup "$id" "$mode" </dev/null
+		fi
+		echo "${1}DONE $id"
+	done
+}
+
+# bench_backup_ended ID PID TAG: waits up to 60 s for item ID's hagctl
+# backup (PID, its output in /tmp/backupID.out and .err) to end, and
+# prints its JSON report (a takeover's) as "TAGTAKE ID JSON".
+bench_backup_ended() {
+	wait_for 60 sh -c "! kill -0 $2 2>/dev/null" || { echo "item $1: hagctl backup still runs"; kill "$2"; }
+	wait "$2" || echo "item $1: hagctl backup exited $?: $(tail -3 "/tmp/backup$1.err")"
+	grep '^{' "/tmp/backup$1.out" | sed "s/^/${3}TAKE $1 /" || true
+}
+
+# bench_item_ends ID UUID [QEMU-PID]: the end of item ID on this host: its
+# VM's QEMU (if given) ended with SIGTERM (SIGKILL after 30 s), then its
+# mdev UUID removed (retried for 30 s: QEMU may still hold it).
+bench_item_ends() {
+	if [ -n "${3:-}" ]; then
+		kill -TERM "$3" 2>/dev/null || true
+		wait_for 30 sh -c "! kill -0 $3 2>/dev/null" || kill -KILL "$3" 2>/dev/null || true
+	fi
+	wait_for 30 sh -c "echo 1 >/sys/bus/mdev/devices/$2/remove" || echo "item $1: mdev $2 not removed"
+}

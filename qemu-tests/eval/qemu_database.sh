@@ -1,0 +1,208 @@
+# hosts: 2
+# timeout: 3600
+# vms: yes
+# debian: yes
+# memory: 3072
+# The database benchmark's scenario (not a test: qemu-tests/eval/qemu-database
+# runs it, with PLAN, WINDOW and WARM set in front of this text). One
+# Debian guest after another (QEMU 10/KVM, 512 MiB in a shared file,
+# systemd, PostgreSQL 15, hag-guest's GPU workload as a service, ext4 root
+# on a qcow2 overlay of the cached image) on host 0, once per PLAN line
+# "ID MODE":
+#   none       unprotected: the load for WINDOW s after WARM s
+#   500ms, 2s  protected by hagctl checkpoint --qmp --plug eth1 at that
+#              interval to hagctl backup on host 1, its disk replicated to
+#              a replica that starts as a copy of the template image (both
+#              hosts hold it); the window starts once epoch 2 is
+#              acknowledged; then SIGTERM ends protection (no takeover)
+#   bare       protected at 2 s to a backup whose replica starts empty:
+#              the first synchronisation without a template; ends at
+#              epoch 2
+#   loss       protected at 2 s; host 0 is lost at a random point after
+#              epoch 3: host 1 takes over after its 3 s failover timeout,
+#              then asks the database for every acknowledged commit. Last
+#              in a PLAN
+# The load, in every mode: pgbench's TPC-B-like transactions from two
+# clients inside the guest (started through PostgreSQL's COPY TO PROGRAM:
+# their replies are local, never held), and db_client.py on host 1
+# committing one row after another over the VMs' network, its replies
+# held by output commit when protected: what a user of the service sees.
+# Host 1 measures both on its own clock: pgbench's rate from the rows of
+# pgbench_history at the window's ends (a query's time is when it was
+# sent: its reply may be held, its execution is not), the client's commit
+# latencies from its log.
+# Lines for the driver, host 0: QDBSYNC id SECONDS (hagctl checkpoint
+# started to epoch 1 acknowledged), QDBEPOCHS id FIRST LAST (the epochs
+# acknowledged in the window), QDBCP id {checkpoint json}; host 1: QDBWIN id
+# T0 T1 ROWS0 ROWS1, QDBLAT id N P50 P99 MAX, QDBTAKE id {backup json},
+# QDBCHECK id STATUS; both QDBDONE id.
+CLIENT=203.0.113.1
+VM_ADDR=203.0.113.50
+VM_NET=1 VM_DEBIAN=1 VM_MIB=512
+VM_APPEND="hag_vm_ip=$VM_ADDR/24 hag_vm_neigh=$CLIENT,52:54:00:4a:48:01"
+GUEST_ARGS="--seconds=3600,--mib=8,--cpu-mib=8,--progress=1,--report,$CLIENT:7400,--disk,/var/lib/hag-guest-records"
+PGBENCH=/usr/lib/postgresql/15/bin/pgbench
+peer=$(host_ip $((1 - HAG_HOST)))
+bhost=$(host_ip 1)
+load_hag
+bench_hosts_up "$CLIENT"
+
+interval() {
+	case $1 in
+	none) echo - ;;
+	bare | loss) echo 2s ;;
+	*) echo "$1" ;;
+	esac
+}
+
+# sql QUERY: the guest's PostgreSQL's answer, unaligned.
+sql() { in_root psql -h "$VM_ADDR" -U postgres -qAt -c "$1"; }
+
+# in_guest COMMAND: runs COMMAND in the guest as its postgres user (the
+# superuser's COPY TO PROGRAM; the guest has no other way in). The shell
+# reads the row first: had it exited before PostgreSQL wrote it (COMMAND
+# run in the background), the COPY would fail with a broken pipe.
+in_guest() { sql "COPY (SELECT 1) TO PROGRAM 'cat >/dev/null; $1'" >/dev/null; }
+
+# acked_epochs ID: how many epochs item ID's hagctl checkpoint has had
+# acknowledged so far (0 unprotected).
+acked_epochs() {
+	if [ -e "/tmp/cp$1.err" ]; then grep -c '^epoch [0-9]*:' "/tmp/cp$1.err" || true; else echo 0; fi
+}
+
+primary() {
+	id=$1 mode=$2
+	iv=$(interval "$mode")
+	uuid=$(new_uuid)
+	mdev_create "$uuid"
+	rm -f /tmp/vm-disk.qcow2
+	debian_disk /tmp/vm-disk.qcow2
+	VM_DISK=/tmp/vm-disk.qcow2 VM_SHARED_RAM=1 vm_start "vm$id" "$uuid" "$GUEST_ARGS"
+	qpid=$(cat "/tmp/vm$id.pid")
+	vm_wait_console "vm$id" 600 HAG-GUEST-READY
+	await_ready "$bhost" $((7600 + id)) 600
+	# Host 1 has loaded the database and started the load.
+	signal_ready $((7700 + id))
+	cp=
+	if [ "$iv" = - ]; then
+		sleep "$WARM"
+	else
+		rm -rf /tmp/hag-deltas
+		t=$(up)
+		hagctl checkpoint --qmp "/tmp/vm$id.qmp" --backup "$bhost:$((7200 + id))" --plug eth1 \
+			--interval "$iv" --delta-dir /tmp/hag-deltas --json >"/tmp/cp$id.out" 2>"/tmp/cp$id.err" &
+		cp=$!
+		wait_for 900 grep -q '^epoch 1:' "/tmp/cp$id.err" || {
+			cat "/tmp/cp$id.err"
+			fail "item $id ($mode): no epoch 1"
+		}
+		echo "QDBSYNC $id $(echo "$(up) $t" | awk '{print $1 - $2}')"
+		wait_for 300 grep -q '^epoch 2:' "/tmp/cp$id.err" || {
+			cat "/tmp/cp$id.err"
+			fail "item $id ($mode): no epoch 2"
+		}
+	fi
+	case $mode in
+	loss)
+		wait_for 300 grep -q '^epoch 3:' "/tmp/cp$id.err" || fail "item $id: no epoch 3"
+		ms=$(($(od -An -N2 -tu2 /dev/urandom) % 2000))
+		usleep $((ms * 1000))
+		echo "QDBLOSS $id ${ms} ms after epoch 3"
+		lose_this_host
+		;;
+	bare) ;;
+	*)
+		await_ready "$bhost" $((7900 + id)) 60
+		first=$(($(acked_epochs "$id") + 1))
+		sleep "$WINDOW"
+		last=$(acked_epochs "$id")
+		await_ready "$bhost" $((8000 + id)) 60
+		[ -z "$cp" ] || echo "QDBEPOCHS $id $first $last"
+		;;
+	esac
+	if [ -n "$cp" ]; then
+		kill -TERM "$cp"
+		rc=0
+		wait "$cp" || rc=$?
+		[ "$rc" = 0 ] || { echo "item $id: hagctl checkpoint exited $rc:"; tail -5 "/tmp/cp$id.err"; }
+		echo "QDBCP $id $(cat "/tmp/cp$id.out")"
+	fi
+	bench_item_ends "$id" "$uuid" "$qpid"
+	rm -f "/tmp/vm$id.ram" /tmp/vm-disk.qcow2
+	await_ready "$bhost" $((7800 + id)) 900
+}
+
+backup() {
+	id=$1 mode=$2
+	iv=$(interval "$mode")
+	uuid=$(new_uuid)
+	mdev_create "$uuid"
+	hag-guest listen --port 7400 >"/tmp/client$id.log" 2>/dev/null &
+	client=$!
+	bk=
+	rm -rf /tmp/hag-replicas
+	mkdir -p /tmp/hag-replicas
+	if [ "$iv" != - ]; then
+		# The template both hosts hold, except for a bare backup.
+		[ "$mode" = bare ] || in_root qemu-img convert -O raw "$(debian_image)" /tmp/hag-replicas/vda.raw ||
+			fail "item $id: cannot copy the template into the replica"
+		eval "set -- $(VM_DISK=/tmp/hag-replicas/vda.raw VM_DISK_FORMAT=raw vm_words "vm$id" "$uuid" "$GUEST_ARGS")"
+		hagctl backup --listen "$bhost:$((7200 + id))" --failover-timeout 3 --json \
+			--status-dir "/tmp/hag-backup$id" --replica-dir /tmp/hag-replicas -- chroot "$HOST_ROOT" "$@" \
+			>"/tmp/backup$id.out" 2>"/tmp/backup$id.err" &
+		bk=$!
+		wait_for 60 port_listening $((7200 + id)) || fail "item $id: the backup does not listen"
+	fi
+	signal_ready $((7600 + id))
+	# The guest is up: its database gets pgbench's tables, the load starts.
+	wait_for 300 in_root /usr/lib/postgresql/15/bin/pg_isready -q -h "$VM_ADDR" -t 2 ||
+		fail "item $id: the guest's PostgreSQL does not answer"
+	in_guest "$PGBENCH -i -s 1 -q postgres >/tmp/pgbench-init.log 2>&1" ||
+		fail "item $id: pgbench -i in the guest failed"
+	in_guest "nohup $PGBENCH -n -c 2 -j 1 -T 3600 postgres >/tmp/pgbench.log 2>&1 &" ||
+		fail "item $id: pgbench did not start in the guest"
+	: >"/tmp/db$id.log"
+	chroot "$HOST_ROOT" python3 /hag/db_client.py commit --host "$VM_ADDR" --log "/tmp/db$id.log" \
+		>"/tmp/db$id.err" 2>&1 &
+	db=$!
+	await_ready "$peer" $((7700 + id)) 60
+	case $mode in
+	loss)
+		wait_for 600 grep -q 'takeover: generation' "/tmp/backup$id.err" || {
+			cat "/tmp/backup$id.err"
+			fail "item $id ($mode): no takeover"
+		}
+		# 20 s of the taken-over database serving the client.
+		sleep 20
+		kill -TERM "$db" 2>/dev/null || true
+		wait "$db" 2>/dev/null || true
+		rc=0
+		in_root python3 /hag/db_client.py check --host "$VM_ADDR" --log "/tmp/db$id.log" || rc=$?
+		echo "QDBCHECK $id $rc"
+		qemu=$(sed -n 's/.*takeover: QEMU (pid \([0-9]*\)).*/\1/p' "/tmp/backup$id.err")
+		[ -z "$qemu" ] || kill -TERM "$qemu" 2>/dev/null || true
+		;;
+	bare) ;;
+	*)
+		signal_ready $((7900 + id))
+		t0=$(up)
+		r0=$(sql "SELECT count(*) FROM pgbench_history")
+		signal_ready $((8000 + id))
+		t1=$(up)
+		r1=$(sql "SELECT count(*) FROM pgbench_history")
+		echo "QDBWIN $id $t0 $t1 $r0 $r1"
+		echo "QDBLAT $id $(in_root python3 /hag/db_client.py latency --log "/tmp/db$id.log" --from "$t0" --to "$t1")"
+		;;
+	esac
+	kill -TERM "$db" 2>/dev/null || true
+	# Host 0 is done with the item (a lost host 0 never says so).
+	[ "$mode" = loss ] || signal_ready $((7800 + id))
+	if [ -n "$bk" ]; then
+		bench_backup_ended "$id" "$bk" QDB
+	fi
+	kill "$client" 2>/dev/null || true
+	rm -rf /tmp/hag-replicas
+	bench_item_ends "$id" "$uuid"
+}
+
+bench_plan QDB
