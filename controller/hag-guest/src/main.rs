@@ -61,7 +61,7 @@ use crate::report::{Listener, Reporter};
     long_about = "hag's guest GPU driver and workload, run as root inside a Linux guest of \
                   QEMU/KVM that has a hag-sim vGPU attached (-device \
                   vfio-pci,sysfsdev=/sys/bus/mdev/devices/UUID). It drives the vGPU with \
-                  hag-vmm's guest driver and runs hag-vmm's 'frames' GPU workload plus a CPU \
+                  the guest GPU driver hag-vmm uses too and runs its 'frames' GPU workload plus a CPU \
                   workload on its own memory, for at least --iterations iterations and \
                   --seconds seconds, then verifies every byte of both.",
     after_long_help = "\

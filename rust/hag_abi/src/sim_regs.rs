@@ -1,7 +1,7 @@
 //! The guest-visible interface of the simulated vGPU `hag-sim`: PCI IDs,
 //! BAR0 register offsets and bits, GTT layout. `docs/sim-vgpu.md` explains
 //! each one; this file is the single source of the numbers, used by the
-//! module's device model and by guest drivers (hag-vmm's).
+//! module's device model and by the guest driver (controller/guest-gpu).
 
 /// PCI vendor id (QEMU's own ID for emulated devices).
 pub const PCI_VENDOR_ID: u16 = 0x1234;
