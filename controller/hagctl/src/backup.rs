@@ -34,6 +34,7 @@ use guest_ram::PAGE_SIZE;
 use vmm_control::VmClient;
 
 use crate::admission::{self, Admission};
+use crate::fence::{FenceFacts, FencePeer};
 use crate::migrate::{tune, IncomingVm};
 use crate::replica::{replica_path, shared_refusal, standby_refusal, Replicas};
 use crate::secure::{self, Key, Outbox, Reader};
@@ -818,6 +819,31 @@ pub fn decide(
     }
 }
 
+/// What `--on-silence` and a requested takeover (`hagctl takeover`,
+/// `requested`) make of [`decide`]'s `decision` (`hang`: it was on a
+/// forwarded hang). A request takes over whenever there is a checkpoint:
+/// the requester (an operator, a cluster manager) has fenced the primary;
+/// the takeover's recheck still gives it up if the primary is heard after
+/// it. Under `hold`, silence alone never takes over.
+pub fn under_policy(
+    decision: Decision,
+    hang: bool,
+    on_silence: OnSilence,
+    requested: bool,
+    has_checkpoint: bool,
+) -> Decision {
+    match decision {
+        Decision::Takeover(why) if hang => Decision::Takeover(why),
+        _ if requested && has_checkpoint => Decision::Takeover(
+            "a takeover was requested (hagctl takeover): the primary is fenced".into(),
+        ),
+        Decision::Takeover(why) if on_silence == OnSilence::Hold => Decision::Hold(format!(
+            "{why}: holding (--on-silence hold); a takeover waits for hagctl takeover"
+        )),
+        d => d,
+    }
+}
+
 /// Where a pairing stands on this backup. Ending protection (the
 /// primary's ABORT) and taking over exclude each other: whichever comes
 /// first wins, decided under one lock, so a backup that is starting the
@@ -923,6 +949,23 @@ pub struct BackupOptions {
     pub max_connections: usize,
     /// For tests: a file naming a fault to play (mute, drop-acks).
     pub test_fault_file: Option<PathBuf>,
+    /// The operator's fencing, run before every takeover.
+    pub fence_peer: Option<FencePeer>,
+    /// Whether the primary's silence alone makes a takeover.
+    pub on_silence: OnSilence,
+}
+
+/// What the primary's silence past the failover timeout does
+/// (`--on-silence`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnSilence {
+    /// Take over (after `--fence-peer`, if given).
+    #[default]
+    Takeover,
+    /// Hold: a cluster manager decides, and asks for the takeover
+    /// (`hagctl takeover`) once it has fenced the primary. A forwarded
+    /// hang still takes over at once.
+    Hold,
 }
 
 /// What a takeover reports.
@@ -975,6 +1018,10 @@ pub trait TakeoverSteps {
     /// meanwhile; or the primary came back while the VM was prepared).
     /// `Err` says what was heard.
     fn recheck(&mut self) -> Result<(), String>;
+    /// The operator's fencing of the primary (`--fence-peer`), for the
+    /// takeover to `generation`: `Err` if it did not succeed (nothing to
+    /// run: `Ok`).
+    fn fence_peer(&mut self, generation: u64) -> Result<(), String>;
     /// Stores the new generation durably (written, synced, read back).
     fn persist(&mut self, generation: u64) -> Result<(), String>;
     /// Tells every connection of the session the new generation.
@@ -997,6 +1044,9 @@ pub enum TakeoverError {
     /// The primary was heard after a decision on its silence: not fenced.
     #[error("{0}; the primary was not fenced")]
     PrimaryAlive(String),
+    /// The operator's fence command did not succeed: no takeover.
+    #[error("{0}; the primary was not fenced, no takeover")]
+    PeerNotFenced(String),
     /// The generation is at its end.
     #[error("generation {0} cannot be raised")]
     Exhausted(u64),
@@ -1006,8 +1056,9 @@ pub enum TakeoverError {
 }
 
 /// A takeover from generation `generation`: the primary is fenced only
-/// once this host is known able to run the VM and the new generation is
-/// durable (issue 12, items 3 and 9). Returns the new generation.
+/// once this host is known able to run the VM, the operator's fence
+/// command (if any) succeeded, and the new generation is durable (issue
+/// 12, items 3 and 9; issue 21, item 2). Returns the new generation.
 pub fn take_over(steps: &mut impl TakeoverSteps, generation: u64) -> Result<u64, TakeoverError> {
     let next = generation
         .checked_add(1)
@@ -1019,6 +1070,10 @@ pub fn take_over(steps: &mut impl TakeoverSteps, generation: u64) -> Result<u64,
     if let Err(e) = steps.recheck() {
         steps.abandon();
         return Err(TakeoverError::PrimaryAlive(e));
+    }
+    if let Err(e) = steps.fence_peer(next) {
+        steps.abandon();
+        return Err(TakeoverError::PeerNotFenced(e));
     }
     if let Err(e) = steps.persist(next) {
         steps.abandon();
@@ -1152,6 +1207,9 @@ struct Live {
     /// The backup's generation (mirrors the standby's).
     generation: u64,
     epoch: u64,
+    /// The address the session's data connection came from (what
+    /// `--fence-peer` is told to fence).
+    primary: Option<String>,
 }
 
 impl Live {
@@ -1169,6 +1227,7 @@ impl Live {
             end_refused: false,
             generation,
             epoch: 0,
+            primary: None,
         }
     }
 
@@ -1337,6 +1396,10 @@ fn data_session(
                 // The pairing is this session now; the data connection
                 // is one of its members.
                 l.adopt(session);
+                l.primary = Some(
+                    from.parse::<std::net::SocketAddr>()
+                        .map_or_else(|_| from.to_owned(), |a| a.ip().to_string()),
+                );
                 if let Some(old) = l.data.replace(conn) {
                     if let Some(m) = l.members.remove(&old) {
                         m.out.close();
@@ -1565,6 +1628,82 @@ fn state_path(dir: &std::path::Path) -> PathBuf {
     dir.join("backup.json")
 }
 
+/// `hagctl takeover`'s request, in the backup's status directory.
+fn request_path(dir: &std::path::Path) -> PathBuf {
+    dir.join("takeover.request")
+}
+
+/// Why a requested takeover did not happen, written by the backup.
+fn refusal_path(dir: &std::path::Path) -> PathBuf {
+    dir.join("takeover.refused")
+}
+
+/// Whether `hagctl takeover` asked for a takeover (the request is taken:
+/// it is acted on once).
+fn take_request(dir: &std::path::Path) -> bool {
+    std::fs::remove_file(request_path(dir)).is_ok()
+}
+
+/// Says why a requested takeover did not happen, for `hagctl takeover`.
+fn refuse_request(dir: &std::path::Path, why: &str) {
+    eprintln!("hagctl: the requested takeover did not happen: {why}");
+    if let Err(e) = std::fs::write(refusal_path(dir), format!("{why}\n")) {
+        eprintln!("hagctl: warning: {}: {e}", refusal_path(dir).display());
+    }
+}
+
+/// `hagctl takeover --status-dir DIR`: asks the `hagctl backup` whose
+/// state is in DIR to take over now (its primary fenced by the caller),
+/// and waits up to `timeout` for the outcome. Returns the new generation.
+pub fn request_takeover(dir: &std::path::Path, timeout: Duration) -> anyhow::Result<u64> {
+    let state: serde_json::Value = std::fs::read_to_string(state_path(dir))
+        .map_err(|e| anyhow::anyhow!("no hagctl backup state in {}: {e}", dir.display()))
+        .and_then(|s| Ok(serde_json::from_str(&s)?))?;
+    let pid = state.get("pid").and_then(|p| p.as_u64()).unwrap_or(0);
+    let alive =
+        std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "hagctl");
+    if !alive {
+        anyhow::bail!(
+            "the hagctl backup of {} (pid {pid}) is not running",
+            state_path(dir).display()
+        );
+    }
+    if state.get("state").and_then(|s| s.as_str()) == Some("took-over") {
+        anyhow::bail!(
+            "the backup of {} took over already (generation {})",
+            dir.display(),
+            state
+                .get("generation")
+                .and_then(|g| g.as_u64())
+                .unwrap_or(0)
+        );
+    }
+    let _ = std::fs::remove_file(refusal_path(dir));
+    std::fs::write(request_path(dir), format!("{}\n", std::process::id()))
+        .map_err(|e| anyhow::anyhow!("{}: {e}", request_path(dir).display()))?;
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if let Ok(why) = std::fs::read_to_string(refusal_path(dir)) {
+            let _ = std::fs::remove_file(refusal_path(dir));
+            anyhow::bail!("the backup did not take over: {}", why.trim());
+        }
+        let now: Option<serde_json::Value> = std::fs::read_to_string(state_path(dir))
+            .ok()
+            .and_then(|s| serde_json::from_str(&s).ok());
+        if let Some(now) = now {
+            if now.get("state").and_then(|s| s.as_str()) == Some("took-over") {
+                return Ok(now.get("generation").and_then(|g| g.as_u64()).unwrap_or(0));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = std::fs::remove_file(request_path(dir));
+    anyhow::bail!(
+        "no takeover within {:.0} s (the request was withdrawn)",
+        timeout.as_secs_f64()
+    )
+}
+
 /// The generation stored in `dir`, if any.
 pub fn stored_generation(dir: &std::path::Path) -> Option<u64> {
     let text = std::fs::read_to_string(state_path(dir)).ok()?;
@@ -1718,6 +1857,35 @@ fn persist_takeover(
     )
 }
 
+/// `--fence-peer`, if given, for a takeover to `generation` from `cp`.
+fn fence_primary(
+    opts: &BackupOptions,
+    b: &Backup,
+    cp: &Checkpoint,
+    reason: &str,
+    generation: u64,
+) -> Result<(), String> {
+    let Some(fence) = &opts.fence_peer else {
+        return Ok(());
+    };
+    let facts = FenceFacts {
+        peer: b.live().primary.clone().unwrap_or_default(),
+        listen: opts.listen.clone(),
+        generation,
+        epoch: cp.epoch,
+        reason: reason.to_owned(),
+    };
+    eprintln!(
+        "hagctl: takeover: fencing the primary {} with --fence-peer",
+        if facts.peer.is_empty() {
+            "(never heard)"
+        } else {
+            &facts.peer
+        }
+    );
+    fence.run(&facts)
+}
+
 /// Tells every connection of the session, the data link's too, the new
 /// generation.
 fn fence(b: &Backup, generation: u64, epoch: u64) {
@@ -1777,6 +1945,9 @@ impl TakeoverSteps for QemuTakeover<'_> {
     }
     fn recheck(&mut self) -> Result<(), String> {
         still_silent(self.b, self.silent_since)
+    }
+    fn fence_peer(&mut self, generation: u64) -> Result<(), String> {
+        fence_primary(self.opts, self.b, self.cp, &self.report.reason, generation)
     }
     fn persist(&mut self, generation: u64) -> Result<(), String> {
         persist_takeover(self.opts, self.cp, &self.report.reason, generation)
@@ -1854,6 +2025,9 @@ impl TakeoverSteps for Takeover<'_> {
     }
     fn recheck(&mut self) -> Result<(), String> {
         still_silent(self.b, self.silent_since)
+    }
+    fn fence_peer(&mut self, generation: u64) -> Result<(), String> {
+        fence_primary(self.opts, self.b, self.cp, &self.report.reason, generation)
     }
     fn persist(&mut self, generation: u64) -> Result<(), String> {
         persist_takeover(self.opts, self.cp, &self.report.reason, generation)
@@ -1985,13 +2159,26 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
             .chain(&opts.heartbeat_listen)
             .map(|a| (a.as_str(), l.heard.get(a).map(Instant::elapsed)))
             .collect();
+        let requested = take_request(&opts.status_dir);
+        if requested && !has_checkpoint {
+            refuse_request(
+                &opts.status_dir,
+                "no acknowledged checkpoint to take over from",
+            );
+        }
         // Sampled here, after the locks: a wait for them is a stall too.
-        let decision = if stalls.may_decide(Instant::now()) {
-            decide(
+        let decision = if stalls.may_decide(Instant::now()) || requested {
+            under_policy(
+                decide(
+                    has_checkpoint,
+                    l.hang.as_deref(),
+                    &paths,
+                    opts.failover_timeout,
+                ),
+                l.hang.is_some(),
+                opts.on_silence,
+                requested,
                 has_checkpoint,
-                l.hang.as_deref(),
-                &paths,
-                opts.failover_timeout,
             )
         } else {
             Decision::Wait
@@ -2012,7 +2199,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                 continue;
             }
             Decision::Takeover(reason) => {
-                if retry_at.is_some_and(|t| Instant::now() < t) {
+                if retry_at.is_some_and(|t| Instant::now() < t) && !requested {
                     continue;
                 }
                 let detected = Instant::now();
@@ -2020,11 +2207,23 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                 // From now on no epoch is applied or acknowledged, and
                 // no end of protection is confirmed.
                 if !l.role.take_over() {
+                    if requested {
+                        refuse_request(
+                            &opts.status_dir,
+                            "protection ended, or a takeover is under way",
+                        );
+                    }
                     continue;
                 }
                 drop(l);
                 let Some((cp, image)) = b.standby().take() else {
                     b.live().role.takeover_failed();
+                    if requested {
+                        refuse_request(
+                            &opts.status_dir,
+                            "no acknowledged checkpoint to take over from",
+                        );
+                    }
                     continue;
                 };
                 eprintln!(
@@ -2091,6 +2290,12 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                         b.standby().put_back(cp, image);
                         b.live().role.takeover_failed();
                         retry_at = Some(Instant::now() + TAKEOVER_RETRY);
+                        if requested {
+                            // Asked once: the requester hears why, and
+                            // decides again (a silence-based decision
+                            // retries by itself).
+                            refuse_request(&opts.status_dir, &e.to_string());
+                        }
                         continue;
                     }
                 };
@@ -2702,6 +2907,13 @@ mod tests {
             }
             Ok(())
         }
+        fn fence_peer(&mut self, g: u64) -> Result<(), String> {
+            self.log.push(format!("fence-peer {g}"));
+            if self.fail == Some("fence-peer") {
+                return Err("--fence-peer failed (exit status: 1)".into());
+            }
+            Ok(())
+        }
         fn persist(&mut self, g: u64) -> Result<(), String> {
             self.log.push(format!("persist {g}"));
             if self.fail == Some("persist") {
@@ -2722,6 +2934,87 @@ mod tests {
         fn abandon(&mut self) {
             self.log.push("abandon".into());
         }
+    }
+
+    /// Issue 21, item 2: under `--on-silence hold` silence never takes
+    /// over, a hang still does; a request (`hagctl takeover`) takes over
+    /// whenever there is a checkpoint, whatever the policy and liveness
+    /// say (the takeover's recheck then decides), and never without one.
+    #[test]
+    fn silence_hold_and_requested_takeovers() {
+        let silent = || Decision::Takeover("the primary was silent for 3.1 s".into());
+        let hang = || Decision::Takeover("the primary handed its VM over: hang".into());
+        let take = |d: &Decision| matches!(d, Decision::Takeover(_));
+        // Today's behaviour is the default.
+        assert_eq!(
+            under_policy(silent(), false, OnSilence::Takeover, false, true),
+            silent()
+        );
+        let held = under_policy(silent(), false, OnSilence::Hold, false, true);
+        assert!(
+            matches!(&held, Decision::Hold(w) if w.contains("--on-silence hold")),
+            "{held:?}"
+        );
+        assert_eq!(
+            under_policy(hang(), true, OnSilence::Hold, false, true),
+            hang()
+        );
+        assert_eq!(
+            under_policy(hang(), true, OnSilence::Hold, true, true),
+            hang()
+        );
+        for (d, policy) in [
+            (Decision::Wait, OnSilence::Hold),
+            (Decision::Wait, OnSilence::Takeover),
+            (Decision::Hold("alive via eth1".into()), OnSilence::Hold),
+            (silent(), OnSilence::Hold),
+        ] {
+            let got = under_policy(d, false, policy, true, true);
+            assert!(
+                matches!(&got, Decision::Takeover(w) if w.contains("requested")),
+                "{got:?}"
+            );
+        }
+        let got = under_policy(
+            Decision::Forget("nothing".into()),
+            false,
+            OnSilence::Hold,
+            true,
+            false,
+        );
+        assert!(!take(&got), "{got:?}");
+        assert_eq!(
+            under_policy(Decision::Wait, false, OnSilence::Takeover, true, false),
+            Decision::Wait
+        );
+    }
+
+    /// `hagctl takeover` asks only a running backup, and its request is
+    /// taken once; the backup's refusal is what it reports.
+    #[test]
+    fn a_takeover_request_reaches_a_running_backup_once() {
+        let dir = std::env::temp_dir().join(format!("hag-request-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let e = request_takeover(&dir, Duration::from_millis(100)).unwrap_err();
+        assert!(e.to_string().contains("no hagctl backup state"), "{e}");
+        std::fs::create_dir_all(&dir).unwrap();
+        // pid 1 is not a hagctl.
+        std::fs::write(
+            state_path(&dir),
+            r#"{"pid":1,"state":"standby","generation":0}"#,
+        )
+        .unwrap();
+        let e = request_takeover(&dir, Duration::from_millis(100)).unwrap_err();
+        assert!(e.to_string().contains("is not running"), "{e}");
+        assert!(!take_request(&dir));
+        std::fs::write(request_path(&dir), "1\n").unwrap();
+        assert!(take_request(&dir));
+        assert!(!take_request(&dir), "a request acted on twice");
+        refuse_request(&dir, "the primary was heard on 192.0.2.10:7200");
+        assert!(std::fs::read_to_string(refusal_path(&dir))
+            .unwrap()
+            .contains("heard"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// Issue 20, item 5: a decision on silence is given up if the primary
@@ -2753,17 +3046,50 @@ mod tests {
         assert_eq!(take_over(&mut ok, 4), Ok(5));
         assert_eq!(
             ok.log,
-            ["prepare", "recheck", "persist 5", "fence 5", "resume"]
+            [
+                "prepare",
+                "recheck",
+                "fence-peer 5",
+                "persist 5",
+                "fence 5",
+                "resume"
+            ]
         );
-        for fail in ["prepare", "recheck", "persist"] {
+        for fail in ["prepare", "recheck", "fence-peer", "persist"] {
             let mut s = Steps {
                 fail: Some(fail),
                 ..Steps::default()
             };
             assert!(take_over(&mut s, 4).is_err());
-            assert!(!s.log.iter().any(|l| l.starts_with("fence")), "{:?}", s.log);
+            assert!(
+                !s.log.iter().any(|l| l.starts_with("fence ")),
+                "{:?}",
+                s.log
+            );
             assert_eq!(s.log.last().map(String::as_str), Some("abandon"));
+            // The operator's fencing only for a takeover that can work
+            // and that the primary's liveness did not call off.
+            if fail == "prepare" || fail == "recheck" {
+                assert!(
+                    !s.log.iter().any(|l| l.starts_with("fence-peer")),
+                    "{:?}",
+                    s.log
+                );
+            }
         }
+        let mut s = Steps {
+            fail: Some("fence-peer"),
+            ..Steps::default()
+        };
+        assert!(matches!(
+            take_over(&mut s, 4),
+            Err(TakeoverError::PeerNotFenced(_))
+        ));
+        assert!(
+            !s.log.iter().any(|l| l.starts_with("persist")),
+            "{:?}",
+            s.log
+        );
         // Fenced but not resumed: the VM prepared here is ended, so that
         // a second try starts afresh.
         let mut s = Steps {
@@ -2779,6 +3105,7 @@ mod tests {
             [
                 "prepare",
                 "recheck",
+                "fence-peer 5",
                 "persist 5",
                 "fence 5",
                 "resume",

@@ -40,6 +40,7 @@ mod checkpoint;
 mod commands;
 mod console;
 mod events;
+mod fence;
 mod migrate;
 mod output;
 mod pagehash;
@@ -643,6 +644,24 @@ the VM's status. If the primary ends protection (its VM finished), it exits
         /// Print the takeover report as JSON
         #[arg(long)]
         json: bool,
+        /// Fence the primary before every takeover: run `sh -c CMD` (with
+        /// HAG_PEER, the primary's address, HAG_LISTEN, HAG_GENERATION,
+        /// HAG_EPOCH and HAG_REASON in its environment); the takeover
+        /// goes on only if it exits 0 within --fence-peer-timeout (as
+        /// DRBD's fence-peer handler)
+        #[arg(long, value_name = "CMD")]
+        fence_peer: Option<String>,
+        /// How long --fence-peer may run before it is killed and counted
+        /// as failed
+        #[arg(long, value_name = "SECONDS", default_value = "60", value_parser = parse_duration,
+              requires = "fence_peer")]
+        fence_peer_timeout: Duration,
+        /// What the primary's silence past --failover-timeout does:
+        /// takeover, or hold (a cluster manager decides, and asks for the
+        /// takeover with `hagctl takeover` once it fenced the primary; a
+        /// forwarded GPU hang still takes over at once)
+        #[arg(long, value_name = "WHAT", value_enum, default_value_t = backup::OnSilence::Takeover)]
+        on_silence: backup::OnSilence,
         /// The standby's QEMU command line is the one libvirt would start
         /// this domain XML with (`virsh domxml-to-native qemu-argv`), each
         /// writable disk opening its replica in --replica-dir as raw; it
@@ -685,6 +704,24 @@ to virsh domxml-to-native's command line itself.")]
         /// After --: the VM's QEMU command line
         #[arg(last = true, required = true, value_name = "QEMU ARGS")]
         qemu: Vec<String>,
+    },
+    /// Ask a running `hagctl backup` to take over now: its primary has
+    /// been fenced (by a cluster manager, or an operator who made sure
+    /// its host is down)
+    #[command(after_long_help = "\
+For a backup run with --on-silence hold (a cluster manager decides), or to
+take over before the failover timeout. The backup whose state is in
+STATUS_DIR (its --status-dir) takes over from its last acknowledged epoch,
+after its --fence-peer if it has one; if the primary is heard after the
+request, the takeover is given up (it is alive). Prints the new generation;
+exits 1 with the backup's reason if it did not take over.")]
+    Takeover {
+        /// The backup's --status-dir
+        #[arg(long, value_name = "DIR", default_value = "/run/hag")]
+        status_dir: std::path::PathBuf,
+        /// How long to wait for the takeover
+        #[arg(long, value_name = "SECONDS", default_value = "120", value_parser = parse_duration)]
+        timeout: Duration,
     },
     /// Write a new pre-shared key for a pair of hosts (mode 0600; copy it
     /// to the other host by a trusted way)
@@ -983,6 +1020,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             max_connections,
             test_fault_file,
             json,
+            fence_peer,
+            fence_peer_timeout,
+            on_silence,
             libvirt_domain,
             libvirt_uri,
             qemu,
@@ -1019,12 +1059,24 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 max_ram,
                 max_connections: max_connections as usize,
                 test_fault_file,
+                fence_peer: fence_peer.map(|command| fence::FencePeer {
+                    command,
+                    timeout: fence_peer_timeout,
+                }),
+                on_silence,
             })?;
             if let Some(status) = status {
                 if !status.success() {
                     anyhow::bail!("the VM resumed here ended with {status}");
                 }
             }
+        }
+        Command::Takeover {
+            status_dir,
+            timeout,
+        } => {
+            let generation = backup::request_takeover(&status_dir, timeout)?;
+            println!("took over: generation {generation}");
         }
         Command::StandbyArgv { replica_dir, qemu } => {
             let argv = standby_argv::standby_argv(&qemu, &replica_dir)?;
