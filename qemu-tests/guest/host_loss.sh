@@ -4,7 +4,9 @@
 # QEMU process (lose_this_host) KILL_AFTER_MS milliseconds after an epoch
 # was acknowledged. Host 1 hears nothing past --failover-timeout, takes over
 # from the last acknowledged epoch and the workload must verify there.
-# Set by the caller: KILL_AFTER_MS.
+# Set by the caller: KILL_AFTER_MS; and, to run host 1's side itself, a
+# function backup_host (the backup's address in $backup, the VM's control
+# socket $sock, this host's mdev $uuid; ITERATIONS the workload's length).
 ITERATIONS=30000
 uuid=$(new_uuid)
 backup=$(host_ip 1):7200
@@ -15,7 +17,9 @@ ha_key
 mdev_create "$uuid"
 wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
 
-if [ "$HAG_HOST" = 1 ]; then
+if [ "$HAG_HOST" = 1 ] && command -v backup_host >/dev/null; then
+	backup_host
+elif [ "$HAG_HOST" = 1 ]; then
 	step "host 1: backup on $backup"
 	rc=0
 	hagctl backup --listen "$backup" --mdev "$uuid" --control "$sock" --failover-timeout 3 --json \

@@ -834,9 +834,9 @@ pub fn under_policy(
 ) -> Decision {
     match decision {
         Decision::Takeover(why) if hang => Decision::Takeover(why),
-        _ if requested && has_checkpoint => Decision::Takeover(
-            "a takeover was requested (hagctl takeover): the primary is fenced".into(),
-        ),
+        _ if requested && has_checkpoint => {
+            Decision::Takeover("a takeover was requested (hagctl takeover)".into())
+        }
         Decision::Takeover(why) if on_silence == OnSilence::Hold => Decision::Hold(format!(
             "{why}: holding (--on-silence hold); a takeover waits for hagctl takeover"
         )),
