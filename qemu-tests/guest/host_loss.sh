@@ -8,14 +8,7 @@
 # function backup_host (the backup's address in $backup, the VM's control
 # socket $sock, this host's mdev $uuid; ITERATIONS the workload's length).
 ITERATIONS=30000
-uuid=$(new_uuid)
-backup=$(host_ip 1):7200
-peer=$(host_ip $((1 - HAG_HOST)))
-sock=/tmp/vm.sock
-load_hag
-ha_key
-mdev_create "$uuid"
-wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
+ha_pair
 
 if [ "$HAG_HOST" = 1 ] && command -v backup_host >/dev/null; then
 	backup_host

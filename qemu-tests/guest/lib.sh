@@ -80,6 +80,21 @@ lose_this_host() {
 	while :; do sleep 1; done
 }
 
+# ha_pair: the two hosts of a hag-vmm protection scenario: the module
+# loaded, the pair's key in place, a new vGPU ($uuid) on this host, the
+# peer ($peer) reachable; $backup is host 1's hagctl backup address and
+# $sock the VM's control socket.
+ha_pair() {
+	uuid=$(new_uuid)
+	backup=$(host_ip 1):7200
+	peer=$(host_ip $((1 - HAG_HOST)))
+	sock=/tmp/vm.sock
+	load_hag
+	ha_key
+	mdev_create "$uuid"
+	wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
+}
+
 # ---- Real VMs (scenarios with `# vms: yes`) -------------------------------
 # The runner's root, read-only over 9p, under a tmpfs overlay: QEMU 10,
 # libvirt and their libraries come from there. Commands run in it with

@@ -6,14 +6,7 @@
 # the finished VM, and only its acknowledgement releases the PASS line;
 # then protection ends and host 1's backup exits without a takeover.
 ITERATIONS=4000
-uuid=$(new_uuid)
-backup=$(host_ip 1):7200
-peer=$(host_ip $((1 - HAG_HOST)))
-sock=/tmp/vm.sock
-load_hag
-ha_key
-mdev_create "$uuid"
-wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
+ha_pair
 
 if [ "$HAG_HOST" = 1 ]; then
 	step "host 1: backup on $backup"

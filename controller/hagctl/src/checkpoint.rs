@@ -698,6 +698,80 @@ pub fn status_path(dir: &Path, vgpu_id: u32) -> PathBuf {
     dir.join(format!("checkpoint-vgpu{vgpu_id}.json"))
 }
 
+/// `hagctl confirm-backup-down`'s request to the protection of vGPU
+/// `vgpu_id`, and the protection's refusal beside it.
+fn backup_down_paths(dir: &Path, vgpu_id: u32) -> (PathBuf, PathBuf) {
+    (
+        dir.join(format!("checkpoint-vgpu{vgpu_id}.backup-down")),
+        dir.join(format!("checkpoint-vgpu{vgpu_id}.backup-down.refused")),
+    )
+}
+
+/// `hagctl confirm-backup-down`: tells the running `hagctl checkpoint`
+/// that protects vGPU `vgpu` (the only one with a status file in `dir` if
+/// `None`) that its backup is down for good (fenced, its host off), and
+/// waits up to `timeout` for it to release the held output and end
+/// protection. Returns what it said.
+pub fn confirm_backup_down(
+    dir: &Path,
+    vgpu: Option<u32>,
+    timeout: Duration,
+) -> anyhow::Result<String> {
+    let files = protection_lines(dir);
+    let st = match vgpu {
+        Some(id) => files
+            .into_iter()
+            .find(|(st, _)| st.vgpu_id == id)
+            .map(|(st, _)| st),
+        None if files.len() > 1 => anyhow::bail!(
+            "{} protections have status files in {}: name one with --vgpu",
+            files.len(),
+            dir.display()
+        ),
+        None => files.into_iter().next().map(|(st, _)| st),
+    }
+    .ok_or_else(|| {
+        anyhow::anyhow!(
+            "no protection{} has a status file in {}",
+            vgpu.map_or(String::new(), |v| format!(" of vGPU {v}")),
+            dir.display()
+        )
+    })?;
+    let alive = std::fs::read_to_string(format!("/proc/{}/comm", st.pid))
+        .is_ok_and(|c| c.trim() == "hagctl");
+    if !alive {
+        anyhow::bail!(
+            "the hagctl checkpoint of vGPU {} (pid {}) is not running",
+            st.vgpu_id,
+            st.pid
+        );
+    }
+    let (request, refused) = backup_down_paths(dir, st.vgpu_id);
+    let _ = std::fs::remove_file(&refused);
+    std::fs::write(&request, format!("{}\n", std::process::id()))
+        .map_err(|e| anyhow::anyhow!("{}: {e}", request.display()))?;
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if let Ok(why) = std::fs::read_to_string(&refused) {
+            let _ = std::fs::remove_file(&refused);
+            anyhow::bail!("protection of vGPU {} goes on: {}", st.vgpu_id, why.trim());
+        }
+        if !status_path(dir, st.vgpu_id).exists() {
+            return Ok(format!(
+                "protection of vGPU {} ended: its held output released, the VM runs on unprotected",
+                st.vgpu_id
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = std::fs::remove_file(&request);
+    anyhow::bail!(
+        "no answer from the hagctl checkpoint of vGPU {} within {:.0} s (the request was withdrawn)",
+        st.vgpu_id,
+        timeout.as_secs_f64()
+    )
+}
+
 fn write_status(dir: &Path, st: &StatusFile) {
     let _ = std::fs::create_dir_all(dir);
     let path = status_path(dir, st.vgpu_id);
@@ -1556,6 +1630,9 @@ impl Primary {
                         return Ok(exit);
                     }
                 }
+                if let Some(exit) = self.backup_down_request() {
+                    return Ok(exit);
+                }
                 if !self.link.lock().connected
                     && matches!(self.src.vm.status(), Err(_) | Ok(VmStatus::Crashed(_)))
                 {
@@ -1565,6 +1642,28 @@ impl Primary {
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
+    }
+
+    /// An operator's `hagctl confirm-backup-down`, if one came: `Some` if
+    /// protection ends with it; refused (said beside the request) while
+    /// the backup is heard.
+    fn backup_down_request(&mut self) -> Option<CheckpointReport> {
+        let (request, refused) = backup_down_paths(&self.opts.status_dir, self.src.vgpu_id);
+        std::fs::remove_file(&request).ok()?;
+        let who = "the operator confirmed the backup down (hagctl confirm-backup-down)";
+        eprintln!("hagctl: {who}");
+        if let Err(EpochError::Exit(outcome, detail)) = self.event(Event::BackupDown(who.into())) {
+            return Some(self.end(outcome, detail));
+        }
+        let why = match self.link.lock().policy.state {
+            State::Protected => "the backup acknowledges epochs: it is not down".to_owned(),
+            ref s => format!("not while {s:?}"),
+        };
+        eprintln!("hagctl: not confirmed: {why}");
+        if let Err(e) = std::fs::write(&refused, why + "\n") {
+            eprintln!("hagctl: warning: {}: {e}", refused.display());
+        }
+        None
     }
 
     /// Why the VM crashed, if its VMM says it did.

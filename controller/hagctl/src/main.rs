@@ -723,6 +723,27 @@ exits 1 with the backup's reason if it did not take over.")]
         #[arg(long, value_name = "SECONDS", default_value = "120", value_parser = parse_duration)]
         timeout: Duration,
     },
+    /// Tell a running `hagctl checkpoint` that its backup is down for
+    /// good (fenced, its host off): it releases the output it holds and
+    /// ends protection, the VM running on
+    #[command(after_long_help = "\
+As `pcs stonith confirm` does for a cluster node: run it only once you know
+the backup cannot resume the VM (its host is powered off, or fenced), since
+the output released is then contradicted if it does. A primary that cannot
+hear its backup holds its VM's output (never released on silence); this
+releases it. Refused while the backup acknowledges epochs. Afterwards the
+VM runs unprotected: protect it again with a new hagctl checkpoint.")]
+    ConfirmBackupDown {
+        /// The checkpoint's --status-dir
+        #[arg(long, value_name = "DIR", default_value = "/run/hag")]
+        status_dir: std::path::PathBuf,
+        /// The protected vGPU's id (needed when DIR has several)
+        #[arg(long, value_name = "ID")]
+        vgpu: Option<u32>,
+        /// How long to wait for the checkpoint's answer
+        #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = parse_duration)]
+        timeout: Duration,
+    },
     /// Write a new pre-shared key for a pair of hosts (mode 0600; copy it
     /// to the other host by a trusted way)
     Keygen {
@@ -1070,6 +1091,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     anyhow::bail!("the VM resumed here ended with {status}");
                 }
             }
+        }
+        Command::ConfirmBackupDown {
+            status_dir,
+            vgpu,
+            timeout,
+        } => {
+            println!(
+                "{}",
+                checkpoint::confirm_backup_down(&status_dir, vgpu, timeout)?
+            );
         }
         Command::Takeover {
             status_dir,

@@ -25,6 +25,9 @@
 //! - The VM finishing ends protection the same way (ABORT, then the
 //!   confirmation), never by just closing the connections: the backup
 //!   would take the silence for a lost host and resume a finished VM.
+//! - An operator's confirmation that the backup is down (fenced, its host
+//!   off) while it is unheard ends protection too: its checkpoint can no
+//!   longer be resumed, so the held output goes out and the VM runs on.
 //!
 //! The policy works for any VMM driver: it speaks of epochs and output,
 //! not of how an epoch is captured.
@@ -97,6 +100,10 @@ pub enum Event {
     Finished,
     /// The VM is gone or failed by itself.
     VmGone(String),
+    /// The operator confirmed that the backup cannot take over (its host
+    /// is down or fenced: `hagctl confirm-backup-down`), as `pcs stonith
+    /// confirm` does for a cluster node.
+    BackupDown(String),
     /// Stopping the VM failed.
     StopFailed(String),
     /// The VM is stopped.
@@ -378,6 +385,16 @@ impl Policy {
                 self.state = State::Done;
                 vec![Exit("vm-stopped", why)]
             }
+            // Nothing can contradict the held output any more: it goes
+            // out, and the VM runs on unprotected. Only while the backup
+            // is unheard: one that acknowledges epochs is not down.
+            Event::BackupDown(who) => match self.state {
+                State::Syncing | State::Unprotected(_) => self.release_and_exit(
+                    "ended",
+                    format!("{who}: the backup cannot take over; output released, the VM runs on unprotected"),
+                ),
+                _ => vec![],
+            },
             Event::StopFailed(why) => self.stop_failed(why),
             Event::Stopped => self.stopped(),
         }
@@ -471,6 +488,41 @@ mod tests {
             vec![Release(5)]
         );
         assert_eq!(p.state, State::Protected);
+    }
+
+    /// Issue 21, item 2: the operator's word that the backup is down
+    /// releases the held output and ends protection, the VM running on;
+    /// but only while the backup is unheard, and never after a fence or
+    /// a handover.
+    #[test]
+    fn a_backup_confirmed_down_releases_only_while_unheard() {
+        let who = || "the operator confirmed the backup down".to_owned();
+        let mut p = protected();
+        assert!(
+            p.on(Event::BackupDown(who())).is_empty(),
+            "released while protected"
+        );
+        assert_eq!(p.state, State::Protected);
+        p.on(Event::LinkLost(
+            "no heartbeat from the backup for 3.2 s".into(),
+        ));
+        let a = p.on(Event::BackupDown(who()));
+        assert_eq!(a[..2], [ReleaseAll, Cut]);
+        assert!(
+            matches!(&a[2], Exit("ended", d) if d.contains("the VM runs on unprotected")),
+            "{a:?}"
+        );
+        assert!(!a.iter().any(|x| matches!(x, StopVm(_))), "{a:?}");
+        // A fenced or handed-over primary's output stays held.
+        for ev in [
+            Event::Heard { generation: 1 },
+            Event::Hung("ring 0 timed out".into()),
+        ] {
+            let mut p = protected();
+            p.on(Event::LinkLost("silent".into()));
+            p.on(ev);
+            assert!(!releases(&p.on(Event::BackupDown(who()))));
+        }
     }
 
     /// Item 3: a primary that stalled (SIGSTOP) past the timeout finds a
