@@ -134,7 +134,7 @@ primary() {
 		if [ "$mode" = idle ]; then sleep "$IDLE_WINDOW"; else sleep "$WINDOW"; fi
 		t1=$(up)
 		echo "QCPWIN $id $t0 $t1"
-		[ -z "$cp" ] || kill -TERM "$cp"
+		[ -z "$cp" ] || kill -TERM "$cp" 2>/dev/null || true
 		;;
 	esac
 	if [ -n "$cp" ]; then

@@ -25,17 +25,18 @@
 # The load, in every mode: pgbench's TPC-B-like transactions from two
 # clients inside the guest (started through PostgreSQL's COPY TO PROGRAM:
 # their replies are local, never held), and db_client.py on host 1
-# committing one row after another over the VMs' network, its replies
-# held by output commit when protected: what a user of the service sees.
-# Host 1 measures both on its own clock: pgbench's rate from the rows of
-# pgbench_history at the window's ends (a query's time is when it was
-# sent: its reply may be held, its execution is not), the client's commit
-# latencies from its log.
+# committing one row after another over the VMs' network, each INSERT its
+# own transaction (one round trip), its replies held by output commit when
+# protected: what a user of the service sees. Host 1 measures both on its
+# own clock: pgbench's rate from pgbench_history's rows, counted again and
+# again on one open connection (a query's time is when it was sent: its
+# reply may be held, its execution is not), the client's commit latencies
+# from its log.
 # Lines for the driver, host 0: QDBSYNC id SECONDS (hagctl checkpoint
 # started to epoch 1 acknowledged), QDBEPOCHS id FIRST LAST (the epochs
 # acknowledged in the window), QDBCP id {checkpoint json}; host 1: QDBWIN id
-# T0 T1 ROWS0 ROWS1, QDBLAT id N P50 P99 MAX, QDBTAKE id {backup json},
-# QDBCHECK id STATUS; both QDBDONE id.
+# T0 T1, QDBTPS id SAMPLES RATE, QDBLAT id N P50 P99 MAX (- when there is
+# none), QDBTAKE id {backup json}, QDBCHECK id STATUS; both QDBDONE id.
 CLIENT=203.0.113.1
 VM_ADDR=203.0.113.50
 VM_NET=1 VM_DEBIAN=1 VM_MIB=512
@@ -64,10 +65,12 @@ sql() { in_root psql -h "$VM_ADDR" -U postgres -qAt -c "$1"; }
 # run in the background), the COPY would fail with a broken pipe.
 in_guest() { sql "COPY (SELECT 1) TO PROGRAM 'cat >/dev/null; $1'" >/dev/null; }
 
-# acked_epochs ID: how many epochs item ID's hagctl checkpoint has had
-# acknowledged so far (0 unprotected).
+# acked_epochs ID: the number of the last epoch item ID's hagctl checkpoint
+# had acknowledged (0 if none; numbers may skip one spent but never
+# acknowledged).
 acked_epochs() {
-	if [ -e "/tmp/cp$1.err" ]; then grep -c '^epoch [0-9]*:' "/tmp/cp$1.err" || true; else echo 0; fi
+	last=$(sed -n 's/^epoch \([0-9]*\):.*/\1/p' "/tmp/cp$1.err" 2>/dev/null | tail -1)
+	echo "${last:-0}"
 }
 
 primary() {
@@ -120,8 +123,10 @@ primary() {
 		[ -z "$cp" ] || echo "QDBEPOCHS $id $first $last"
 		;;
 	esac
+	# Host 1 has read what it measures: the item may end.
+	await_ready "$bhost" $((7800 + id)) 900
 	if [ -n "$cp" ]; then
-		kill -TERM "$cp"
+		kill -TERM "$cp" 2>/dev/null || true
 		rc=0
 		wait "$cp" || rc=$?
 		[ "$rc" = 0 ] || { echo "item $id: hagctl checkpoint exited $rc:"; tail -5 "/tmp/cp$id.err"; }
@@ -129,7 +134,6 @@ primary() {
 	fi
 	bench_item_ends "$id" "$uuid" "$qpid"
 	rm -f "/tmp/vm$id.ram" /tmp/vm-disk.qcow2
-	await_ready "$bhost" $((7800 + id)) 900
 }
 
 backup() {
@@ -161,14 +165,22 @@ backup() {
 		fail "item $id: pgbench -i in the guest failed"
 	in_guest "nohup $PGBENCH -n -c 2 -j 1 -T 3600 postgres >/tmp/pgbench.log 2>&1 &" ||
 		fail "item $id: pgbench did not start in the guest"
+	: >"/tmp/rows$id.log"
+	chroot "$HOST_ROOT" python3 /hag/db_client.py sample --host "$VM_ADDR" --log "/tmp/rows$id.log" \
+		>"/tmp/rows$id.err" 2>&1 &
+	sampler=$!
+	wait_for 120 sh -c "tail -1 /tmp/rows$id.log | awk '{ exit !(\$3 > 0) }'" || {
+		sql "SELECT pg_read_file('/tmp/pgbench.log')" || true
+		fail "item $id: pgbench commits nothing in the guest: $(tail -3 "/tmp/rows$id.err")"
+	}
 	: >"/tmp/db$id.log"
-	chroot "$HOST_ROOT" python3 /hag/db_client.py commit --host "$VM_ADDR" --log "/tmp/db$id.log" \
-		>"/tmp/db$id.err" 2>&1 &
+	chroot "$HOST_ROOT" python3 /hag/db_client.py commit --autocommit --host "$VM_ADDR" \
+		--log "/tmp/db$id.log" >"/tmp/db$id.err" 2>&1 &
 	db=$!
 	await_ready "$peer" $((7700 + id)) 60
 	case $mode in
 	loss)
-		wait_for 600 grep -q 'takeover: generation' "/tmp/backup$id.err" || {
+		wait_for 1500 grep -q 'takeover: generation' "/tmp/backup$id.err" || {
 			cat "/tmp/backup$id.err"
 			fail "item $id ($mode): no takeover"
 		}
@@ -186,15 +198,18 @@ backup() {
 	*)
 		signal_ready $((7900 + id))
 		t0=$(up)
-		r0=$(sql "SELECT count(*) FROM pgbench_history")
 		signal_ready $((8000 + id))
 		t1=$(up)
-		r1=$(sql "SELECT count(*) FROM pgbench_history")
-		echo "QDBWIN $id $t0 $t1 $r0 $r1"
+		echo "QDBWIN $id $t0 $t1"
+		# The samples up to t1 are in once the next one's reply came.
+		sleep 1
+		wait_for 30 sh -c "tail -1 /tmp/rows$id.log | awk '{ exit !(\$2 > $t1) }'" ||
+			echo "item $id: no row count after the window"
+		echo "QDBTPS $id $(in_root python3 /hag/db_client.py rate --log "/tmp/rows$id.log" --from "$t0" --to "$t1" || true)"
 		echo "QDBLAT $id $(in_root python3 /hag/db_client.py latency --log "/tmp/db$id.log" --from "$t0" --to "$t1")"
 		;;
 	esac
-	kill -TERM "$db" 2>/dev/null || true
+	kill -TERM "$db" "$sampler" 2>/dev/null || true
 	# Host 0 is done with the item (a lost host 0 never says so).
 	[ "$mode" = loss ] || signal_ready $((7800 + id))
 	if [ -n "$bk" ]; then

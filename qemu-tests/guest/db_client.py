@@ -19,10 +19,23 @@ test host, over the VMs' network.
       be in the table, PostgreSQL must not have restarted since the log's
       start time, and its log must show no crash recovery. Prints what it
       found; exits 1 if any of that is false.
+  db_client.py commit --autocommit ...
+      The same, each INSERT committed by itself (autocommit): one round
+      trip per commit, its reply the commit's acknowledgement. Without it
+      psycopg2 sends BEGIN, the INSERT and COMMIT, three round trips (each
+      reply held by output commit when the VM is protected).
   db_client.py latency --log FILE --from T0 --to T1
       The commits acknowledged between uptimes T0 and T1: prints their
       count and latency percentiles, `N P50 P99 MAX` (ms; for the
       benchmark, qemu-tests/eval/qemu-database).
+  db_client.py sample --host ADDR --log FILE
+      On one connection, counts pgbench_history's rows again and again
+      (every 0.5 s, or as fast as held replies come), logging `sample T
+      ROWS` with T this host's uptime when the query was sent (it runs in
+      the guest then; only its reply may be held), until SIGTERM.
+  db_client.py rate --log FILE --from T0 --to T1
+      pgbench's transactions per second between T0 and T1, from the
+      first and last samples inside: prints `SAMPLES RATE`.
 
 Connects as `postgres` to database `postgres` (the guest's pg_hba.conf
 trusts the test network; scripts/build-guest-rootfs.sh).
@@ -70,6 +83,7 @@ def commit(args):
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     log = open(args.log, "a", buffering=1)
     conn = connect(args.host, 600)
+    conn.autocommit = args.autocommit
     with conn.cursor() as cur:
         cur.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} ("
                     "id bigint PRIMARY KEY, at timestamptz NOT NULL DEFAULT now(), payload text NOT NULL)")
@@ -81,12 +95,12 @@ def commit(args):
     print(f"db_client: committing to {TABLE} on {args.host} from id {next_id}", flush=True)
     while not stop:
         try:
-            sent = time.clock_gettime(time.CLOCK_BOOTTIME)
+            sent = uptime()
             with conn.cursor() as cur:
                 cur.execute(f"INSERT INTO {TABLE} (id, payload) VALUES (%s, repeat(md5(%s::text), 8))",
                             (next_id, next_id))
             conn.commit()
-            acked = time.clock_gettime(time.CLOCK_BOOTTIME)
+            acked = uptime()
             log.write(f"acked {next_id} {(acked - sent) * 1000:.1f} {acked:.3f}\n")
         except psycopg2.Error as e:
             log.write(f"lost {next_id}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}\n")
@@ -97,6 +111,7 @@ def commit(args):
             if stop:
                 break
             conn = connect(args.host, 600)
+            conn.autocommit = args.autocommit
         next_id += 1
     conn.close()
 
@@ -163,21 +178,59 @@ def latency(args):
 
     def pct(q):
         return lats[min(len(lats) - 1, int(q * len(lats)))] if lats else 0.0
-    print(f"{len(lats)} {pct(0.5):.1f} {pct(0.99):.1f} {lats[-1] if lats else 0.0:.1f}")
+    if not lats:
+        print("0 - - -")
+        return 0
+    print(f"{len(lats)} {pct(0.5):.1f} {pct(0.99):.1f} {lats[-1]:.1f}")
+    return 0
+
+
+def uptime():
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def sample(args):
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    log = open(args.log, "a", buffering=1)
+    conn = connect(args.host, 600)
+    conn.autocommit = True
+    while not stop:
+        sent = uptime()
+        with conn.cursor() as cur:
+            cur.execute("SELECT count(*) FROM pgbench_history")
+            log.write(f"sample {sent:.3f} {cur.fetchone()[0]}\n")
+        time.sleep(max(0.0, 0.5 - (uptime() - sent)))
+    conn.close()
+
+
+def rate(args):
+    inside = []
+    for line in open(args.log):
+        word, *rest = line.split()
+        if word == "sample" and len(rest) == 2 and args.t0 <= float(rest[0]) <= args.t1:
+            inside.append((float(rest[0]), int(rest[1])))
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+        print(f"{len(inside)} -")
+        return 1
+    (a, ra), (b, rb) = inside[0], inside[-1]
+    print(f"{len(inside)} {(rb - ra) / (b - a):.2f}")
     return 0
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=("commit", "check", "latency"))
+    p.add_argument("mode", choices=("commit", "check", "latency", "sample", "rate"))
     p.add_argument("--host")
     p.add_argument("--log", required=True)
     p.add_argument("--from", dest="t0", type=float, default=0.0)
     p.add_argument("--to", dest="t1", type=float, default=float("inf"))
+    p.add_argument("--autocommit", action="store_true")
     args = p.parse_args()
-    if args.mode != "latency" and not args.host:
+    if args.mode not in ("latency", "rate") and not args.host:
         p.error(f"{args.mode} needs --host")
-    sys.exit({"commit": commit, "check": check, "latency": latency}[args.mode](args))
+    sys.exit({"commit": commit, "check": check, "latency": latency, "sample": sample,
+              "rate": rate}[args.mode](args))
 
 
 if __name__ == "__main__":

@@ -485,7 +485,10 @@ bench_plan() {
 # backup (PID, its output in /tmp/backupID.out and .err) to end, and
 # prints its JSON report (a takeover's) as "TAGTAKE ID JSON".
 bench_backup_ended() {
-	wait_for 60 sh -c "! kill -0 $2 2>/dev/null" || { echo "item $1: hagctl backup still runs"; kill "$2"; }
+	wait_for 60 sh -c "! kill -0 $2 2>/dev/null" || {
+		echo "item $1: hagctl backup still runs"
+		kill "$2" 2>/dev/null || true
+	}
 	wait "$2" || echo "item $1: hagctl backup exited $?: $(tail -3 "/tmp/backup$1.err")"
 	grep '^{' "/tmp/backup$1.out" | sed "s/^/${3}TAKE $1 /" || true
 }
