@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Judges what the outside client saw of a guest's network output.
 
-usage: client_check.py [--require-result | --require-pass] [--host-lost] LOG
+usage: client_check.py [--require-result | --require-pass] LOG
        client_check.py --self-test
 
 LOG is the stdout of `hag-guest listen` ('-' for stdin): one line per
@@ -16,11 +16,7 @@ What the client saw must be a prefix of one run of the guest:
 - at most one HAG-GUEST-RESULT, and nothing new after it.
 
 --require-result also fails a log without a result; --require-pass one
-whose result is not PASS. --host-lost: the primary's host was lost (a
-power cut): the datagrams its output gate released in its last moments
-may never have left it (sch_plug lets a released epoch out
-asynchronously, as a NIC sends its queue), so one gap in the seqs, forward,
-is allowed and reported; contradictions and disorder still fail. Prints each problem on a line of its own, then a
+whose result is not PASS. Prints each problem on a line of its own, then a
 one-line summary (`client_check: OK: ...` or `client_check: FAIL: ...`).
 Exit status 0 if the log holds, 1 if not, 2 if it could not be read.
 """
@@ -31,10 +27,9 @@ import sys
 REPORT = re.compile(r"HAG-GUEST seq=(\d+) ns=(\d+) (.*)\Z")
 
 
-def check(lines, require_result=False, require_pass=False, host_lost=False):
+def check(lines, require_result=False, require_pass=False):
     """Returns (problems, summary) for the log's lines."""
     problems = []
-    gap = None  # (after seq, next seq) of the one gap a lost host allows
     first = {}  # seq -> (line number, payload)
     top = 0
     dups = 0
@@ -60,9 +55,7 @@ def check(lines, require_result=False, require_pass=False, host_lost=False):
             else:
                 problems.append(f"CONTRADICTED: seq {seq}: line {was_n} {was!r} and line {n} {payload!r}")
             continue
-        if seq > top + 1 and top and host_lost and gap is None:
-            gap = (top, seq)
-        elif seq != top + 1:
+        if seq != top + 1:
             after = f"after seq {top}" if top else "as the first"
             problems.append(f"line {n}: seq {seq} {after}: seqs must start at 1 and rise by one")
         if result is not None:
@@ -78,8 +71,6 @@ def check(lines, require_result=False, require_pass=False, host_lost=False):
         problems.append("no HAG-GUEST-RESULT")
     seen = f"{len(first)} reports" + (f", seqs 1..{top}" if first else "")
     seen += f", {dups} duplicates"
-    if gap is not None:
-        seen += f", seqs {gap[0] + 1}..{gap[1] - 1} lost with the primary's host"
     if result is not None:
         seen += f", result at seq {result[1]}: {' '.join(result[2].split()[:2])}"
     else:
@@ -112,14 +103,6 @@ def self_test():
         ("re-executed: same seq, other line", [line(1, 10, p1), line(1, 10, p2)], {}, False,
          ["CONTRADICTED: seq 1"]),
         ("a gap", [line(1, 10, p1), line(3, 30, p2)], {}, False, ["seq 3 after seq 1"]),
-        ("a gap where the host was lost", [line(1, 10, p1), line(4, 30, p2), line(5, 40, res)],
-         {"host_lost": True, "require_pass": True}, True, ["seqs 2..3 lost with the primary's host"]),
-        ("two gaps where the host was lost", [line(1, 10, p1), line(3, 30, p2), line(5, 40, res)],
-         {"host_lost": True}, False, ["seq 5 after seq 3"]),
-        ("a lost host does not excuse a contradiction",
-         [line(1, 10, p1), line(3, 30, p2), line(3, 35, p2)], {"host_lost": True}, False, ["CONTRADICTED"]),
-        ("nor going back", [line(1, 10, p1), line(3, 30, p2), line(2, 20, p2)], {"host_lost": True}, False,
-         ["seq 2 after seq 3"]),
         ("not starting at 1", [line(2, 10, p1)], {}, False, ["seq 2 as the first"]),
         ("two results", [line(1, 10, res), line(2, 20, res)], {}, False, ["after the result"]),
         ("output after the result", [line(1, 10, res), line(2, 20, p1)], {}, False,
@@ -155,8 +138,6 @@ def main(argv):
             opts["require_result"] = True
         elif a == "--require-pass":
             opts["require_pass"] = True
-        elif a == "--host-lost":
-            opts["host_lost"] = True
         elif a.startswith("--") or paths:
             print(f"client_check: {__doc__.strip().splitlines()[2]}", file=sys.stderr)
             return 2
