@@ -207,6 +207,9 @@ backup() {
 			echo "item $id: no row count after the window"
 		echo "QDBTPS $id $(in_root python3 /hag/db_client.py rate --log "/tmp/rows$id.log" --from "$t0" --to "$t1" || true)"
 		echo "QDBLAT $id $(in_root python3 /hag/db_client.py latency --log "/tmp/db$id.log" --from "$t0" --to "$t1")"
+		# What the client and the sampler did (one line each; their errors).
+		echo "item $id: client: $(grep -c '^acked' "/tmp/db$id.log" || true) acked, $(grep -c '^lost' "/tmp/db$id.log" || true) lost, last: $(tail -1 "/tmp/db$id.log"); $(tail -2 "/tmp/db$id.err" | tr '\n' ' ')"
+		echo "item $id: sampler: $(wc -l <"/tmp/rows$id.log") samples, last: $(tail -1 "/tmp/rows$id.log"); $(tail -2 "/tmp/rows$id.err" | tr '\n' ' ')"
 		;;
 	esac
 	kill -TERM "$db" "$sampler" 2>/dev/null || true
