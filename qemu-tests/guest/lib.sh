@@ -273,8 +273,10 @@ vm_net_up() {
 		# under output commit the VM's ARP replies are held for an epoch
 		# (seconds under TCG), longer than ARP waits (3 probes 1 s apart),
 		# so a learned entry would fail and the client's packets be dropped
-		# until the next reply came through (TCP backing off meanwhile).
-		in_root ip neigh replace 203.0.113.50 lladdr 52:54:00:56:4d:01 dev br0 nud permanent ||
+		# until the next reply came through (TCP backing off meanwhile). By its
+		# path: busybox (which runs chroot) prefers its own applet to a bare
+		# "ip", and it has no "neigh replace".
+		in_root /bin/ip neigh replace 203.0.113.50 lladdr 52:54:00:56:4d:01 dev br0 nud permanent ||
 			fail "no neighbour entry for the VM on br0"
 	fi
 	cat >/hag/vm-ifup <<'SH'
