@@ -169,7 +169,9 @@ backup() {
 	chroot "$HOST_ROOT" python3 /hag/db_client.py sample --host "$VM_ADDR" --log "/tmp/rows$id.log" \
 		>"/tmp/rows$id.err" 2>&1 &
 	sampler=$!
-	wait_for 120 sh -c "tail -1 /tmp/rows$id.log | awk '{ exit !(\$3 > 0) }'" || {
+	# Both connect before protection starts: connecting takes three round
+	# trips, each held for an epoch once the VM is protected.
+	wait_for 120 sh -c "awk 'END { exit !(rows > 0) } { rows = \$3 }' /tmp/rows$id.log" || {
 		sql "SELECT pg_read_file('/tmp/pgbench.log')" || true
 		fail "item $id: pgbench commits nothing in the guest: $(tail -3 "/tmp/rows$id.err")"
 	}
@@ -177,6 +179,8 @@ backup() {
 	chroot "$HOST_ROOT" python3 /hag/db_client.py commit --autocommit --host "$VM_ADDR" \
 		--log "/tmp/db$id.log" >"/tmp/db$id.err" 2>&1 &
 	db=$!
+	wait_for 120 grep -q '^acked ' "/tmp/db$id.log" ||
+		fail "item $id: the client commits nothing: $(tail -3 "/tmp/db$id.err")"
 	await_ready "$peer" $((7700 + id)) 60
 	case $mode in
 	loss)

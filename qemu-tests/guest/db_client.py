@@ -64,11 +64,13 @@ RECOVERY_SIGNS = (
 
 def connect(host, patience):
     """A connection, retried for `patience` seconds (PostgreSQL may still
-    be starting, or the VM moving)."""
+    be starting, or the VM moving). Each try may take 30 s: connecting is
+    three round trips, each reply held for an epoch while the VM is
+    protected."""
     deadline = time.monotonic() + patience
     while True:
         try:
-            conn = psycopg2.connect(host=host, user="postgres", dbname="postgres", connect_timeout=10,
+            conn = psycopg2.connect(host=host, user="postgres", dbname="postgres", connect_timeout=30,
                                     keepalives=1, keepalives_idle=30)
             conn.autocommit = False
             return conn
