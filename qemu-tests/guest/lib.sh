@@ -266,19 +266,7 @@ vm_net_up() {
 	# VMs keep a permanent neighbour entry for it (hag_vm_neigh).
 	ip link set br0 address "$(cat /sys/class/net/eth1/address)"
 	ip link set br0 up
-	if [ -n "${1:-}" ]; then
-		ip addr add "$1" dev br0
-		# The client's permanent entry for the VM (its address and MAC are
-		# the scenarios' constants), as the VM has one for the client:
-		# under output commit the VM's ARP replies are held for an epoch
-		# (seconds under TCG), longer than ARP waits (3 probes 1 s apart),
-		# so a learned entry would fail and the client's packets be dropped
-		# until the next reply came through (TCP backing off meanwhile). By its
-		# path: busybox (which runs chroot) prefers its own applet to a bare
-		# "ip", and it has no "neigh replace".
-		in_root /bin/ip neigh replace 203.0.113.50 lladdr 52:54:00:56:4d:01 dev br0 nud permanent ||
-			fail "no neighbour entry for the VM on br0"
-	fi
+	[ -z "${1:-}" ] || ip addr add "$1" dev br0
 	cat >/hag/vm-ifup <<'SH'
 #!/bin/sh
 ip link set "$1" master br0 && ip link set "$1" up
