@@ -90,6 +90,10 @@ debian_checks() {
 	step "host 1: the database's verdict"
 	in_root python3 /hag/db_client.py check --host "$VM_ADDR" --log /tmp/db.log || rc=$?
 	echo "db-check $rc" >>/tmp/db.verdict
+	# Those acknowledged while the VM was protected: their replies were
+	# released by an epoch's acknowledgement (this host's clock, to 1 s).
+	echo "db: $(in_root python3 /hag/db_client.py latency --log /tmp/db.log --from "${protected_at:-0}" \
+		--to "${taken_at:-inf}" | cut -d' ' -f1) commits acknowledged while protected (from epoch 1 applied at ${protected_at:--} s to the takeover at ${taken_at:--} s)"
 	rc=0
 	step "host 1: pg_amcheck of the guest's database"
 	timeout 600 chroot "$HOST_ROOT" /usr/lib/postgresql/15/bin/pg_amcheck -h "$VM_ADDR" -U postgres \
@@ -225,7 +229,7 @@ if [ "$HAG_HOST" = 1 ]; then
 	# The guest halts when its work ends (the test kernel cannot power
 	# off): then its QEMU is ended with SIGTERM, as an operator would, and
 	# the backup must end with it.
-	n=0 quiet=0 size=0 since=
+	n=0 quiet=0 size=0 since= protected_at= taken_at=
 	while kill -0 "$bk" 2>/dev/null; do
 		n=$((n + 1))
 		# A taken-over guest that prints and reports nothing for 60 s (it
@@ -242,6 +246,8 @@ if [ "$HAG_HOST" = 1 ]; then
 		if [ "${DEBIAN:-0}" = 1 ] && [ -z "$since" ] && grep -q 'takeover: generation' /tmp/backup.err; then
 			since=$(wc -l </tmp/client.log)
 		fi
+		[ -n "$protected_at" ] || ! grep -q 'epoch 1 applied' /tmp/backup.err || protected_at=$(up)
+		[ -n "$taken_at" ] || ! grep -q 'taking over from epoch' /tmp/backup.err || taken_at=$(up)
 		if grep -q HAG-GUEST-EXIT /tmp/vm.console 2>/dev/null || [ "$quiet" -gt 60 ] || [ "$n" -gt 700 ] ||
 			{ [ "${DEBIAN:-0}" = 1 ] && grep -q HAG-GUEST-RESULT /tmp/client.log; } ||
 			{ [ -n "$since" ] && [ "$(wc -l </tmp/client.log)" -ge $((since + 20)) ]; }; then
