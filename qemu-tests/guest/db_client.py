@@ -19,6 +19,12 @@ test host, over the VMs' network.
       be in the table, PostgreSQL must not have restarted since the log's
       start time, and its log must show no crash recovery. Prints what it
       found; exits 1 if any of that is false.
+  db_client.py commit --workers N ...
+      N connections commit at once, each its own rows (ids from one
+      counter, so an id may be acknowledged after a higher one). A
+      protected VM's replies come out once per epoch: one connection
+      commits at most once every three epochs; many connections share
+      each epoch's release, as a server's many users do.
   db_client.py commit --autocommit ...
       The same, each INSERT committed by itself (autocommit): one round
       trip per commit, its reply the commit's acknowledgement. Without it
@@ -42,8 +48,10 @@ trusts the test network; scripts/build-guest-rootfs.sh).
 """
 
 import argparse
+import itertools
 import signal
 import sys
+import threading
 import time
 
 import psycopg2
@@ -81,41 +89,77 @@ def connect(host, patience):
 
 
 def commit(args):
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    log = open(args.log, "a", buffering=1)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    log = Log(args.log)
     conn = connect(args.host, 600)
-    conn.autocommit = args.autocommit
     with conn.cursor() as cur:
         cur.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} ("
                     "id bigint PRIMARY KEY, at timestamptz NOT NULL DEFAULT now(), payload text NOT NULL)")
         cur.execute("SELECT pg_postmaster_start_time()::text")
-        log.write(f"postmaster {cur.fetchone()[0]}\n")
+        log.write(f"postmaster {cur.fetchone()[0]}")
         cur.execute(f"SELECT coalesce(max(id), 0) FROM {TABLE}")
-        next_id = cur.fetchone()[0] + 1
+        ids = itertools.count(cur.fetchone()[0] + 1)
     conn.commit()
-    print(f"db_client: committing to {TABLE} on {args.host} from id {next_id}", flush=True)
-    while not stop:
+    conn.close()
+    print(f"db_client: {args.workers} connections committing to {TABLE} on {args.host} "
+          f"from id {next(ids)}", flush=True)
+    ids_lock = threading.Lock()
+
+    def next_id():
+        with ids_lock:
+            return next(ids)
+
+    workers = [threading.Thread(target=commit_rows, args=(args, log, next_id, stop), daemon=True)
+               for _ in range(args.workers)]
+    for w in workers:
+        w.start()
+    # The main thread must stay free to run the SIGTERM handler.
+    while not stop.wait(0.5):
+        pass
+    for w in workers:
+        w.join(timeout=35)
+
+
+def commit_rows(args, log, next_id, stop):
+    """One connection's loop: each row in its own transaction, acked or
+    in doubt, until `stop`."""
+    conn = connect(args.host, 600)
+    conn.autocommit = args.autocommit
+    while not stop.is_set():
+        row = next_id()
         try:
             sent = uptime()
             with conn.cursor() as cur:
                 cur.execute(f"INSERT INTO {TABLE} (id, payload) VALUES (%s, repeat(md5(%s::text), 8))",
-                            (next_id, next_id))
+                            (row, row))
             conn.commit()
             acked = uptime()
-            log.write(f"acked {next_id} {(acked - sent) * 1000:.1f} {acked:.3f}\n")
+            log.write(f"acked {row} {(acked - sent) * 1000:.1f} {acked:.3f}")
         except psycopg2.Error as e:
-            log.write(f"lost {next_id}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}\n")
+            log.write(f"lost {row}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
             try:
                 conn.close()
             except psycopg2.Error:
                 pass
-            if stop:
-                break
+            if stop.is_set():
+                return
             conn = connect(args.host, 600)
             conn.autocommit = args.autocommit
-        next_id += 1
     conn.close()
+
+
+class Log:
+    """The commit log, one whole line per write whichever connection
+    writes it."""
+
+    def __init__(self, path):
+        self.file = open(path, "a", buffering=1)
+        self.lock = threading.Lock()
+
+    def write(self, line):
+        with self.lock:
+            self.file.write(line + "\n")
 
 
 def read_log(path):
@@ -147,7 +191,7 @@ def check(args):
         pg_log = cur.fetchone()[0]
     conn.close()
     missing = [i for i in acked if i not in present]
-    print(f"db: {len(acked)} commits acknowledged (ids {acked[0] if acked else '-'}..{acked[-1] if acked else '-'}), "
+    print(f"db: {len(acked)} commits acknowledged (ids {min(acked) if acked else '-'}..{max(acked) if acked else '-'}), "
           f"{len(lost)} in doubt, {len(present)} rows in {TABLE}")
     for line in lost:
         print(f"db: in doubt: {line}")
@@ -228,6 +272,7 @@ def main():
     p.add_argument("--from", dest="t0", type=float, default=0.0)
     p.add_argument("--to", dest="t1", type=float, default=float("inf"))
     p.add_argument("--autocommit", action="store_true")
+    p.add_argument("--workers", type=int, default=1)
     args = p.parse_args()
     if args.mode not in ("latency", "rate") and not args.host:
         p.error(f"{args.mode} needs --host")

@@ -197,7 +197,11 @@ if [ "$HAG_HOST" = 1 ]; then
 	if [ "${DEBIAN:-0}" = 1 ]; then
 		: >/tmp/db.log
 		# chroot itself, not in_root: $! must be the client's own pid.
-		chroot "$HOST_ROOT" python3 /hag/db_client.py commit --host "$VM_ADDR" --log /tmp/db.log >/tmp/db.err 2>&1 &
+		# Eight connections: under protection each commits once every
+		# three epochs (BEGIN, INSERT, COMMIT, each reply held for one),
+		# so one alone would make a handful of commits while protected.
+		chroot "$HOST_ROOT" python3 /hag/db_client.py commit --workers 8 --host "$VM_ADDR" \
+			--log /tmp/db.log >/tmp/db.err 2>&1 &
 		db_client=$!
 	fi
 	eval "set -- $(vm_words vm "$uuid" "$GUEST_ARGS")"
