@@ -37,9 +37,9 @@ MODULE := rust/hag_mdev/hag_mdev.ko
 HAGCTL := controller/target/release/hagctl
 
 .PHONY: all deps kernel module controller check-userspace fuzz test demo clean \
-	test-check-userspace test-fuzz test-scenarios test-eval-selftest test-gvt-test \
+	test-check-userspace test-production-module test-fuzz test-scenarios test-eval-selftest test-gvt-test \
 	test-debug-test-if-cached \
-	gvt-kernel gvt gvt-test eval eval-quick eval-report debug-kernel debug debug-test
+	gvt-kernel gvt gvt-test production-module eval eval-quick eval-report debug-kernel debug debug-test
 
 # Where `make eval` writes: the README links the plots in docs/eval.
 EVAL_OUT ?= docs/eval
@@ -61,9 +61,22 @@ module: kernel
 	@set -o pipefail; $(TOOLCHAIN) && kdir=$$(scripts/build-kernel.sh --print-dir) && \
 	if [ "$$(cat $(KDIR_STAMP) 2>/dev/null)" != "$$kdir" ]; then \
 		$(MAKE) -s -C "$$kdir" M=$(CURDIR) clean; echo "$$kdir" > $(KDIR_STAMP); fi && \
-	$(MAKE) -s -C "$$kdir" M=$(CURDIR) RUSTC="$$RUSTC" BINDGEN="$$BINDGEN" modules 2>&1 | \
+	$(MAKE) -s -C "$$kdir" M=$(CURDIR) HAG_TEST_SWITCHES=y RUSTC="$$RUSTC" BINDGEN="$$BINDGEN" modules 2>&1 | \
 		{ grep -v 'Failed to run rustfmt' || true; } && \
 	echo "built $(MODULE) against $$kdir"
+
+# $(call build_module_copy,DIR,FLAVOUR-ARGS,MAKE-VARS): hag_mdev.ko built
+# from a copy of its sources in DIR against the kernel scripts/build-kernel.sh
+# FLAVOUR-ARGS names, its output also in DIR/build.log.
+define build_module_copy
+$(TOOLCHAIN) && kdir=$$(scripts/build-kernel.sh $(2) --print-dir) && \
+	kargs=$$(scripts/build-kernel.sh $(2) --print-make-args) && mkdir -p $(1) && \
+	tar -c $(addprefix --exclude=,$(GVT_NOT_SOURCES)) $(GVT_SOURCES) | tar -C $(1) -x && \
+	if [ "$$(cat $(1)/.kernel-tree 2>/dev/null)" != "$$kdir" ]; then \
+		$(MAKE) -s -C "$$kdir" M=$(CURDIR)/$(1) $$kargs clean; echo "$$kdir" > $(1)/.kernel-tree; fi && \
+	$(MAKE) -s -C "$$kdir" M=$(CURDIR)/$(1) $$kargs $(3) RUSTC="$$RUSTC" BINDGEN="$$BINDGEN" modules 2>&1 | \
+		{ grep -v 'Failed to run rustfmt' || true; } | tee $(1)/build.log
+endef
 
 # GVT-g. The module is built from a copy of its sources (and of the shared
 # crates' sources hag.rs includes by relative path) in its own directory,
@@ -83,12 +96,7 @@ gvt: gvt-kernel
 	@set -o pipefail; $(TOOLCHAIN) && kdir=$$(scripts/build-kernel.sh --flavour gvt --print-dir) && \
 	{ (cd "$$kdir" && perl scripts/checkpatch.pl --no-tree --strict --quiet $(CURDIR)/scripts/gvt/*.patch) || \
 		{ echo "gvt: scripts/gvt/ does not pass checkpatch (above)"; exit 1; }; } && \
-	mkdir -p $(GVT_BUILD) && \
-	tar -c $(addprefix --exclude=,$(GVT_NOT_SOURCES)) $(GVT_SOURCES) | tar -C $(GVT_BUILD) -x && \
-	if [ "$$(cat $(GVT_BUILD)/.kernel-tree 2>/dev/null)" != "$$kdir" ]; then \
-		$(MAKE) -s -C "$$kdir" M=$(CURDIR)/$(GVT_BUILD) clean; echo "$$kdir" > $(GVT_BUILD)/.kernel-tree; fi && \
-	$(MAKE) -s -C "$$kdir" M=$(CURDIR)/$(GVT_BUILD) RUSTC="$$RUSTC" BINDGEN="$$BINDGEN" modules 2>&1 | \
-		{ grep -v 'Failed to run rustfmt' || true; } | tee $(GVT_BUILD)/build.log && \
+	$(call build_module_copy,$(GVT_BUILD),--flavour gvt,HAG_TEST_SWITCHES=y) && \
 	if grep -q 'undefined!' $(GVT_BUILD)/build.log; then \
 		echo "gvt: hag_mdev.ko has unresolved symbols (above)"; exit 1; fi && \
 	if ! nm -u $(GVT_MODULE) | grep -qw intel_gvt_audit_register; then \
@@ -120,13 +128,23 @@ debug-kernel: deps
 	@scripts/build-kernel.sh --flavour debug
 
 debug: debug-kernel
-	@set -o pipefail; $(TOOLCHAIN) && kdir=$$(scripts/build-kernel.sh --flavour debug --print-dir) && \
-	kargs=$$(scripts/build-kernel.sh --flavour debug --print-make-args) && mkdir -p $(DEBUG_BUILD) && \
-	tar -c $(addprefix --exclude=,$(GVT_NOT_SOURCES)) $(GVT_SOURCES) | tar -C $(DEBUG_BUILD) -x && \
-	if [ "$$(cat $(DEBUG_BUILD)/.kernel-tree 2>/dev/null)" != "$$kdir" ]; then \
-		$(MAKE) -s -C "$$kdir" M=$(CURDIR)/$(DEBUG_BUILD) $$kargs clean; echo "$$kdir" > $(DEBUG_BUILD)/.kernel-tree; fi && \
-	$(MAKE) -s -C "$$kdir" M=$(CURDIR)/$(DEBUG_BUILD) $$kargs RUSTC="$$RUSTC" BINDGEN="$$BINDGEN" modules 2>&1 | \
-		{ grep -v 'Failed to run rustfmt' || true; } && echo "built $(DEBUG_MODULE) against $$kdir"
+	@set -o pipefail; $(call build_module_copy,$(DEBUG_BUILD),--flavour debug,HAG_TEST_SWITCHES=y) && \
+		echo "built $(DEBUG_MODULE) against $$kdir"
+
+# What a production build leaves out: hag_mdev.ko built without
+# HAG_TEST_SWITCHES (as a host's own build or DKMS would) must show none
+# of the test builds' fault switches (rust/hag_mdev/glue.c); hagctl's
+# are checked by its unit tests, run without the test-switches feature.
+PRODUCTION_BUILD := build/production-module
+PRODUCTION_MODULE := $(PRODUCTION_BUILD)/rust/hag_mdev/hag_mdev.ko
+TEST_ONLY_PARAMS := withhold_gpu_dirty corrupt_mig_data test_hold_vgpu_ms
+production-module: kernel
+	@set -o pipefail; { $(call build_module_copy,$(PRODUCTION_BUILD),,) >/dev/null || \
+		{ cat $(PRODUCTION_BUILD)/build.log; exit 1; }; } && \
+	params=$$(/sbin/modinfo -F parm $(PRODUCTION_MODULE) | cut -d: -f1 | tr '\n' ' ') && \
+	for p in $(TEST_ONLY_PARAMS); do case " $$params" in *" $$p "*) \
+		echo "production-module: $(PRODUCTION_MODULE) has the test parameter $$p"; exit 1;; esac; done && \
+	echo "production-module: $(PRODUCTION_MODULE)'s parameters: $$params(no test switch)"
 
 debug-test: debug controller
 	HAG_FLAVOUR=debug qemu-tests/run $(or $(SCENARIOS),$(DEBUG_SCENARIOS))
@@ -139,14 +157,18 @@ debug-test: debug controller
 DEBUG_IF_CACHED = if scripts/build-kernel.sh --flavour debug --cached-dir >/dev/null 2>&1; then \
 	$(MAKE) debug-test; else echo "debug-test: skipped: the debug kernel is not cached (make debug-test builds it, 15-35 min)"; fi
 
+# The test hosts' hagctl has the test switches (controller/hagctl/src/
+# test_switches.rs); `cargo build --release` alone builds one without.
 controller: deps
-	@cd controller && cargo build --release --quiet && cargo build --release --quiet -p hagctl --example plug_gate
+	@cd controller && cargo build --release --quiet --features hagctl/test-switches && \
+		cargo build --release --quiet --features hagctl/test-switches -p hagctl --example plug_gate
 	@echo "built $(HAGCTL)"
 
 # Host-side checks of every userspace and shared crate.
 check-userspace: deps
 	cd rust && cargo fmt --check && cargo clippy --all-targets --quiet -- -D warnings && cargo test --quiet
-	cd controller && cargo fmt --check && cargo clippy --all-targets --quiet -- -D warnings && cargo test --quiet
+	cd controller && cargo fmt --check && cargo clippy --all-targets --quiet -- -D warnings && \
+		cargo clippy --all-targets --quiet --features hagctl/test-switches -- -D warnings && cargo test --quiet
 	# Disk deltas against a real QEMU on this machine (TCG, no guest; a second).
 	cd controller && cargo test --quiet -p hagctl qemu_disk_ -- --ignored
 	qemu-tests/guest/client_check.py --self-test
@@ -158,7 +180,7 @@ fuzz:
 # Every step runs whatever an earlier one did, so one run shows every
 # failure; the target fails at the end, naming the steps that failed. Only
 # the build (`all`) stops it: nothing after it can run without it.
-TEST_STEPS := check-userspace fuzz scenarios eval-selftest gvt-test debug-test-if-cached
+TEST_STEPS := check-userspace production-module fuzz scenarios eval-selftest gvt-test debug-test-if-cached
 test: all
 	@failed=(); for step in $(TEST_STEPS); do \
 		echo "== make test: $$step"; \
@@ -169,6 +191,7 @@ test: all
 
 test-check-userspace: check-userspace
 test-fuzz: fuzz
+test-production-module: production-module
 test-scenarios:
 	qemu-tests/run
 test-eval-selftest:

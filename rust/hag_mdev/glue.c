@@ -37,15 +37,17 @@ bool hag_glue_hang_injection_allowed(void)
 	return READ_ONCE(allow_hang_injection);
 }
 
+/*
+ * Faults the tests inject: each shows that a check fails when what it
+ * checks is missing. Compiled only into the test builds (make module,
+ * gvt and debug pass HAG_TEST_SWITCHES=y): a production module has no such
+ * parameter, and modinfo shows none.
+ */
+#ifdef HAG_TEST_SWITCHES
 static bool withhold_gpu_dirty;
 module_param(withhold_gpu_dirty, bool, 0444);
 MODULE_PARM_DESC(withhold_gpu_dirty,
 		 "Report no GPU-dirty pages through VFIO DMA logging (tests only: shows that a migration without them loses GPU writes; default off)");
-
-bool hag_glue_gpu_dirty_withheld(void)
-{
-	return READ_ONCE(withhold_gpu_dirty);
-}
 
 static bool corrupt_mig_data;
 module_param(corrupt_mig_data, bool, 0444);
@@ -56,6 +58,16 @@ static unsigned int test_hold_vgpu_ms;
 module_param(test_hold_vgpu_ms, uint, 0444);
 MODULE_PARM_DESC(test_hold_vgpu_ms,
 		 "Hold each /dev/hag ioctl this long (ms, at most 10000) after it looked its vGPU up, as a user copy that blocks would (tests only: a vGPU removed meanwhile must refuse it; default 0)");
+#else
+static const bool withhold_gpu_dirty;
+static const bool corrupt_mig_data;
+static const unsigned int test_hold_vgpu_ms;
+#endif
+
+bool hag_glue_gpu_dirty_withheld(void)
+{
+	return READ_ONCE(withhold_gpu_dirty);
+}
 
 u32 hag_glue_test_hold_vgpu_ms(void)
 {

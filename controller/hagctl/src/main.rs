@@ -52,6 +52,7 @@ mod secure;
 mod stall;
 mod standby_argv;
 mod state_delta;
+mod test_switches;
 // The VMM interface is whole; today's commands use only part of it (the
 // QEMU checkpointing work is to use save_device_state; hag-vmm's pause is
 // called through its client, for the workload's iteration).
@@ -271,8 +272,12 @@ vm_state_bytes, bytes, resumed}.";
 #[derive(Parser)]
 #[command(
     name = "hagctl",
-    about = "Inspect the hag_mdev kernel module: its vGPUs and its events",
-    long_about = "Inspect the hag_mdev kernel module: its vGPUs (through /dev/hag) and its \
+    about = "High availability for VMs with vGPUs: migrate them, protect them with \
+             continuous checkpoints to a backup host, take over, and inspect the hag_mdev module",
+    long_about = "High availability for VMs with vGPUs: migrate them (migrate, receive), \
+                  protect them with continuous checkpoints to a backup host (checkpoint, \
+                  backup), take over when their GPU hangs or their host is lost, and \
+                  inspect the hag_mdev kernel module: its vGPUs (through /dev/hag) and its \
                   events (through the 'hag' generic netlink family).\n\n\
                   hagctl refuses a module built for another ABI version. On failure it prints \
                   one line, 'hagctl: <what>: <why>', and exits 1."
@@ -379,15 +384,8 @@ Every line of stdout is flushed as soon as it is printed.")]
         /// --vm: send pages raw instead of LZ4-compressed (baseline)
         #[arg(long, conflicts_with = "qmp")]
         no_compress: bool,
-        /// For tests only: damage the stream (corrupt-page, truncate-context)
-        #[arg(
-            long,
-            value_name = "FAULT",
-            value_enum,
-            hide_short_help = true,
-            conflicts_with = "qmp"
-        )]
-        inject_fault: Option<migrate::Fault>,
+        #[command(flatten)]
+        test: test_switches::Migrate,
         /// --vm: the pre-shared key file this host and the target hold
         /// (hagctl keygen makes one)
         #[arg(long, value_name = "FILE", default_value = KEY_DEFAULT, conflicts_with = "qmp")]
@@ -510,13 +508,8 @@ exits non-zero on finished-unconfirmed, fenced and stop-failed.")]
         /// The file the console's released output is appended to
         #[arg(long, value_name = "FILE", requires = "console")]
         console_log: Option<std::path::PathBuf>,
-        /// For tests only: withhold the CPU dirty log (a takeover must fail)
-        #[arg(long, hide = true, requires = "qmp")]
-        test_withhold_cpu_dirty: bool,
-        /// For tests only: send the disks' first copy but no epoch's disk
-        /// delta (a takeover must fail)
-        #[arg(long, hide = true, requires = "qmp")]
-        test_withhold_disk_delta: bool,
+        #[command(flatten)]
+        test: test_switches::Checkpoint,
         /// Where a QEMU VM's disk deltas wait between their capture and
         /// their sending (a directory per QEMU process; the first
         /// synchronisation's holds a copy of each disk's allocated data)
@@ -636,11 +629,8 @@ the VM's status. If the primary ends protection (its VM finished), it exits
         #[arg(long, value_name = "N", default_value_t = 16,
               value_parser = clap::value_parser!(u64).range(2..=1024))]
         max_connections: u64,
-        /// For tests only: a file naming a fault to play while it says so
-        /// (mute: send the primary nothing; drop-acks: never acknowledge;
-        /// hold-takeover: a takeover waits before its fence)
-        #[arg(long, value_name = "FILE", hide = true)]
-        test_fault_file: Option<std::path::PathBuf>,
+        #[command(flatten)]
+        test: test_switches::Backup,
         /// Print the takeover report as JSON
         #[arg(long)]
         json: bool,
@@ -849,9 +839,14 @@ fn cli() -> Cli {
     // clap only takes a version string it can keep.
     let version: &'static str = Box::leak(
         format!(
-            "{} (hag ABI {})",
+            "{} (hag ABI {}{})",
             env!("CARGO_PKG_VERSION"),
-            abi::ABI_VERSION
+            abi::ABI_VERSION,
+            if test_switches::COMPILED {
+                ", with the test switches"
+            } else {
+                ""
+            }
         )
         .into_boxed_str(),
     );
@@ -892,7 +887,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             no_gpu_dirty,
             gpu_full_copy,
             no_compress,
-            inject_fault,
+            test,
             key,
             connect_timeout,
             max_downtime,
@@ -945,7 +940,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     gpu_dirty,
                     compress: !no_compress,
                     connect_timeout,
-                    inject_fault,
+                    inject_fault: test.inject_fault(),
                     key,
                     max_downtime: Duration::from_millis(max_downtime),
                     bandwidth,
@@ -961,8 +956,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             plug,
             console,
             console_log,
-            test_withhold_cpu_dirty,
-            test_withhold_disk_delta,
+            test,
             delta_dir,
             backup,
             heartbeat_addr,
@@ -990,8 +984,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                         qmp,
                         plug,
                         console: console.zip(console_log),
-                        withhold_cpu_dirty: test_withhold_cpu_dirty,
-                        withhold_disk_delta: test_withhold_disk_delta,
+                        withhold_cpu_dirty: test.withhold_cpu_dirty(),
+                        withhold_disk_delta: test.withhold_disk_delta(),
                         delta_dir,
                     }
                 }
@@ -1039,7 +1033,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             key,
             max_ram,
             max_connections,
-            test_fault_file,
+            test,
             json,
             fence_peer,
             fence_peer_timeout,
@@ -1079,7 +1073,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 key,
                 max_ram,
                 max_connections: max_connections as usize,
-                test_fault_file,
+                test_fault_file: test.fault_file(),
                 fence_peer: fence_peer.map(|command| fence::FencePeer {
                     command,
                     timeout: fence_peer_timeout,
@@ -1191,6 +1185,28 @@ mod tests {
     #[test]
     fn cli_is_well_formed() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn test_switches_parse_only_in_a_test_build() {
+        let parse = |args: &[&str]| Cli::try_parse_from(args.iter().copied());
+        let cp = ["hagctl", "checkpoint", "--qmp", "vm.qmp", "--backup", "h:1"];
+        let mig = ["hagctl", "migrate", "--vm", "s", "--to", "h:1"];
+        let bk = ["hagctl", "backup", "--listen", "h:1", "--mdev", "u"];
+        for args in [
+            [&cp[..], &["--test-withhold-cpu-dirty"]].concat(),
+            [&cp[..], &["--test-withhold-disk-delta"]].concat(),
+            [&mig[..], &["--inject-fault", "corrupt-page"]].concat(),
+            [&bk[..], &["--test-fault-file", "f"]].concat(),
+        ] {
+            assert_eq!(
+                parse(&args).is_ok(),
+                test_switches::COMPILED,
+                "{}",
+                args.join(" ")
+            );
+        }
+        assert!(parse(&bk).is_ok(), "{}", bk.join(" "));
     }
 
     #[test]
