@@ -1678,11 +1678,16 @@ impl Primary {
     fn outcome(&mut self, result: Result<(), EpochError>) -> Option<CheckpointReport> {
         let err = match result {
             Ok(()) => return None,
-            // A QMP call that failed mid-epoch may be the VMM dying: asked
-            // again, a crash says so.
+            // A QMP call that failed mid-epoch or mid-capture may be the
+            // VMM dying: asked again, a crash says so (and a connection
+            // broken by a timeout is replaced). Unasked, a skipped epoch
+            // would be skipped again at every interval on a dead QEMU.
             Err(EpochError::Vm(why)) => self
                 .vm_crashed()
                 .map_or(EpochError::Vm(why), EpochError::Crashed),
+            Err(EpochError::Retry(why)) => self
+                .vm_crashed()
+                .map_or(EpochError::Retry(why), EpochError::Crashed),
             Err(e) => e,
         };
         if self.link.hung() {

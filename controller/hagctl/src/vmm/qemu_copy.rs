@@ -501,15 +501,26 @@ impl CopyVm for QemuVm {
         let st = match self.qemu.run_state() {
             Ok(st) => st,
             Err(e @ VmmError::Qmp(_)) => {
-                return match self
-                    .qemu
-                    .qmp()
-                    .end_seen()
-                    .and_then(|s| qemu::crash(None, s))
-                {
-                    Some(why) => Ok(VmStatus::Crashed(format!("{why} ({e})"))),
-                    None => Err(e),
-                };
+                let qmp = self.qemu.qmp();
+                let broken = qmp.is_broken();
+                match qmp.end_seen() {
+                    // QEMU closed its end: a crash unless a SHUTDOWN came.
+                    Some(shutdown) => {
+                        return match qemu::crash(None, shutdown) {
+                            Some(why) => Ok(VmStatus::Crashed(format!("{why} ({e})"))),
+                            None => Err(e),
+                        }
+                    }
+                    None if !broken => return Err(e),
+                    // Open but broken (a reply that never came, a write
+                    // that timed out): replaced, else every later epoch
+                    // would be skipped on it.
+                    None => {
+                        qmp.reconnect()?;
+                        eprintln!("hagctl: {}: reconnected after: {e}", qmp.path().display());
+                        self.qemu.run_state()?
+                    }
+                }
             }
             Err(e) => return Err(e),
         };

@@ -207,15 +207,15 @@ pub enum QmpError {
         source: std::io::Error,
     },
     /// Reading or writing failed.
-    #[error("QMP socket {path}: {what}")]
+    #[error("QMP socket {path}: {what}: {error}")]
     Io {
         /// The socket.
         path: PathBuf,
         /// What was being done.
         what: String,
-        /// The error.
-        #[source]
-        source: std::io::Error,
+        /// The error (in the message, not a source: the message is what
+        /// a skipped epoch reports, and it must say why).
+        error: std::io::Error,
     },
     /// No (whole) reply within the deadline.
     #[error("QMP socket {path}: no reply to '{command}' within {}", fmt_duration(*.timeout))]
@@ -354,6 +354,27 @@ impl Qmp {
         qmp.greeting = greeting;
         qmp.execute("qmp_capabilities", None)?;
         Ok(qmp)
+    }
+
+    /// Whether a transport error broke this connection.
+    pub fn is_broken(&self) -> bool {
+        self.broken.is_some()
+    }
+
+    /// After a transport error that did not close QEMU's end (a reply
+    /// that never came, a write that timed out): the broken connection
+    /// closed (QEMU serves one client per socket) and a new one in its
+    /// place, its events after the old one's.
+    pub fn reconnect(&mut self) -> Result<(), QmpError> {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        let mut fresh = Qmp::connect(&self.path, self.timeout)?;
+        let mut events = std::mem::take(&mut self.events);
+        events.extend(fresh.events.drain(..));
+        fresh.events = events;
+        fresh.dropped_events += self.dropped_events;
+        fresh.next_id = self.next_id;
+        *self = fresh;
+        Ok(())
     }
 
     /// A client on an already connected stream (the greeting not yet read).
@@ -501,9 +522,9 @@ impl Qmp {
                 Ok(Message::Event(e)) => self.push_event(e),
                 Ok(_) => {}
                 Err(QmpError::Closed { .. }) => break,
-                Err(QmpError::Io { source, .. })
+                Err(QmpError::Io { error, .. })
                     if matches!(
-                        source.kind(),
+                        error.kind(),
                         std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
                     ) =>
                 {
@@ -614,11 +635,11 @@ impl Qmp {
             }
             None => self.stream.write_all(line),
         };
-        result.map_err(|source| {
+        result.map_err(|error| {
             let e = QmpError::Io {
                 path: self.path.clone(),
                 what: format!("sending '{command}'"),
-                source,
+                error,
             };
             self.fail(e)
         })
@@ -694,11 +715,11 @@ impl Qmp {
                             | std::io::ErrorKind::TimedOut
                             | std::io::ErrorKind::Interrupted
                     ) => {}
-                Err(source) => {
+                Err(error) => {
                     let e = QmpError::Io {
                         path: self.path.clone(),
                         what: during.to_owned(),
-                        source,
+                        error,
                     };
                     return Err(self.fail(e));
                 }
@@ -1033,6 +1054,54 @@ pub(crate) mod tests {
             Qmp::connect(&path, Duration::from_millis(200)),
             Err(QmpError::Connect { .. })
         ));
+        let _ = std::fs::remove_dir(&dir);
+    }
+
+    #[test]
+    fn a_broken_connection_is_replaced() {
+        let dir = std::env::temp_dir().join(format!("hagctl-qmp-reconnect-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("vm.qmp");
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path).unwrap();
+        // One client at a time, as QEMU: the first connection answers
+        // query-status with something that is not QMP; the second, taken
+        // only once the first is closed, answers it.
+        let server = std::thread::spawn(move || {
+            for garbled in [true, false] {
+                let (conn, _) = listener.accept().unwrap();
+                let mut w = conn.try_clone().unwrap();
+                writeln!(w, "{GREETING}\r").unwrap();
+                for line in std::io::BufReader::new(conn).lines() {
+                    let Ok(line) = line else { break };
+                    let req: Value = serde_json::from_str(&line).unwrap();
+                    let out = match (req["execute"].as_str(), garbled) {
+                        (Some("query-status"), true) => "not json".to_owned(),
+                        (Some("query-status"), false) => ret(
+                            &req,
+                            serde_json::json!({"status": "running", "running": true}),
+                        ),
+                        _ => ret(&req, serde_json::json!({})),
+                    };
+                    writeln!(w, "{out}\r").unwrap();
+                }
+            }
+        });
+        let mut qmp = Qmp::connect(&path, Duration::from_secs(5)).unwrap();
+        let err = qmp.execute("query-status", None).unwrap_err();
+        assert!(matches!(err, QmpError::Protocol { .. }), "{err}");
+        assert!(qmp.is_broken());
+        assert!(matches!(
+            qmp.execute("query-status", None),
+            Err(QmpError::Broken { .. })
+        ));
+        qmp.reconnect().unwrap();
+        assert!(!qmp.is_broken());
+        let status = qmp.execute("query-status", None).unwrap();
+        assert_eq!(status["status"], "running");
+        drop(qmp);
+        server.join().unwrap();
+        let _ = std::fs::remove_file(&path);
         let _ = std::fs::remove_dir(&dir);
     }
 }
