@@ -34,7 +34,7 @@ else
 	rc=0
 	hagctl confirm-backup-down --status-dir /tmp/hag-cp >/tmp/confirm1.out 2>&1 || rc=$?
 	cat /tmp/confirm1.out
-	[ "$rc" != 0 ] || fail "confirmed while protected"
+	expect_eq "confirm-backup-down's exit status (6: refused)" "$rc" 6
 	grep -q 'acknowledges epochs' /tmp/confirm1.out || fail "the refusal does not say why"
 	signal_ready 7300
 	wait_for 120 grep -q '"state":"unprotected"' /tmp/hag-cp/checkpoint-vgpu*.json ||

@@ -33,7 +33,7 @@ SH
 	rc=0
 	hagctl takeover --status-dir /tmp/hag-backup --timeout 60 >/tmp/request1.out 2>&1 || rc=$?
 	cat /tmp/request1.out
-	[ "$rc" != 0 ] || fail "hagctl takeover succeeded although the fence failed"
+	expect_eq "hagctl takeover's exit status (6: refused)" "$rc" 6
 	grep -q 'fence-peer failed' /tmp/request1.out || fail "the refusal does not say the fence failed"
 	[ ! -e /tmp/fenced ] || fail "fenced although the agent failed"
 	step "host 1: hagctl takeover, the fence agent working"

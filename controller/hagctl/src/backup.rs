@@ -1685,7 +1685,10 @@ pub fn request_takeover(dir: &std::path::Path, timeout: Duration) -> anyhow::Res
     while Instant::now() < deadline {
         if let Ok(why) = std::fs::read_to_string(refusal_path(dir)) {
             let _ = std::fs::remove_file(refusal_path(dir));
-            anyhow::bail!("the backup did not take over: {}", why.trim());
+            return Err(crate::exit::with_status(
+                crate::exit::Status::Refused,
+                format!("the backup did not take over: {}", why.trim()),
+            ));
         }
         let now: Option<serde_json::Value> = std::fs::read_to_string(state_path(dir))
             .ok()

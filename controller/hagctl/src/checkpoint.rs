@@ -754,7 +754,10 @@ pub fn confirm_backup_down(
     while Instant::now() < deadline {
         if let Ok(why) = std::fs::read_to_string(&refused) {
             let _ = std::fs::remove_file(&refused);
-            anyhow::bail!("protection of vGPU {} goes on: {}", st.vgpu_id, why.trim());
+            return Err(crate::exit::with_status(
+                crate::exit::Status::Refused,
+                format!("protection of vGPU {} goes on: {}", st.vgpu_id, why.trim()),
+            ));
         }
         if !status_path(dir, st.vgpu_id).exists() {
             return Ok(format!(

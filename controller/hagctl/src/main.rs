@@ -13,8 +13,10 @@
 //!   malformed message is an error that says what was wrong, never a panic.
 //! - Output is stable for scripts: `--json` gives one JSON object per line,
 //!   and `events` flushes every line as it is printed.
-//! - Any failure is one line on stderr, `hagctl: <what>: <why>`, and exit
-//!   status 1 (2 for a usage error).
+//! - Any failure is one line on stderr, `hagctl: <what>: <why>` (with
+//!   `--json`, also one object on stdout), and an exit status that tells
+//!   the outcomes a script must tell apart ([`exit`]: 1 for any other
+//!   failure, 2 for a usage error).
 //!
 //! ```text
 //! $ hagctl status
@@ -40,6 +42,7 @@ mod checkpoint;
 mod commands;
 mod console;
 mod events;
+mod exit;
 mod fence;
 mod migrate;
 mod output;
@@ -53,6 +56,7 @@ mod stall;
 mod standby_argv;
 mod state_delta;
 mod test_switches;
+mod units;
 // The VMM interface is whole; today's commands use only part of it (the
 // QEMU checkpointing work is to use save_device_state; hag-vmm's pause is
 // called through its client, for the workload's iteration).
@@ -107,7 +111,7 @@ instead (never 'cont' it while the target runs). With return-path off the
 source cannot know that the target loaded the state, so hagctl leaves it
 paused whatever the options, and says so.
 
-SIGINT or SIGTERM (Ctrl-C) during the migration, or --timeout, sends
+SIGINT or SIGTERM (Ctrl-C) during the migration, or --cancel-after, sends
 migrate_cancel: QEMU stops and the source VM runs on; hagctl reports its
 run state and exits 1. A second signal exits at once (status 130). A
 migration that completed before the cancel took is a success.
@@ -280,7 +284,9 @@ vm_state_bytes, bytes, resumed}.";
                   inspect the hag_mdev kernel module: its vGPUs (through /dev/hag) and its \
                   events (through the 'hag' generic netlink family).\n\n\
                   hagctl refuses a module built for another ABI version. On failure it prints \
-                  one line, 'hagctl: <what>: <why>', and exits 1."
+                  one line, 'hagctl: <what>: <why>' (with --json also {\"error\": …, \
+                  \"exit_status\": N} on stdout).",
+    after_long_help = exit::HELP
 )]
 struct Cli {
     #[command(subcommand)]
@@ -342,9 +348,9 @@ Every line of stdout is flushed as soon as it is printed.")]
         /// Exit (status 0) after N events
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
         count: Option<u64>,
-        /// Stop after SECONDS (fractions allowed); with --count, not having
-        /// seen N events by then is an error
-        #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
+        /// Stop after DURATION (30s, 2m; a bare number is seconds); with
+        /// --count, not having seen N events by then is an error
+        #[arg(long, value_name = "DURATION", value_parser = units::seconds)]
         timeout: Option<Duration>,
     },
     /// Live-migrate a VM with its vGPU: a QEMU (--qmp) or a hag-vmm (--vm)
@@ -390,19 +396,20 @@ Every line of stdout is flushed as soon as it is printed.")]
         /// (hagctl keygen makes one)
         #[arg(long, value_name = "FILE", default_value = KEY_DEFAULT, conflicts_with = "qmp")]
         key: std::path::PathBuf,
-        /// Keep trying to reach the target for SECONDS (--qmp: retry while
-        /// the target refuses the connection)
-        #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = parse_seconds)]
+        /// Keep trying to reach the target for DURATION (a bare number is
+        /// seconds; --qmp: retry while the target refuses the connection)
+        #[arg(long, value_name = "DURATION", default_value = "30", value_parser = units::seconds)]
         connect_timeout: Duration,
-        /// The longest pause wanted for the last round, ms (QEMU's
-        /// downtime-limit; --vm: stop and copy once the remaining pages
-        /// fit in it at the measured bandwidth)
-        #[arg(long, value_name = "MS", default_value_t = 300,
-              value_parser = clap::value_parser!(u64).range(1..=2_000_000))]
-        max_downtime: u64,
-        /// Bandwidth limit (QEMU's max-bandwidth) per second: 100 (MiB),
-        /// 512KiB, 1.5GiB; default: QEMU's setting (--vm: unlimited)
-        #[arg(long, value_name = "RATE", value_parser = vmm_migrate::parse_bandwidth)]
+        /// The longest pause wanted for the last round (300ms, 1s; a bare
+        /// number is ms, as QEMU's downtime-limit, at most 2000 s; --vm:
+        /// stop and copy once the remaining pages fit in it at the
+        /// measured bandwidth)
+        #[arg(long, value_name = "DURATION", default_value = "300", value_parser = max_downtime)]
+        max_downtime: Duration,
+        /// Bandwidth limit (QEMU's max-bandwidth) per second: 100 (a bare
+        /// number is MiB/s, as virsh's), 512K, 1.5G/s, 100MB/s; default:
+        /// QEMU's setting (--vm: unlimited)
+        #[arg(long, value_name = "RATE", value_parser = units::rate)]
         bandwidth: Option<u64>,
         /// --qmp: set a migration capability, NAME=on|off (repeatable)
         #[arg(long, value_name = "NAME=on|off", conflicts_with = "vm",
@@ -416,9 +423,11 @@ Every line of stdout is flushed as soon as it is printed.")]
         /// instead of ending it
         #[arg(long, conflicts_with = "vm")]
         keep_source: bool,
-        /// --qmp: cancel a migration still running after SECONDS
-        #[arg(long, value_name = "SECONDS", conflicts_with = "vm", value_parser = parse_seconds)]
-        timeout: Option<Duration>,
+        /// --qmp: cancel a migration still running after DURATION
+        /// (migrate_cancel: the VM runs on here; not virsh migrate
+        /// --timeout, which suspends the VM so that it can finish)
+        #[arg(long, value_name = "DURATION", conflicts_with = "vm", value_parser = units::seconds)]
+        cancel_after: Option<Duration>,
         /// --qmp: copy the VM's local disks too: mirror each writable disk
         /// to the target's NBD export of the same name (hagctl receive
         /// --copy-storage) before migrating, as virsh migrate
@@ -485,7 +494,7 @@ since the last epoch (hag-sim's counter). released: console lines let out
 (hag-vmm), or how many output gates let something out (QEMU). outcome: finished, finished-unconfirmed (the VM
 finished but the backup did not confirm the end: it may still resume the
 last epoch), ended, handed-over, fenced, stop-failed or vm-stopped; hagctl
-exits non-zero on finished-unconfirmed, fenced and stop-failed.")]
+exits 4 on finished-unconfirmed, 3 on fenced and 5 on stop-failed.")]
     #[command(group(ArgGroup::new("protected").required(true).args(["vm", "qmp"])))]
     Checkpoint {
         /// Control socket of a hag-vmm VM (hag-vmm serve --control)
@@ -527,11 +536,11 @@ exits non-zero on finished-unconfirmed, fenced and stop-failed.")]
         /// network) to send heartbeats on (repeatable)
         #[arg(long, value_name = "HOST:PORT")]
         heartbeat_addr: Vec<String>,
-        /// Time between epochs (2s, 500ms, 0.1)
-        #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = parse_duration)]
+        /// Time between epochs (2s, 500ms; a bare number is seconds)
+        #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = units::seconds)]
         interval: Duration,
         /// Backup silence before the VM runs on unprotected
-        #[arg(long, value_name = "SECONDS", default_value = "3", value_parser = parse_duration)]
+        #[arg(long, value_name = "DURATION", default_value = "3", value_parser = units::seconds)]
         failover_timeout: Duration,
         /// This primary's generation (after a takeover, the new pair's)
         #[arg(long, value_name = "N", default_value_t = 0)]
@@ -553,8 +562,8 @@ exits non-zero on finished-unconfirmed, fenced and stop-failed.")]
         /// Send pages raw instead of LZ4-compressed (baseline)
         #[arg(long)]
         no_compress: bool,
-        /// Keep trying to reach the backup at start for SECONDS
-        #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = parse_seconds)]
+        /// Keep trying to reach the backup at start for DURATION
+        #[arg(long, value_name = "DURATION", default_value = "30", value_parser = units::seconds)]
         connect_timeout: Duration,
         /// Directory of the status file
         #[arg(long, value_name = "DIR", default_value = "/run/hag")]
@@ -579,9 +588,10 @@ fills its RAM from the image, restores the context into this host's vGPU,
 sets the VM state and resumes it, raising the generation, and prints
   takeover: generation 1, resumed from epoch 12 in 85.3 ms (…): REASON
 (--json: {reason, generation, epoch, takeover_ms, start_vm_ms, fill_ms,
-restore_ms, pages}). The VM's output follows on stdout; hagctl exits with
-the VM's status. If the primary ends protection (its VM finished), it exits
-0 without a takeover. State: STATUS_DIR/backup.json.")]
+restore_ms, pages}). The VM's output follows on stdout; hagctl exits 0
+when the VM taken over here ends well, 7 (naming its status) when it
+fails. If the primary ends protection (its VM finished), it exits 0
+without a takeover. State: STATUS_DIR/backup.json.")]
     Backup {
         /// Address and port to listen on
         #[arg(long, value_name = "ADDR:PORT")]
@@ -603,7 +613,7 @@ the VM's status. If the primary ends protection (its VM finished), it exits
         #[arg(long, value_name = "ARG", allow_hyphen_values = true)]
         vmm_arg: Vec<String>,
         /// Primary silence before takeover
-        #[arg(long, value_name = "SECONDS", default_value = "3", value_parser = parse_duration)]
+        #[arg(long, value_name = "DURATION", default_value = "3", value_parser = units::seconds)]
         failover_timeout: Duration,
         /// Generation to start at
         #[arg(long, value_name = "N", default_value_t = 0)]
@@ -622,7 +632,7 @@ the VM's status. If the primary ends protection (its VM finished), it exits
         key: std::path::PathBuf,
         /// Largest guest RAM a primary may ask for (a resync holds two
         /// images of it for a while): 16GiB, 512MiB, 4096 (MiB)
-        #[arg(long, value_name = "SIZE", default_value = "16GiB", value_parser = vmm_migrate::parse_bandwidth)]
+        #[arg(long, value_name = "SIZE", default_value = "16GiB", value_parser = units::size)]
         max_ram: u64,
         /// Authenticated connections open at once, at most (more are
         /// closed at once; handshakes have a pool of their own)
@@ -643,7 +653,7 @@ the VM's status. If the primary ends protection (its VM finished), it exits
         fence_peer: Option<String>,
         /// How long --fence-peer may run before it is killed and counted
         /// as failed
-        #[arg(long, value_name = "SECONDS", default_value = "60", value_parser = parse_duration,
+        #[arg(long, value_name = "DURATION", default_value = "60", value_parser = units::seconds,
               requires = "fence_peer")]
         fence_peer_timeout: Duration,
         /// What the primary's silence past --failover-timeout does:
@@ -704,13 +714,13 @@ take over before the failover timeout. The backup whose state is in
 STATUS_DIR (its --status-dir) takes over from its last acknowledged epoch,
 after its --fence-peer if it has one; if the primary is heard after the
 request, the takeover is given up (it is alive). Prints the new generation;
-exits 1 with the backup's reason if it did not take over.")]
+exits 6 with the backup's reason if it refused, 1 if it did not answer.")]
     Takeover {
         /// The backup's --status-dir
         #[arg(long, value_name = "DIR", default_value = "/run/hag")]
         status_dir: std::path::PathBuf,
         /// How long to wait for the takeover
-        #[arg(long, value_name = "SECONDS", default_value = "120", value_parser = parse_duration)]
+        #[arg(long, value_name = "DURATION", default_value = "120", value_parser = units::seconds)]
         timeout: Duration,
     },
     /// Tell a running `hagctl checkpoint` that its backup is down for
@@ -721,7 +731,7 @@ As `pcs stonith confirm` does for a cluster node: run it only once you know
 the backup cannot resume the VM (its host is powered off, or fenced), since
 the output released is then contradicted if it does. A primary that cannot
 hear its backup holds its VM's output (never released on silence); this
-releases it. Refused while the backup acknowledges epochs. Afterwards the
+releases it. Refused (exit status 6) while the backup acknowledges epochs. Afterwards the
 VM runs unprotected: protect it again with a new hagctl checkpoint.")]
     ConfirmBackupDown {
         /// The checkpoint's --status-dir
@@ -731,7 +741,7 @@ VM runs unprotected: protect it again with a new hagctl checkpoint.")]
         #[arg(long, value_name = "ID")]
         vgpu: Option<u32>,
         /// How long to wait for the checkpoint's answer
-        #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = parse_duration)]
+        #[arg(long, value_name = "DURATION", default_value = "30", value_parser = units::seconds)]
         timeout: Duration,
     },
     /// Write a new pre-shared key for a pair of hosts (mode 0600; copy it
@@ -767,9 +777,9 @@ VM runs unprotected: protect it again with a new hagctl checkpoint.")]
         /// --vm: the pre-shared key file this host and the source hold
         #[arg(long, value_name = "FILE", default_value = KEY_DEFAULT, conflicts_with = "qmp")]
         key: std::path::PathBuf,
-        /// --qmp: give up after SECONDS without a completed migration and a
-        /// running VM (default: wait as long as it takes)
-        #[arg(long, value_name = "SECONDS", conflicts_with = "vm", value_parser = parse_seconds)]
+        /// --qmp: give up after DURATION without a completed migration and
+        /// a running VM (default: wait as long as it takes)
+        #[arg(long, value_name = "DURATION", conflicts_with = "vm", value_parser = units::seconds)]
         timeout: Option<Duration>,
         /// --qmp: resume a VM that arrives paused (QEMU started with -S)
         #[arg(long, conflicts_with = "vm")]
@@ -816,22 +826,13 @@ fn checkpoint_gpu_dirty(text: &str) -> Result<migrate::GpuDirty, String> {
     }
 }
 
-fn parse_duration(text: &str) -> Result<Duration, String> {
-    let t = text.trim();
-    if let Some(ms) = t.strip_suffix("ms") {
-        return parse_seconds(ms).map(|d| d / 1000);
+/// `--max-downtime`: QEMU's downtime-limit is whole ms, at most 2000 s.
+fn max_downtime(text: &str) -> Result<Duration, String> {
+    let d = units::millis(text)?;
+    if d < Duration::from_millis(1) || d > Duration::from_secs(2000) {
+        return Err(format!("'{text}': the downtime limit is 1 ms to 2000 s"));
     }
-    parse_seconds(t.strip_suffix('s').unwrap_or(t))
-}
-
-fn parse_seconds(text: &str) -> Result<Duration, String> {
-    let seconds: f64 = text
-        .parse()
-        .map_err(|_| format!("'{text}' is not a number of seconds"))?;
-    Duration::try_from_secs_f64(seconds)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| format!("'{text}' is not a positive number of seconds"))
+    Ok(d)
 }
 
 fn cli() -> Cli {
@@ -895,7 +896,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             capability,
             parameter,
             keep_source,
-            timeout,
+            cancel_after,
             copy_storage,
             nbd,
             json,
@@ -906,14 +907,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     copy_storage: copy_storage.then(|| vmm::qemu_storage::nbd_address(nbd, &to)),
                     to,
                     settings: vmm::MigrationSettings {
-                        downtime_limit_ms: Some(max_downtime),
+                        downtime_limit_ms: Some(max_downtime.as_millis() as u64),
                         max_bandwidth: bandwidth,
                         capabilities: capability,
                         parameters: parameter,
                     },
                     keep_source,
                     connect_timeout,
-                    timeout,
+                    timeout: cancel_after,
                     json,
                     progress_every: Duration::from_secs(1),
                 };
@@ -942,7 +943,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     connect_timeout,
                     inject_fault: test.inject_fault(),
                     key,
-                    max_downtime: Duration::from_millis(max_downtime),
+                    max_downtime,
                     bandwidth,
                     stop: Some(vmm_migrate::watch_stop_signals()?),
                 })?;
@@ -1012,11 +1013,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 stop,
             )?;
             print_report(json, &report, report.text())?;
-            if matches!(
-                report.outcome.as_str(),
-                "finished-unconfirmed" | "fenced" | "stop-failed"
-            ) {
-                anyhow::bail!("{}", report.detail);
+            if let Some(status) = exit::checkpoint_outcome(&report.outcome) {
+                return Err(exit::with_status(status, report.detail));
             }
         }
         Command::Backup {
@@ -1082,7 +1080,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             })?;
             if let Some(status) = status {
                 if !status.success() {
-                    anyhow::bail!("the VM resumed here ended with {status}");
+                    return Err(exit::with_status(
+                        exit::Status::VmFailed,
+                        format!("the VM resumed here ended with {status}"),
+                    ));
                 }
             }
         }
@@ -1169,11 +1170,41 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    match run(cli()) {
-        Ok(()) => ExitCode::SUCCESS,
+    let cli = cli();
+    let json = cli.command.json();
+    match run(cli) {
+        Ok(()) => ExitCode::from(exit::Status::Success as u8),
         Err(err) => {
+            let status = exit::status_of(&err);
             eprintln!("hagctl: {err:#}");
-            ExitCode::FAILURE
+            if json {
+                // A script reading --json output gets the failure there too.
+                println!("{}", error_json(&err, status));
+            }
+            ExitCode::from(status as u8)
+        }
+    }
+}
+
+/// A failure as `--json` prints it: one object on stdout.
+fn error_json(err: &anyhow::Error, status: exit::Status) -> serde_json::Value {
+    serde_json::json!({
+        "error": format!("{err:#}"),
+        "exit_status": status as u8,
+    })
+}
+
+impl Command {
+    /// Whether the command was asked for JSON output.
+    fn json(&self) -> bool {
+        match self {
+            Command::Status { json }
+            | Command::Events { json, .. }
+            | Command::Migrate { json, .. }
+            | Command::Checkpoint { json, .. }
+            | Command::Backup { json, .. }
+            | Command::Receive { json, .. } => *json,
+            _ => false,
         }
     }
 }
@@ -1185,6 +1216,22 @@ mod tests {
     #[test]
     fn cli_is_well_formed() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn a_json_failure_is_one_object_with_its_status() {
+        let err = exit::with_status(
+            exit::Status::Refused,
+            "the backup did not take over: no epoch",
+        );
+        let status = exit::status_of(&err);
+        assert_eq!(
+            error_json(&err.context("takeover"), status),
+            serde_json::json!({
+                "error": "takeover: the backup did not take over: no epoch",
+                "exit_status": 6,
+            })
+        );
     }
 
     #[test]
@@ -1320,7 +1367,7 @@ mod tests {
             capability,
             parameter,
             keep_source,
-            timeout,
+            cancel_after,
             ..
         } = parse(&[
             "hagctl",
@@ -1346,7 +1393,7 @@ mod tests {
         assert_eq!(qmp.as_deref(), Some(std::path::Path::new("vm.qmp")));
         assert!(vm.is_none());
         // QEMU's own default downtime limit.
-        assert_eq!(max_downtime, 300);
+        assert_eq!(max_downtime, Duration::from_millis(300));
         assert_eq!(bandwidth, Some(512 << 10));
         assert_eq!(
             capability,
@@ -1356,7 +1403,7 @@ mod tests {
             ]
         );
         assert_eq!(parameter, [("multifd-channels".to_owned(), 4.into())]);
-        assert!(!keep_source && timeout.is_none());
+        assert!(!keep_source && cancel_after.is_none());
         // One of the two, not both, not neither.
         assert!(parse(&["hagctl", "migrate", "--to", "h:1"]).is_err());
         assert!(parse(&["hagctl", "migrate", "--vm", "s", "--qmp", "q", "--to", "h:1"]).is_err());
@@ -1378,13 +1425,44 @@ mod tests {
         for flag in [
             &["--keep-source"][..],
             &["--capability", "events=on"],
-            &["--timeout", "5"],
+            &["--cancel-after", "5"],
         ] {
             assert!(parse(&[&vm[..], flag].concat()).is_err(), "{flag:?}");
             assert!(parse(&[&qmp[..], flag].concat()).is_ok(), "{flag:?}");
         }
         assert!(parse(&[&qmp[..], &["--capability", "events"]].concat()).is_err());
         assert!(parse(&[&qmp[..], &["--max-downtime", "0"]].concat()).is_err());
+        // One grammar: units where the issue found them refused, and
+        // virsh's --timeout (suspend) not mistaken for a cancel.
+        for flags in [
+            &["--max-downtime", "300ms"][..],
+            &["--max-downtime", "1.5s"],
+            &["--cancel-after", "30s"],
+            &["--connect-timeout", "1m"],
+            &["--bandwidth", "100MB/s"],
+        ] {
+            assert!(parse(&[&qmp[..], flags].concat()).is_ok(), "{flags:?}");
+        }
+        assert!(parse(&[&qmp[..], &["--timeout", "30"]].concat()).is_err());
+        let bk = ["hagctl", "backup", "--listen", "h:1", "--mdev", "u"];
+        let Command::Backup {
+            max_ram,
+            failover_timeout,
+            ..
+        } = parse(
+            &[
+                &bk[..],
+                &["--max-ram", "16GB", "--failover-timeout", "2500ms"],
+            ]
+            .concat(),
+        )
+        .unwrap()
+        .command
+        else {
+            panic!("not backup");
+        };
+        assert_eq!(max_ram, 16_000_000_000);
+        assert_eq!(failover_timeout, Duration::from_millis(2500));
         // receive, the same way.
         let Command::Receive {
             qmp, timeout, cont, ..
@@ -1480,19 +1558,5 @@ mod tests {
         assert_eq!(replica_dir, std::path::Path::new("/srv/replicas"));
         assert_eq!(qemu, ["qemu", "-drive", "file=/img/a.qcow2,if=none,id=d"]);
         assert!(parse(&["hagctl", "standby-argv"]).is_err());
-    }
-
-    #[test]
-    fn seconds_parse() {
-        assert_eq!(parse_seconds("2"), Ok(Duration::from_secs(2)));
-        assert_eq!(parse_seconds("0.5"), Ok(Duration::from_millis(500)));
-        assert!(parse_seconds("0").is_err());
-        assert!(parse_seconds("-1").is_err());
-        assert!(parse_seconds("soon").is_err());
-        assert!(parse_seconds("inf").is_err());
-        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
-        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
-        assert_eq!(parse_duration("0.1"), Ok(Duration::from_millis(100)));
-        assert!(parse_duration("0ms").is_err());
     }
 }

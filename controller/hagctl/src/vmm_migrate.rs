@@ -55,37 +55,6 @@ pub fn fmt_bytes(bytes: u64) -> String {
     }
 }
 
-/// `--bandwidth RATE`: bytes per second. A number (fractions allowed) with
-/// an optional unit, `B`, `KiB` (`K`), `MiB` (`M`) or `GiB` (`G`), and an
-/// optional `/s`; a bare number is MiB/s.
-pub fn parse_bandwidth(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let t = t.strip_suffix("/s").unwrap_or(t).trim_end();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (number, unit) = t.split_at(split);
-    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "b" => 1.0,
-        "k" | "kib" => 1024.0,
-        "" | "m" | "mib" => 1024.0 * 1024.0,
-        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
-        other => {
-            return Err(format!(
-                "'{text}': unknown unit '{other}' (B, KiB, MiB, GiB per second)"
-            ))
-        }
-    };
-    let n: f64 = number
-        .parse()
-        .map_err(|_| format!("'{text}' is not a rate (e.g. 100, 512KiB, 1.5GiB)"))?;
-    let bytes = n * scale;
-    if !(1.0..1e18).contains(&bytes) {
-        return Err(format!("'{text}' is not a positive rate"));
-    }
-    Ok(bytes as u64)
-}
-
 fn valid_name(name: &str) -> bool {
     !name.is_empty()
         && name
@@ -1069,19 +1038,6 @@ mod tests {
         assert_eq!(fmt_bytes(733264), "716.1 KiB");
         assert_eq!(fmt_bytes(67641344), "64.5 MiB");
         assert_eq!(fmt_bytes(3 << 30), "3.00 GiB");
-    }
-
-    #[test]
-    fn bandwidths_parse() {
-        assert_eq!(parse_bandwidth("100"), Ok(100 << 20));
-        assert_eq!(parse_bandwidth("100MiB/s"), Ok(100 << 20));
-        assert_eq!(parse_bandwidth("512KiB"), Ok(512 << 10));
-        assert_eq!(parse_bandwidth("512 K"), Ok(512 << 10));
-        assert_eq!(parse_bandwidth("1.5GiB"), Ok(3 << 29));
-        assert_eq!(parse_bandwidth("4096B"), Ok(4096));
-        for bad in ["0", "fast", "-1", "10Mbit", "1e3", "", "0.1B"] {
-            assert!(parse_bandwidth(bad).is_err(), "{bad}");
-        }
     }
 
     #[test]
