@@ -747,7 +747,8 @@ VM runs unprotected: protect it again with a new hagctl checkpoint.")]
     /// Write a new pre-shared key for a pair of hosts (mode 0600; copy it
     /// to the other host by a trusted way)
     Keygen {
-        /// The file to create (never overwritten)
+        /// The file to create (never overwritten); - prints the key on
+        /// stdout instead
         #[arg(value_name = "FILE")]
         file: std::path::PathBuf,
     },
@@ -979,7 +980,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 (Some(path), _) => checkpoint::VmAt::HagVmm(path),
                 (None, Some(qmp)) => {
                     if gpu_dirty != migrate::GpuDirty::Audit {
-                        anyhow::bail!("--gpu-dirty {gpu_dirty:?} needs the vGPU's context outside the VMM's stream: with --qmp only audit works");
+                        use clap::ValueEnum;
+                        let name = gpu_dirty
+                            .to_possible_value()
+                            .map_or_else(String::new, |v| v.get_name().to_owned());
+                        anyhow::bail!("--gpu-dirty {name} needs the vGPU's context outside the VMM's stream: with --qmp only audit works");
                     }
                     checkpoint::VmAt::Qemu {
                         qmp,
@@ -1107,6 +1112,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::StandbyArgv { replica_dir, qemu } => {
             let argv = standby_argv::standby_argv(&qemu, &replica_dir)?;
             println!("{}", shell_words::join(&argv));
+        }
+        Command::Keygen { file } if file.as_os_str() == "-" => {
+            println!("{}", secure::Key::generate()?.to_hex());
         }
         Command::Keygen { file } => {
             secure::Key::generate()

@@ -58,12 +58,12 @@ impl std::fmt::Debug for Key {
 #[derive(Debug, thiserror::Error)]
 pub enum KeyError {
     /// Reading it.
-    #[error("cannot read the key file {path}: {source}")]
+    #[error("cannot read the key file {path}: {error}")]
     Read {
         /// The file.
         path: String,
-        /// Why.
-        source: io::Error,
+        /// Why (in the message, not a source: printed once).
+        error: io::Error,
     },
     /// Others may read it.
     #[error("the key file {path} is readable by others (mode {mode:o}): chmod 600 it")]
@@ -125,9 +125,9 @@ impl Key {
     pub fn load(path: &Path) -> Result<Key, KeyError> {
         use std::os::unix::fs::{MetadataExt, PermissionsExt};
         let name = path.display().to_string();
-        let read = |source| KeyError::Read {
+        let read = |error| KeyError::Read {
             path: name.clone(),
-            source,
+            error,
         };
         let meta = std::fs::metadata(path).map_err(read)?;
         let me = nix::unistd::geteuid().as_raw();
