@@ -744,6 +744,19 @@ VM runs unprotected: protect it again with a new hagctl checkpoint.")]
         #[arg(long, value_name = "DURATION", default_value = "30", value_parser = units::seconds)]
         timeout: Duration,
     },
+    /// Print a completion script for SHELL (bash: save it as
+    /// /usr/share/bash-completion/completions/hagctl)
+    Completions {
+        /// bash, zsh, fish, elvish or powershell
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write hagctl's man pages (hagctl.1, hagctl-SUBCOMMAND.1) into DIR
+    Man {
+        /// The directory (created if missing)
+        #[arg(value_name = "DIR")]
+        dir: std::path::PathBuf,
+    },
     /// Write a new pre-shared key for a pair of hosts (mode 0600; copy it
     /// to the other host by a trusted way)
     Keygen {
@@ -837,6 +850,13 @@ fn max_downtime(text: &str) -> Result<Duration, String> {
 }
 
 fn cli() -> Cli {
+    let matches = command().get_matches();
+    Cli::from_arg_matches(&matches).unwrap_or_else(|err| err.exit())
+}
+
+/// hagctl's command line, as --help, the completions and the man pages
+/// show it.
+fn command() -> clap::Command {
     // The ABI version is part of the answer to "which hagctl is this?", and
     // clap only takes a version string it can keep.
     let version: &'static str = Box::leak(
@@ -852,8 +872,7 @@ fn cli() -> Cli {
         )
         .into_boxed_str(),
     );
-    let matches = Cli::command().version(version).get_matches();
-    Cli::from_arg_matches(&matches).unwrap_or_else(|err| err.exit())
+    Cli::command().version(version)
 }
 
 /// Prints a command's report: one JSON object, or its `text`.
@@ -1113,6 +1132,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let argv = standby_argv::standby_argv(&qemu, &replica_dir)?;
             println!("{}", shell_words::join(&argv));
         }
+        Command::Completions { shell } => {
+            clap_complete::generate(shell, &mut command(), "hagctl", &mut std::io::stdout());
+        }
+        Command::Man { dir } => {
+            std::fs::create_dir_all(&dir)
+                .and_then(|()| clap_mangen::generate_to(command(), &dir))
+                .map_err(|e| {
+                    anyhow::anyhow!("cannot write the man pages into {}: {e}", dir.display())
+                })?;
+            eprintln!("hagctl: wrote the man pages into {}", dir.display());
+        }
         Command::Keygen { file } if file.as_os_str() == "-" => {
             println!("{}", secure::Key::generate()?.to_hex());
         }
@@ -1240,6 +1270,34 @@ mod tests {
                 "exit_status": 6,
             })
         );
+    }
+
+    #[test]
+    fn completions_and_man_pages_come_from_the_command_line() {
+        let mut bash = Vec::new();
+        clap_complete::generate(
+            clap_complete::Shell::Bash,
+            &mut command(),
+            "hagctl",
+            &mut bash,
+        );
+        let bash = String::from_utf8(bash).unwrap();
+        for word in [
+            "checkpoint",
+            "--failover-timeout",
+            "--cancel-after",
+            "confirm-backup-down",
+        ] {
+            assert!(bash.contains(word), "{word}");
+        }
+        let dir = std::env::temp_dir().join(format!("hagctl-man-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        clap_mangen::generate_to(command(), &dir).unwrap();
+        let page = std::fs::read_to_string(dir.join("hagctl-checkpoint.1")).unwrap();
+        assert!(page.contains("failover\\-timeout"), "{page}");
+        let top = std::fs::read_to_string(dir.join("hagctl.1")).unwrap();
+        assert!(top.contains("Exit status"), "{top}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
