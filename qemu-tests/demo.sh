@@ -53,7 +53,7 @@ if [ "$HAG_HOST" = 0 ]; then
 	wait_for 30 sh -c "! kill -0 $vm_pid" || fail "the source QEMU still runs"
 	say "3. standby for B: hagctl backup --listen $me:7200 -- QEMU (this host's vGPU $uuid)"
 	eval "set -- $(vm_words vm "$uuid" "$GUEST_ARGS")"
-	hagctl backup --listen "$me:7200" --failover-timeout 3 --status-dir /tmp/hag-backup \
+	hagctl backup --listen "$me:7200" --failover-timeout 3 --status-dir /tmp/hag-backup --state-dir /tmp/hag-backup \
 		-- chroot "$HOST_ROOT" "$@" >/tmp/backup.out 2>/tmp/backup.err &
 	backup=$!
 	tail -f /tmp/backup.err 2>/dev/null | prefix &

@@ -163,7 +163,7 @@ backup() {
 	if [ "$iv" != - ]; then
 		eval "set -- $(vm_words "vm$id" "$uuid" "$(guest "$mode")")"
 		hagctl backup --listen "$bhost:$((7200 + id))" --failover-timeout 3 --json \
-			--status-dir "/tmp/hag-backup$id" -- chroot "$HOST_ROOT" "$@" \
+			--status-dir "/tmp/hag-backup$id" --state-dir "/tmp/hag-backup$id" -- chroot "$HOST_ROOT" "$@" \
 			>"/tmp/backup$id.out" 2>"/tmp/backup$id.err" &
 		bk=$!
 		wait_for 60 port_listening $((7200 + id)) || fail "item $id: the backup does not listen"

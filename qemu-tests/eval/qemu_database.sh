@@ -152,7 +152,7 @@ backup() {
 			fail "item $id: cannot copy the template into the replica"
 		eval "set -- $(VM_DISK=/tmp/hag-replicas/vda.raw VM_DISK_FORMAT=raw vm_words "vm$id" "$uuid" "$GUEST_ARGS")"
 		hagctl backup --listen "$bhost:$((7200 + id))" --failover-timeout 3 --json \
-			--status-dir "/tmp/hag-backup$id" --replica-dir /tmp/hag-replicas -- chroot "$HOST_ROOT" "$@" \
+			--status-dir "/tmp/hag-backup$id" --state-dir "/tmp/hag-backup$id" --replica-dir /tmp/hag-replicas -- chroot "$HOST_ROOT" "$@" \
 			>"/tmp/backup$id.out" 2>"/tmp/backup$id.err" &
 		bk=$!
 		wait_for 60 port_listening $((7200 + id)) || fail "item $id: the backup does not listen"

@@ -58,7 +58,7 @@ ha_seen() {
 
 ha_backup_start() {
 	hagctl backup --listen "$(host_ip 1):$ha_port" --heartbeat-listen "$(host_ip2 1):$((ha_port + 1))" \
-		--mdev "$ha_uuid" --control "$ha_dir/vm.sock" --failover-timeout 3 --status-dir "$ha_dir/run" \
+		--mdev "$ha_uuid" --control "$ha_dir/vm.sock" --failover-timeout 3 --status-dir "$ha_dir/run" --state-dir "$ha_dir/run" \
 		--test-fault-file "$ha_dir/fault" --vmm-arg=--progress --vmm-arg=500 \
 		>>"$ha_dir/backup.out" 2>>"$ha_dir/backup.err" &
 	ha_b=$!

@@ -227,7 +227,7 @@ if [ "$HAG_HOST" = 1 ]; then
 		step "host 1: the replica starts as a copy of the template"
 	fi
 	# shellcheck disable=SC2086
-	hagctl backup --listen "$backup" --failover-timeout 3 --json --status-dir /tmp/hag-backup ${BACKUP_ARGS:-} \
+	hagctl backup --listen "$backup" --failover-timeout 3 --json --status-dir /tmp/hag-backup --state-dir /tmp/hag-backup ${BACKUP_ARGS:-} \
 		-- chroot "$HOST_ROOT" "$@" >/tmp/backup.out 2>/tmp/backup.err &
 	bk=$!
 	# The guest halts when its work ends (the test kernel cannot power

@@ -7,7 +7,8 @@
 # confirm-backup-down: the held output goes out, protection ends
 # ("ended") and the VM runs on unprotected to its end, its PASS line
 # released. Earlier, while the backup acknowledged epochs, the same
-# command was refused.
+# command was refused. The protection runs as --name vm1 (its status in
+# /run/hag/vm1/, where confirm-backup-down --name vm1 finds it).
 ITERATIONS=60000
 ha_pair
 
@@ -26,18 +27,18 @@ else
 		>/tmp/vm.out 2>/tmp/vm.err &
 	vm=$!
 	wait_for 30 test -S "$sock" || fail "VM did not start: $(cat /tmp/vm.err)"
-	hagctl checkpoint --vm "$sock" --backup "$backup" --interval 1s --status-dir /tmp/hag-cp --json \
+	hagctl checkpoint --vm "$sock" --backup "$backup" --interval 1s --name vm1 --json \
 		>/tmp/cp.out 2>/tmp/cp.err &
 	cp=$!
 	wait_for 120 grep -q '^epoch 3:' /tmp/cp.err || fail "no 3 epochs: $(cat /tmp/cp.err)"
 	step "host 0: hagctl confirm-backup-down while the backup acknowledges epochs"
 	rc=0
-	hagctl confirm-backup-down --status-dir /tmp/hag-cp >/tmp/confirm1.out 2>&1 || rc=$?
+	hagctl confirm-backup-down --name vm1 >/tmp/confirm1.out 2>&1 || rc=$?
 	cat /tmp/confirm1.out
 	expect_eq "confirm-backup-down's exit status (6: refused)" "$rc" 6
 	grep -q 'acknowledges epochs' /tmp/confirm1.out || fail "the refusal does not say why"
 	signal_ready 7300
-	wait_for 120 grep -q '"state":"unprotected"' /tmp/hag-cp/checkpoint-vgpu*.json ||
+	wait_for 120 grep -q '"state":"unprotected"' /run/hag/vm1/checkpoint-vgpu*.json ||
 		fail "host 0 did not go unprotected: $(cat /tmp/cp.err)"
 	step "host 0: unprotected; its output is held"
 	n1=$(wc -l </tmp/vm.out)
@@ -46,7 +47,7 @@ else
 	expect_eq "console lines released while unprotected (held: none)" "$((n2 - n1))" 0
 	! grep -q '^PASS frames' /tmp/vm.out || fail "the VM finished before the confirmation (make ITERATIONS larger)"
 	step "host 0: hagctl confirm-backup-down"
-	hagctl confirm-backup-down --status-dir /tmp/hag-cp || fail "the confirmation failed"
+	hagctl confirm-backup-down --name vm1 || fail "the confirmation failed"
 	rc=0
 	wait "$cp" || rc=$?
 	cat /tmp/cp.err /tmp/cp.out

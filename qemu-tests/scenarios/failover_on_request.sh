@@ -8,7 +8,9 @@
 # (its fence agent finds no power switch), so the takeover is refused with
 # that reason and nothing resumes; then the fence succeeds, told the
 # primary's address, and the backup takes over from the last acknowledged
-# epoch; the workload verifies. Host 0's side is guest/host_loss.sh's.
+# epoch; the workload verifies. The backup runs as --name vm1: its state,
+# the raised generation, is in /var/lib/hag/vm1/, and `hagctl takeover
+# --name vm1` finds it. Host 0's side is guest/host_loss.sh's.
 KILL_AFTER_MS=0
 backup_host() {
 	# The fence agent: it powers the primary off through a switch that is
@@ -22,7 +24,7 @@ SH
 	chmod +x /tmp/fence-agent
 	step "host 1: backup on $backup, silence held, fencing by /tmp/fence-agent"
 	hagctl backup --listen "$backup" --mdev "$uuid" --control "$sock" --failover-timeout 3 --json \
-		--status-dir /tmp/hag-backup --on-silence hold --fence-peer /tmp/fence-agent \
+		--name vm1 --on-silence hold --fence-peer /tmp/fence-agent \
 		>/tmp/backup.out 2>/tmp/backup.err &
 	bk=$!
 	wait_for 300 grep -q 'holding (--on-silence hold)' /tmp/backup.err ||
@@ -31,14 +33,14 @@ SH
 	! grep -q 'taking over' /tmp/backup.err || fail "the backup took over on silence"
 	step "host 1: hagctl takeover, the fence agent failing"
 	rc=0
-	hagctl takeover --status-dir /tmp/hag-backup --timeout 60 >/tmp/request1.out 2>&1 || rc=$?
+	hagctl takeover --name vm1 --timeout 60 >/tmp/request1.out 2>&1 || rc=$?
 	cat /tmp/request1.out
 	expect_eq "hagctl takeover's exit status (6: refused)" "$rc" 6
 	grep -q 'fence-peer failed' /tmp/request1.out || fail "the refusal does not say the fence failed"
 	[ ! -e /tmp/fenced ] || fail "fenced although the agent failed"
 	step "host 1: hagctl takeover, the fence agent working"
 	touch /tmp/power-switch
-	hagctl takeover --status-dir /tmp/hag-backup --timeout 60 >/tmp/request2.out 2>&1 ||
+	hagctl takeover --name vm1 --timeout 60 >/tmp/request2.out 2>&1 ||
 		fail "hagctl takeover: $(cat /tmp/request2.out)"
 	cat /tmp/request2.out
 	expect_eq "the address the fence agent was given" "$(cat /tmp/fenced)" "$(host_ip 0)"
@@ -48,6 +50,8 @@ SH
 	expect_eq "hagctl backup exit status" "$rc" 0
 	grep -q '"reason":"a takeover was requested' /tmp/backup.out || fail "no takeover on request"
 	grep -q '"generation":1' /tmp/backup.out || fail "the takeover did not raise the generation"
+	grep -q '"state":"took-over".*"generation":1\|"generation":1.*"state":"took-over"' /var/lib/hag/vm1/backup.json ||
+		fail "the generation is not stored in vm1's state directory: $(cat /var/lib/hag/vm1/backup.json)"
 	grep -q 'no power switch answers' /tmp/backup.err || fail "the fence agent's output is not in the backup's log"
 	grep -q "^PASS frames: $ITERATIONS iterations verified" /tmp/backup.out ||
 		fail "the workload did not verify on host 1"

@@ -30,7 +30,7 @@ if [ "$HAG_HOST" = 1 ]; then
 	step "host 1: backup on $backup (standby QEMU with vGPU $uuid)"
 	eval "set -- $(vm_words vm "$uuid" "$GUEST_ARGS")"
 	rc=0
-	hagctl backup --listen "$backup" --failover-timeout 10 --status-dir /tmp/hag-backup \
+	hagctl backup --listen "$backup" --failover-timeout 10 --status-dir /tmp/hag-backup --state-dir /tmp/hag-backup \
 		-- chroot "$HOST_ROOT" "$@" >/tmp/backup.out 2>/tmp/backup.err || rc=$?
 	cat /tmp/backup.err /tmp/backup.out
 	expect_eq "hagctl backup exit status" "$rc" 0

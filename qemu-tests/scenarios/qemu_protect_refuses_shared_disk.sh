@@ -22,7 +22,7 @@ VM_DISK=/tmp/shared/vda.raw VM_DISK_FORMAT=raw
 step "the VM, its disk in /tmp/shared; a backup whose replicas are in /tmp/shared too"
 VM_SHARED_RAM=1 vm_start vm "$vm_uuid" "--seconds=600"
 eval "set -- $(vm_words standby "$standby_uuid" "--seconds=600")"
-hagctl backup --listen 127.0.0.1:7200 --json --status-dir /tmp/hag-backup --replica-dir /tmp/shared \
+hagctl backup --listen 127.0.0.1:7200 --json --status-dir /tmp/hag-backup --state-dir /tmp/hag-backup --replica-dir /tmp/shared \
 	-- chroot "$HOST_ROOT" "$@" >/tmp/backup.out 2>/tmp/backup.err &
 bk=$!
 sleep 1

@@ -934,8 +934,11 @@ pub struct BackupOptions {
     pub failover_timeout: Duration,
     /// Generation to start at (the stored one wins if newer).
     pub generation: u64,
-    /// Where the backup's state file goes.
+    /// Runtime files: takeover requests, the standby's QMP socket and log.
     pub status_dir: PathBuf,
+    /// Where the state that must survive a reboot goes (backup.json, with
+    /// the generation).
+    pub state_dir: PathBuf,
     /// Where a QEMU VM's disk replicas go.
     pub replica_dir: PathBuf,
     /// JSON takeover report.
@@ -1652,12 +1655,13 @@ fn refuse_request(dir: &std::path::Path, why: &str) {
     }
 }
 
-/// `hagctl takeover --status-dir DIR`: asks the `hagctl backup` whose
-/// state is in DIR to take over now (its primary fenced by the caller),
-/// and waits up to `timeout` for the outcome. Returns the new generation.
-pub fn request_takeover(dir: &std::path::Path, timeout: Duration) -> anyhow::Result<u64> {
-    let state: serde_json::Value = std::fs::read_to_string(state_path(dir))
-        .map_err(|e| anyhow::anyhow!("no hagctl backup state in {}: {e}", dir.display()))
+/// `hagctl takeover`: asks the `hagctl backup` whose files are in `dirs`
+/// to take over now (its primary fenced by the caller), and waits up to
+/// `timeout` for the outcome. Returns the new generation.
+pub fn request_takeover(dirs: &crate::vm_dirs::VmDirs, timeout: Duration) -> anyhow::Result<u64> {
+    let (dir, state_dir) = (dirs.run.as_path(), dirs.state.as_path());
+    let state: serde_json::Value = std::fs::read_to_string(state_path(state_dir))
+        .map_err(|e| anyhow::anyhow!("no hagctl backup state in {}: {e}", state_dir.display()))
         .and_then(|s| Ok(serde_json::from_str(&s)?))?;
     let pid = state.get("pid").and_then(|p| p.as_u64()).unwrap_or(0);
     let alive =
@@ -1665,13 +1669,13 @@ pub fn request_takeover(dir: &std::path::Path, timeout: Duration) -> anyhow::Res
     if !alive {
         anyhow::bail!(
             "the hagctl backup of {} (pid {pid}) is not running",
-            state_path(dir).display()
+            state_path(state_dir).display()
         );
     }
     if state.get("state").and_then(|s| s.as_str()) == Some("took-over") {
         anyhow::bail!(
             "the backup of {} took over already (generation {})",
-            dir.display(),
+            state_dir.display(),
             state
                 .get("generation")
                 .and_then(|g| g.as_u64())
@@ -1690,7 +1694,7 @@ pub fn request_takeover(dir: &std::path::Path, timeout: Duration) -> anyhow::Res
                 format!("the backup did not take over: {}", why.trim()),
             ));
         }
-        let now: Option<serde_json::Value> = std::fs::read_to_string(state_path(dir))
+        let now: Option<serde_json::Value> = std::fs::read_to_string(state_path(state_dir))
             .ok()
             .and_then(|s| serde_json::from_str(&s).ok());
         if let Some(now) = now {
@@ -1848,7 +1852,7 @@ fn persist_takeover(
     generation: u64,
 ) -> Result<(), String> {
     store_state(
-        &opts.status_dir,
+        &opts.state_dir,
         &serde_json::json!({
             "pid": std::process::id(),
             "state": "took-over",
@@ -2062,10 +2066,14 @@ impl TakeoverSteps for Takeover<'_> {
 pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
     let key = Key::load(&opts.key)?;
     feasible(opts).map_err(|e| anyhow::anyhow!("cannot stand by: {e}"))?;
+    // The takeover's VM puts its sockets there: a named VM's directory is
+    // new on a fresh host.
+    std::fs::create_dir_all(&opts.status_dir)
+        .map_err(|e| anyhow::anyhow!("cannot stand by: {}: {e}", opts.status_dir.display()))?;
     // The generation survives a restart: never go back below a takeover.
     let generation = opts
         .generation
-        .max(stored_generation(&opts.status_dir).unwrap_or(0));
+        .max(stored_generation(&opts.state_dir).unwrap_or(0));
     let mut listeners = Vec::new();
     for addr in std::iter::once(&opts.listen).chain(&opts.heartbeat_listen) {
         let l =
@@ -2154,7 +2162,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                 "generation": l.generation,
                 "epoch": l.epoch,
             });
-            if let Err(e) = store_state(&opts.status_dir, &state) {
+            if let Err(e) = store_state(&opts.state_dir, &state) {
                 eprintln!("hagctl: warning: {e}");
             }
         }
@@ -2998,7 +3006,11 @@ mod tests {
     fn a_takeover_request_reaches_a_running_backup_once() {
         let dir = std::env::temp_dir().join(format!("hag-request-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let e = request_takeover(&dir, Duration::from_millis(100)).unwrap_err();
+        let dirs = crate::vm_dirs::VmDirs {
+            run: dir.clone(),
+            state: dir.clone(),
+        };
+        let e = request_takeover(&dirs, Duration::from_millis(100)).unwrap_err();
         assert!(e.to_string().contains("no hagctl backup state"), "{e}");
         std::fs::create_dir_all(&dir).unwrap();
         // pid 1 is not a hagctl.
@@ -3007,7 +3019,7 @@ mod tests {
             r#"{"pid":1,"state":"standby","generation":0}"#,
         )
         .unwrap();
-        let e = request_takeover(&dir, Duration::from_millis(100)).unwrap_err();
+        let e = request_takeover(&dirs, Duration::from_millis(100)).unwrap_err();
         assert!(e.to_string().contains("is not running"), "{e}");
         assert!(!take_request(&dir));
         std::fs::write(request_path(&dir), "1\n").unwrap();

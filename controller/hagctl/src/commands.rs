@@ -51,7 +51,14 @@ pub fn status(json: bool) -> Result<(), StatusError> {
         output::status_text(&module, &vgpus, &stats)
     };
     // Protection state of running `hagctl checkpoint`s.
-    let protection = crate::checkpoint::protection_lines(std::path::Path::new("/run/hag"));
+    let protection: Vec<_> = crate::vm_dirs::runtime_dirs()
+        .into_iter()
+        .flat_map(|(name, dir)| {
+            crate::checkpoint::protection_lines(&dir)
+                .into_iter()
+                .map(move |(st, line)| (name.clone(), st, line))
+        })
+        .collect();
     let text = if protection.is_empty() {
         text
     } else if json {
@@ -59,8 +66,9 @@ pub fn status(json: bool) -> Result<(), StatusError> {
             Ok(mut v) => {
                 v["protection"] = protection
                     .iter()
-                    .map(|(st, line)| {
+                    .map(|(name, st, line)| {
                         let mut o = serde_json::to_value(st).unwrap_or_default();
+                        o["vm"] = name.as_ref().map(|n| n.to_string()).into();
                         o["text"] = line.clone().into();
                         o
                     })
@@ -71,8 +79,11 @@ pub fn status(json: bool) -> Result<(), StatusError> {
         }
     } else {
         let mut t = text;
-        for (_, line) in &protection {
-            t += &format!("protection: {line}\n");
+        for (name, _, line) in &protection {
+            match name {
+                Some(name) => t += &format!("protection of VM {name}: {line}\n"),
+                None => t += &format!("protection: {line}\n"),
+            }
         }
         t
     };

@@ -57,6 +57,7 @@ mod standby_argv;
 mod state_delta;
 mod test_switches;
 mod units;
+mod vm_dirs;
 // The VMM interface is whole; today's commands use only part of it (the
 // QEMU checkpointing work is to use save_device_state; hag-vmm's pause is
 // called through its client, for the workload's iteration).
@@ -475,7 +476,8 @@ authenticated and encrypted with the pair's key (--key; hagctl keygen).
 --heartbeat-listen), kept up whether or not the checkpoint stream is: a
 backup still hearing the primary on one does not take over when the data
 link fails (a partition), and waits for the primary to resynchronise.
-The state is in STATUS_DIR/checkpoint-vgpuN.json ('hagctl status' shows it).
+The state is in STATUS_DIR/checkpoint-vgpuN.json ('hagctl status' shows it;
+with --name VM, STATUS_DIR is /run/hag/VM).
 
 --gpu-dirty (audit, full, hash) and --no-compress choose the baselines of
 the evaluation as in migrate: full copies every GTT-mapped page at every
@@ -522,13 +524,9 @@ exits 4 on finished-unconfirmed, 3 on fenced and 5 on stop-failed.")]
         /// Where a QEMU VM's disk deltas wait between their capture and
         /// their sending (a directory per QEMU process; the first
         /// synchronisation's holds a copy of each disk's allocated data)
-        #[arg(
-            long,
-            value_name = "DIR",
-            default_value = "/var/lib/hag/deltas",
-            requires = "qmp"
-        )]
-        delta_dir: std::path::PathBuf,
+        /// [default: STATE_DIR/deltas]
+        #[arg(long, value_name = "DIR", requires = "qmp")]
+        delta_dir: Option<std::path::PathBuf>,
         /// Where `hagctl backup` listens
         #[arg(long, value_name = "HOST:PORT")]
         backup: String,
@@ -565,9 +563,8 @@ exits 4 on finished-unconfirmed, 3 on fenced and 5 on stop-failed.")]
         /// Keep trying to reach the backup at start for DURATION
         #[arg(long, value_name = "DURATION", default_value = "30", value_parser = units::seconds)]
         connect_timeout: Duration,
-        /// Directory of the status file
-        #[arg(long, value_name = "DIR", default_value = "/run/hag")]
-        status_dir: std::path::PathBuf,
+        #[command(flatten)]
+        dirs: vm_dirs::VmDirArgs,
         /// The pre-shared key file this host and the backup hold
         #[arg(long, value_name = "FILE", default_value = KEY_DEFAULT)]
         key: std::path::PathBuf,
@@ -591,7 +588,8 @@ sets the VM state and resumes it, raising the generation, and prints
 restore_ms, pages}). The VM's output follows on stdout; hagctl exits 0
 when the VM taken over here ends well, 7 (naming its status) when it
 fails. If the primary ends protection (its VM finished), it exits 0
-without a takeover. State: STATUS_DIR/backup.json.")]
+without a takeover. State (the generation): STATE_DIR/backup.json; with
+--name VM, STATE_DIR is /var/lib/hag/VM and STATUS_DIR /run/hag/VM.")]
     Backup {
         /// Address and port to listen on
         #[arg(long, value_name = "ADDR:PORT")]
@@ -603,9 +601,10 @@ without a takeover. State: STATUS_DIR/backup.json.")]
         /// This host's hag-sim mdev for a hag-vmm VM at takeover
         #[arg(long, value_name = "UUID", required_unless_present_any = ["qemu", "libvirt_domain"])]
         mdev: Option<String>,
-        /// Control socket of the VM started at takeover
-        #[arg(long, value_name = "SOCKET", default_value = "/tmp/hag-backup-vm.sock")]
-        control: std::path::PathBuf,
+        /// Control socket of the hag-vmm VM started at takeover [default:
+        /// STATUS_DIR/hag-vmm.sock]
+        #[arg(long, value_name = "SOCKET")]
+        control: Option<std::path::PathBuf>,
         /// The VMM binary
         #[arg(long, value_name = "PATH", default_value = "hag-vmm")]
         vmm: std::path::PathBuf,
@@ -618,15 +617,17 @@ without a takeover. State: STATUS_DIR/backup.json.")]
         /// Generation to start at
         #[arg(long, value_name = "N", default_value_t = 0)]
         generation: u64,
-        /// Directory of the state file (its generation is read back at
-        /// start: a restarted backup never goes below a takeover)
-        #[arg(long, value_name = "DIR", default_value = "/run/hag")]
-        status_dir: std::path::PathBuf,
+        /// Where this backup's files go; its state (STATE_DIR/backup.json,
+        /// with the generation) is read back at start: a restarted or
+        /// rebooted backup never goes below a takeover
+        #[command(flatten)]
+        dirs: vm_dirs::VmDirArgs,
         /// Where the replicas of a QEMU VM's writable disks are kept, one
         /// raw file per disk, DIR/ID.raw (ID: the disk's device id); the
-        /// standby QEMU command line must open each
-        #[arg(long, value_name = "DIR", default_value = "/var/lib/hag/replicas")]
-        replica_dir: std::path::PathBuf,
+        /// standby QEMU command line must open each [default:
+        /// STATE_DIR/replicas]
+        #[arg(long, value_name = "DIR")]
+        replica_dir: Option<std::path::PathBuf>,
         /// The pre-shared key file this host and the primary hold
         #[arg(long, value_name = "FILE", default_value = KEY_DEFAULT)]
         key: std::path::PathBuf,
@@ -710,15 +711,16 @@ to virsh domxml-to-native's command line itself.")]
     /// its host is down)
     #[command(after_long_help = "\
 For a backup run with --on-silence hold (a cluster manager decides), or to
-take over before the failover timeout. The backup whose state is in
-STATUS_DIR (its --status-dir) takes over from its last acknowledged epoch,
+take over before the failover timeout. The backup named VM (--name VM, or
+the one whose files are in --status-dir and --state-dir) takes over from
+its last acknowledged epoch,
 after its --fence-peer if it has one; if the primary is heard after the
 request, the takeover is given up (it is alive). Prints the new generation;
 exits 6 with the backup's reason if it refused, 1 if it did not answer.")]
     Takeover {
-        /// The backup's --status-dir
-        #[arg(long, value_name = "DIR", default_value = "/run/hag")]
-        status_dir: std::path::PathBuf,
+        /// The backup's --name, or its --status-dir and --state-dir
+        #[command(flatten)]
+        dirs: vm_dirs::VmDirArgs,
         /// How long to wait for the takeover
         #[arg(long, value_name = "DURATION", default_value = "120", value_parser = units::seconds)]
         timeout: Duration,
@@ -734,9 +736,13 @@ hear its backup holds its VM's output (never released on silence); this
 releases it. Refused (exit status 6) while the backup acknowledges epochs. Afterwards the
 VM runs unprotected: protect it again with a new hagctl checkpoint.")]
     ConfirmBackupDown {
-        /// The checkpoint's --status-dir
-        #[arg(long, value_name = "DIR", default_value = "/run/hag")]
-        status_dir: std::path::PathBuf,
+        /// The checkpoint's --name
+        #[arg(long, value_name = "VM")]
+        name: Option<vm_dirs::VmName>,
+        /// The checkpoint's --status-dir [default: /run/hag, or
+        /// /run/hag/VM with --name]
+        #[arg(long, value_name = "DIR")]
+        status_dir: Option<std::path::PathBuf>,
         /// The protected vGPU's id (needed when DIR has several)
         #[arg(long, value_name = "ID")]
         vgpu: Option<u32>,
@@ -990,10 +996,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             gpu_dirty,
             no_compress,
             connect_timeout,
-            status_dir,
+            dirs,
             key,
             json,
         } => {
+            let dirs = dirs.resolve();
             // Before any other thread: they all inherit the mask.
             let vm = match (vm, qmp) {
                 (Some(path), _) => checkpoint::VmAt::HagVmm(path),
@@ -1011,7 +1018,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                         console: console.zip(console_log),
                         withhold_cpu_dirty: test.withhold_cpu_dirty(),
                         withhold_disk_delta: test.withhold_disk_delta(),
-                        delta_dir,
+                        delta_dir: delta_dir.unwrap_or_else(|| dirs.deltas()),
                     }
                 }
                 (None, None) => anyhow::bail!("--vm or --qmp is needed"),
@@ -1031,7 +1038,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     max_rounds,
                     threshold_pages,
                     connect_timeout,
-                    status_dir,
+                    status_dir: dirs.run,
                     key,
                 },
                 stop,
@@ -1050,7 +1057,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             vmm_arg,
             failover_timeout,
             generation,
-            status_dir,
+            dirs,
             replica_dir,
             key,
             max_ram,
@@ -1064,6 +1071,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             libvirt_uri,
             qemu,
         } => {
+            let dirs = dirs.resolve();
+            let replica_dir = replica_dir.unwrap_or_else(|| dirs.replicas());
             let qemu = match libvirt_domain {
                 Some(xml) => {
                     let argv = standby_argv::libvirt_domain_argv(&xml, libvirt_uri.as_deref())
@@ -1084,12 +1093,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 heartbeat_listen,
                 mdev: mdev.unwrap_or_default(),
                 qemu,
-                control,
+                control: control.unwrap_or_else(|| dirs.run.join("hag-vmm.sock")),
                 vmm,
                 vmm_args: vmm_arg,
                 failover_timeout,
                 generation,
-                status_dir,
+                status_dir: dirs.run,
+                state_dir: dirs.state,
                 replica_dir,
                 json,
                 key,
@@ -1112,20 +1122,24 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Command::ConfirmBackupDown {
+            name,
             status_dir,
             vgpu,
             timeout,
         } => {
+            let dirs = vm_dirs::VmDirArgs {
+                name,
+                status_dir,
+                state_dir: None,
+            }
+            .resolve();
             println!(
                 "{}",
-                checkpoint::confirm_backup_down(&status_dir, vgpu, timeout)?
+                checkpoint::confirm_backup_down(&dirs.run, vgpu, timeout)?
             );
         }
-        Command::Takeover {
-            status_dir,
-            timeout,
-        } => {
-            let generation = backup::request_takeover(&status_dir, timeout)?;
+        Command::Takeover { dirs, timeout } => {
+            let generation = backup::request_takeover(&dirs.resolve(), timeout)?;
             println!("took over: generation {generation}");
         }
         Command::StandbyArgv { replica_dir, qemu } => {
@@ -1589,7 +1603,10 @@ mod tests {
         );
         assert_eq!(libvirt_uri.as_deref(), Some("qemu:///system"));
         assert!(qemu.is_empty() && mdev.is_none());
-        assert_eq!(replica_dir, std::path::Path::new("/var/lib/hag/replicas"));
+        assert_eq!(
+            replica_dir, None,
+            "the state directory's replicas/ by default"
+        );
         // Not both ways to give the command line; a URI only for a domain;
         // with neither, a hag-vmm standby's --mdev.
         assert!(
