@@ -40,9 +40,8 @@ expect_eq() {
 
 # wait_for SECONDS COMMAND...: retries COMMAND every 0.2 s until it succeeds.
 wait_for() {
-	limit=$(($1 * 5))
+	local limit=$(($1 * 5)) i=0
 	shift
-	i=0
 	until "$@" >/dev/null 2>&1; do
 		i=$((i + 1))
 		[ "$i" -lt "$limit" ] || return 1
@@ -139,6 +138,12 @@ in_root() { chroot "$HOST_ROOT" "$@"; }
 vm_kernel() { echo /tmp/hag-vm-kernel; }
 vm_initrd() { echo /tmp/hag-vm-initrd; }
 
+# The Debian guest's kernel command line words: its root disk (vm-init
+# switches to it), eth0 as the NIC's name (what its network config says),
+# and systemd's unit progress on the console although `quiet` is set, so
+# that a boot which never gets to hag-guest shows where it stopped.
+DEBIAN_BOOT_WORDS="hag_root=/dev/vda net.ifnames=0 systemd.show_status=1"
+
 VM_MIB=256
 
 # vm_words NAME MDEV-UUID GUEST-ARGS: the QEMU command line of VM NAME, as
@@ -160,8 +165,7 @@ vm_words() {
 	w="$w -machine q35 -nodefaults -no-user-config -display none -no-reboot"
 	w="$w -kernel $(vm_kernel) -initrd $(vm_initrd)"
 	local root=
-	# net.ifnames=0: the NIC is eth0, as the guest's network config says.
-	[ "${VM_DEBIAN:-0}" != 1 ] || root="hag_root=/dev/vda net.ifnames=0"
+	[ "${VM_DEBIAN:-0}" != 1 ] || root=$DEBIAN_BOOT_WORDS
 	w="$w -append 'console=ttyS0 panic=-1 quiet loglevel=4 hag_guest=$gargs $root ${VM_APPEND:-}'"
 	if [ "${VM_CONSOLE_SOCKET:-0}" = 1 ]; then
 		w="$w -chardev socket,id=con0,path=/tmp/$name.console.sock,server=on,wait=off,logfile=/tmp/$name.console"
@@ -283,7 +287,9 @@ vm_wait_console() {
 		echo "--- VM $1's kernel died; its console's end:"
 		tail -60 "/tmp/$1.console" | guest_oops_quoted
 	fi
-	fail "VM $1: no '$3' on its console after $2 s: $(tail -5 "/tmp/$1.console" 2>/dev/null | guest_oops_quoted)"
+	echo "--- VM $1's console's end:"
+	tail -40 "/tmp/$1.console" 2>/dev/null | guest_oops_quoted
+	fail "VM $1: no '$3' on its console after $2 s"
 }
 
 # vm_result NAME SECONDS: waits for hag-guest to end (vm-init's
@@ -387,7 +393,7 @@ domain_xml() {
 	local disk= words= nic=
 	if [ -n "${DOMAIN_DEBIAN_DISK:-}" ]; then
 		disk="<disk type='file' device='disk'><driver name='qemu' type='qcow2'/><source file='$DOMAIN_DEBIAN_DISK'/><target dev='vda' bus='virtio'/><alias name='ua-vda'/></disk>"
-		words="hag_root=/dev/vda net.ifnames=0"
+		words=$DEBIAN_BOOT_WORDS
 	fi
 	if [ "${DOMAIN_NET:-0}" = 1 ]; then
 		nic="<interface type='bridge'><source bridge='br0'/><mac address='52:54:00:56:4d:01'/><model type='virtio'/></interface>"
