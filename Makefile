@@ -1,7 +1,13 @@
 # hag: high availability for virtualized GPUs.
 #
-#   make          install what is missing, build the test kernel (cached under
-#                 $(HAG_CACHE)), hag_mdev.ko and hagctl
+#   make          build only (nothing installed): the test kernel if it is not
+#                 cached under $(HAG_CACHE), hag_mdev.ko and hagctl
+#   make deps     install what building and testing need (Debian packages,
+#                 bookworm-backports' QEMU and libvirt, bindgen): the test
+#                 targets (test, demo, eval*) run it first
+#   make install  hagctl (production build), its man pages and completion,
+#                 the libvirt hook kit and the docs under $(DESTDIR)$(PREFIX)
+#   make deb      the Debian packages hag and hag-mdev-dkms in build/deb
 #   make demo     the main job: a VM with a vGPU migrated, protected by a backup,
 #                 a GPU hang injected, the backup taking over
 #   make test     userspace tests, fmt and clippy, every qemu-tests scenario,
@@ -37,6 +43,7 @@ MODULE := rust/hag_mdev/hag_mdev.ko
 HAGCTL := controller/target/release/hagctl
 
 .PHONY: all deps kernel module controller check-userspace fuzz test demo clean \
+	install hagctl-production deb package-check test-package-check \
 	test-check-userspace test-production-module test-fuzz test-scenarios test-eval-selftest test-gvt-test \
 	test-debug-test-if-cached \
 	gvt-kernel gvt gvt-test production-module eval eval-quick eval-report debug-kernel debug debug-test
@@ -49,7 +56,7 @@ all: module controller
 deps:
 	@scripts/install-deps.sh
 
-kernel: deps
+kernel:
 	@scripts/build-kernel.sh
 
 # The kernel's build system decides itself whether the module is up to date,
@@ -159,10 +166,46 @@ DEBUG_IF_CACHED = if scripts/build-kernel.sh --flavour debug --cached-dir >/dev/
 
 # The test hosts' hagctl has the test switches (controller/hagctl/src/
 # test_switches.rs); `cargo build --release` alone builds one without.
-controller: deps
+controller:
 	@cd controller && cargo build --release --quiet --features hagctl/test-switches && \
 		cargo build --release --quiet --features hagctl/test-switches -p hagctl --example plug_gate
 	@echo "built $(HAGCTL)"
+
+# What an operator installs. hagctl is built without the test switches
+# and copied out; the test hosts' build (with them) is then put back in
+# controller/target/release. Cargo keeps both builds' objects apart (their
+# features differ), so each switch costs a link, not a rebuild. The
+# hook kit goes to PREFIX/share/hag/libvirt: a package must not replace a
+# host's own libvirt hook, so its install.sh puts it in place. The module
+# reaches a real host through DKMS (make deb's hag-mdev-dkms).
+PREFIX ?= /usr/local
+PRODUCTION_HAGCTL := build/production-hagctl/hagctl
+hagctl-production:
+	@cd controller && cargo build --release --quiet -p hagctl && \
+		install -D -m 0755 target/release/hagctl ../$(PRODUCTION_HAGCTL) && \
+		cargo build --release --quiet --features hagctl/test-switches
+
+install: hagctl-production
+	install -D -m 0755 $(PRODUCTION_HAGCTL) $(DESTDIR)$(PREFIX)/bin/hagctl
+	install -d $(DESTDIR)$(PREFIX)/share/man/man1 $(DESTDIR)$(PREFIX)/share/bash-completion/completions
+	$(PRODUCTION_HAGCTL) man $(DESTDIR)$(PREFIX)/share/man/man1
+	gzip -9nf $(DESTDIR)$(PREFIX)/share/man/man1/hagctl*.1
+	$(PRODUCTION_HAGCTL) completions bash >$(DESTDIR)$(PREFIX)/share/bash-completion/completions/hagctl
+	install -D -m 0755 -t $(DESTDIR)$(PREFIX)/share/hag/libvirt scripts/libvirt/qemu scripts/libvirt/install.sh
+	install -D -m 0644 -t $(DESTDIR)$(PREFIX)/share/hag/libvirt scripts/libvirt/hag.conf
+	install -D -m 0644 -t $(DESTDIR)$(PREFIX)/share/doc/hag README.md docs/ha.md docs/libvirt.md \
+		docs/gvt-g.md docs/sim-vgpu.md
+
+deb:
+	@scripts/build-debs.sh build/deb
+
+# The packages built and checked on this machine: their contents, and
+# hag-mdev-dkms's source built by DKMS itself against the cached test
+# kernel (in a private DKMS tree; nothing is installed here). The
+# package_install scenario then installs hag into a test host.
+package-check: deps kernel
+	@scripts/build-debs.sh build/deb && $(TOOLCHAIN) && scripts/check-debs.sh build/deb \
+		"$$(scripts/build-kernel.sh --print-dir)"
 
 # Host-side checks of every userspace and shared crate.
 check-userspace: deps
@@ -180,8 +223,8 @@ fuzz:
 # Every step runs whatever an earlier one did, so one run shows every
 # failure; the target fails at the end, naming the steps that failed. Only
 # the build (`all`) stops it: nothing after it can run without it.
-TEST_STEPS := check-userspace production-module fuzz scenarios eval-selftest gvt-test debug-test-if-cached
-test: all
+TEST_STEPS := check-userspace production-module package-check fuzz scenarios eval-selftest gvt-test debug-test-if-cached
+test: deps all
 	@failed=(); for step in $(TEST_STEPS); do \
 		echo "== make test: $$step"; \
 		$(MAKE) --no-print-directory test-$$step || failed+=("$$step"); \
@@ -192,6 +235,7 @@ test: all
 test-check-userspace: check-userspace
 test-fuzz: fuzz
 test-production-module: production-module
+test-package-check: package-check
 test-scenarios:
 	qemu-tests/run
 test-eval-selftest:
@@ -209,13 +253,13 @@ test-debug-test-if-cached:
 # guest's pgbench and a client's commit latency unprotected and protected
 # at 2 s and 500 ms, its first synchronisation with and without a template,
 # takeover after host loss.
-eval: all
+eval: deps all
 	qemu-tests/eval/run --out $(EVAL_OUT) --readme README.md
 	qemu-tests/eval/qemu-migration --runs 5 --out $(EVAL_OUT) --readme README.md
 	qemu-tests/eval/qemu-checkpoint --runs 2 --out $(EVAL_OUT) --readme README.md
 	qemu-tests/eval/qemu-database --runs 2 --out $(EVAL_OUT) --readme README.md
 
-eval-quick: all
+eval-quick: deps all
 	qemu-tests/eval/run --quick --out $(EVAL_OUT) --readme README.md
 	qemu-tests/eval/qemu-migration --runs 3 --out $(EVAL_OUT) --readme README.md
 	qemu-tests/eval/qemu-checkpoint --quick --out $(EVAL_OUT) --readme README.md
@@ -230,7 +274,7 @@ eval-report: deps
 	[ ! -e $(EVAL_OUT)/qemu-database.json ] || \
 		qemu-tests/eval/qemu-database --report-only --out $(EVAL_OUT) --readme README.md
 
-demo: all
+demo: deps all
 	qemu-tests/demo
 
 clean:

@@ -25,7 +25,8 @@ its hosts get more memory, a distinct SMBIOS UUID each, and this machine's root 
 root with QEMU 10 and libvirt in it, as virtme-ng does. The VMs boot the
 test kernel with the initramfs `build_vm_initramfs` writes (guest/vm-init
 and hag-guest); their paths reach the host on its kernel command line
-(`hag_vm_kernel=`, `hag_vm_initrd=`), as paths under that root. A scenario
+(`hag_vm_kernel=`, `hag_vm_initrd=`), as paths under that root, as is this
+repository's (`hag_repo=`: build/deb's packages, say). A scenario
 whose header also says `# debian: yes` gets the Debian guest's disk image
 (scripts/build-guest-rootfs.sh, built here once and cached) the same way,
 `hag_vm_debian=`; `# memory: MIB` sets its hosts' memory.
@@ -335,7 +336,7 @@ def vm_host_args(index, vm_initramfs, build, debian_image=None):
     # clocks, retries a clock update forever: the VM never leaves its reset
     # vector. TCG's TSC is this machine's, so its frequency is given.
     words = (f" hag_vm_kernel={build.bzimage} hag_vm_initrd={vm_initramfs}"
-             f" tsc_early_khz={host_tsc_khz()}")
+             f" tsc_early_khz={host_tsc_khz()} hag_repo={ROOT}")
     if debian_image:
         words += f" hag_vm_debian={debian_image}"
     return args, words

@@ -34,6 +34,8 @@ packages=(
 	# the Debian guest's root filesystem (scripts/build-guest-rootfs.sh)
 	# and its database's client and checks (pg_amcheck, e2fsck)
 	mmdebstrap e2fsprogs postgresql-client-15 python3-psycopg2
+	# make package-check: DKMS builds the packaged module's source
+	dkms
 )
 
 # Backports, and a pin that takes just QEMU, libvirt and QEMU's firmware
