@@ -6,7 +6,8 @@
 #                 bookworm-backports' QEMU and libvirt, bindgen): the test
 #                 targets (test, demo, eval*) run it first
 #   make install  hagctl (production build), its man pages and completion,
-#                 the libvirt hook kit and the docs under $(DESTDIR)$(PREFIX)
+#                 the systemd units, the libvirt hook kit and the docs under
+#                 $(DESTDIR)$(PREFIX)
 #   make deb      the Debian packages hag and hag-mdev-dkms in build/deb
 #   make demo     the main job: a VM with a vGPU migrated, protected by a backup,
 #                 a GPU hang injected, the backup taking over
@@ -171,7 +172,9 @@ controller:
 		cargo build --release --quiet --features hagctl/test-switches -p hagctl --example plug_gate
 	@echo "built $(HAGCTL)"
 
-# What an operator installs. hagctl is built without the test switches
+# What an operator installs (the units hag-checkpoint@VM.service and
+# hag-backup@VM.service run hagctl with /etc/hag/VM.conf: scripts/systemd).
+# hagctl is built without the test switches
 # and copied out; the test hosts' build (with them) is then put back in
 # controller/target/release. Cargo keeps both builds' objects apart (their
 # features differ), so each switch costs a link, not a rebuild. The
@@ -194,7 +197,10 @@ install: hagctl-production
 	install -D -m 0755 -t $(DESTDIR)$(PREFIX)/share/hag/libvirt scripts/libvirt/qemu scripts/libvirt/install.sh
 	install -D -m 0644 -t $(DESTDIR)$(PREFIX)/share/hag/libvirt scripts/libvirt/hag.conf
 	install -D -m 0644 -t $(DESTDIR)$(PREFIX)/share/doc/hag README.md docs/ha.md docs/libvirt.md \
-		docs/gvt-g.md docs/sim-vgpu.md
+		docs/gvt-g.md docs/sim-vgpu.md scripts/systemd/example.conf
+	install -d $(DESTDIR)$(PREFIX)/lib/systemd/system
+	for u in scripts/systemd/*.service; do \
+		sed 's|/usr/bin/hagctl|$(PREFIX)/bin/hagctl|' $$u >$(DESTDIR)$(PREFIX)/lib/systemd/system/$${u##*/}; done
 
 deb:
 	@scripts/build-debs.sh build/deb

@@ -2,7 +2,9 @@
 # Builds hag's two Debian packages from this tree, into OUT (default
 # build/deb):
 #   hag_VERSION_amd64.deb        hagctl (a production build: no test
-#       switches), its man pages and bash completion, the libvirt hook with
+#       switches), its man pages and bash completion, the systemd units
+#       hag-checkpoint@.service and hag-backup@.service (not enabled: a VM
+#       needs its /etc/hag/VM.conf first), the libvirt hook with
 #       its installer and sample hag.conf (in /usr/share/hag/libvirt; the
 #       package does not replace a host's hook: run its install.sh), and
 #       the docs. `make install` installs the same files (PREFIX, DESTDIR).

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checks the packages scripts/build-debs.sh made in DIR: that hag holds
 # what an operator needs (a hagctl without the test switches, its man
-# pages and completion, the hook kit, the docs) and that DKMS itself builds
+# pages and completion, the systemd units as systemd-analyze verify reads
+# them, the hook kit, the docs) and that DKMS itself builds
 # hag-mdev-dkms's source against the kernel tree KDIR (its own private
 # DKMS tree in a temporary directory: nothing is installed on this
 # machine). RUSTC and BINDGEN, if set, are the toolchain KDIR was built
@@ -23,7 +24,9 @@ trap 'rm -rf "$work"' EXIT
 contents=$(dpkg-deb -c "$hag" | awk '{print $NF}')
 for f in ./usr/bin/hagctl ./usr/share/man/man1/hagctl.1.gz ./usr/share/man/man1/hagctl-checkpoint.1.gz \
 	./usr/share/bash-completion/completions/hagctl ./usr/share/hag/libvirt/qemu \
-	./usr/share/hag/libvirt/install.sh ./usr/share/hag/libvirt/hag.conf ./usr/share/doc/hag/ha.md; do
+	./usr/share/hag/libvirt/install.sh ./usr/share/hag/libvirt/hag.conf ./usr/share/doc/hag/ha.md \
+	./usr/lib/systemd/system/hag-checkpoint@.service ./usr/lib/systemd/system/hag-backup@.service \
+	./usr/share/doc/hag/example.conf; do
 	grep -qx -- "$f" <<<"$contents" || fail "$hag lacks $f"
 done
 dpkg-deb -x "$hag" "$work/hag"
@@ -31,6 +34,19 @@ version=$("$work/hag/usr/bin/hagctl" --version)
 case "$version" in
 *test*) fail "the packaged hagctl has the test switches: '$version'" ;;
 esac
+# The units as systemd reads them (an instance of each template, running
+# the extracted hagctl); a warning about one of them fails the check.
+mkdir -p "$work/units"
+for u in "$work"/hag/usr/lib/systemd/system/hag-*@.service; do
+	name=${u##*/}
+	sed "s|/usr/bin/hagctl|$work/hag/usr/bin/hagctl|" "$u" >"$work/units/${name%@.service}@web1.service"
+done
+ls "$work"/units/*.service >/dev/null 2>&1 || fail "$hag has no systemd units"
+verify=$(systemd-analyze verify --man=no "$work"/units/*.service 2>&1) ||
+	fail "systemd-analyze verify: $verify"
+if grep -q "hag-[a-z]*@web1.service" <<<"$verify"; then
+	fail "systemd-analyze verify warns about hag's units: $verify"
+fi
 echo "check-debs: $(basename "$hag"): $version, $(wc -l <<<"$contents") paths"
 
 dpkg-deb -x "$dkms_deb" "$work/dkms"

@@ -34,8 +34,9 @@ packages=(
 	# the Debian guest's root filesystem (scripts/build-guest-rootfs.sh)
 	# and its database's client and checks (pg_amcheck, e2fsck)
 	mmdebstrap e2fsprogs postgresql-client-15 python3-psycopg2
-	# make package-check: DKMS builds the packaged module's source
-	dkms
+	# make package-check: DKMS builds the packaged module's source, and
+	# systemd-analyze verifies the units
+	dkms systemd
 )
 
 # Backports, and a pin that takes just QEMU, libvirt and QEMU's firmware

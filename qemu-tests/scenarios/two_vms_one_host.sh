@@ -11,6 +11,8 @@
 # killed and restarted: it reads its own generation back (0), so primary b
 # resyncs and stays protected; a backup host with one generation for every
 # VM would have fenced it, a healthy VM stopped for another VM's takeover.
+# VM b's pair runs as its units would, `hagctl checkpoint --name b` and
+# `hagctl backup --name b` with every setting in /etc/hag/b.conf.
 # VM a's workload verifies on host 1, VM b's on host 0.
 ITERATIONS_A=20000
 ITERATIONS_B=40000
@@ -28,10 +30,25 @@ backup_b=$(host_ip 1):7210
 # generation_in NAME: the generation in backup NAME's stored state.
 generation_in() { sed -n 's/.*"generation":\([0-9]*\).*/\1/p' "/var/lib/hag/$1/backup.json"; }
 
+# VM b's pair reads its settings from its configuration file, as the units
+# hag-checkpoint@b.service and hag-backup@b.service run it.
+mkdir -p /etc/hag
+cat >/etc/hag/b.conf <<EOF
+[checkpoint]
+vm = /tmp/b.sock
+backup = $backup_b
+interval = 1s
+json = true
+[backup]
+listen = $backup_b
+mdev = $ub
+failover-timeout = 3
+json = true
+EOF
+
 if [ "$HAG_HOST" = 1 ]; then
 	start_backup_b() {
-		hagctl backup --name b --listen "$backup_b" --mdev "$ub" --failover-timeout 3 --json \
-			>>/tmp/backup-b.out 2>>/tmp/backup-b.err &
+		hagctl backup --name b >>/tmp/backup-b.out 2>>/tmp/backup-b.err &
 		bk_b=$!
 	}
 	step "host 1: backups a on $backup_a and b on $backup_b"
@@ -84,8 +101,7 @@ else
 	wait_for 30 test -S /tmp/b.sock || fail "VM b did not start: $(cat /tmp/vm-b.err)"
 	hagctl checkpoint --name a --vm /tmp/a.sock --backup "$backup_a" --interval 1s >/tmp/cp-a.out 2>/tmp/cp-a.err &
 	cp_a=$!
-	hagctl checkpoint --name b --vm /tmp/b.sock --backup "$backup_b" --interval 1s --json \
-		>/tmp/cp-b.out 2>/tmp/cp-b.err &
+	hagctl checkpoint --name b >/tmp/cp-b.out 2>/tmp/cp-b.err &
 	cp_b=$!
 	wait_for 120 grep -q '^epoch 3:' /tmp/cp-a.err || fail "a: no 3 epochs: $(cat /tmp/cp-a.err)"
 	wait_for 120 grep -q '^epoch 3:' /tmp/cp-b.err || fail "b: no 3 epochs: $(cat /tmp/cp-b.err)"

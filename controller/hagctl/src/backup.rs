@@ -2125,6 +2125,10 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
         opts.failover_timeout.as_secs_f64(),
         generation
     );
+    crate::service::notify(
+        true,
+        &format!("standing by on {}, generation {generation}", opts.listen),
+    );
     let mut last_stored = 0u64;
     let mut holding = false;
     // After a failed takeover, when to try again.

@@ -227,8 +227,31 @@ pub struct CheckpointReport {
     pub gpu_dirty_mode: GpuDirty,
     /// Pages were LZ4-compressed.
     pub compress: bool,
-    /// Every epoch.
-    pub per_epoch: Vec<EpochReport>,
+    /// The last epochs, at most [`PER_EPOCH_KEPT`] (a protection runs for
+    /// months; the totals above count every epoch).
+    pub per_epoch: std::collections::VecDeque<EpochReport>,
+    /// Older epochs no longer in `per_epoch`.
+    pub per_epoch_dropped: u64,
+    /// Running sums behind the means, over every epoch.
+    #[serde(skip)]
+    totals: EpochTotals,
+}
+
+/// How many epochs' reports a checkpoint keeps: about half an hour at 2 s,
+/// a few hundred KiB.
+pub const PER_EPOCH_KEPT: usize = 1000;
+
+/// Sums over every epoch, so that the report's means do not need them all.
+#[derive(Clone, Debug, Default)]
+struct EpochTotals {
+    epochs: u64,
+    pause_ms: f64,
+    pause_ms_max: f64,
+    ack_ms: f64,
+    period_ms: f64,
+    periods: u64,
+    overruns: u64,
+    bytes: u64,
 }
 
 impl CheckpointReport {
@@ -252,25 +275,37 @@ impl CheckpointReport {
         )
     }
 
+    /// Counts epoch `r` and keeps its report, dropping the oldest past
+    /// [`PER_EPOCH_KEPT`].
+    fn record(&mut self, r: EpochReport) {
+        let t = &mut self.totals;
+        t.epochs += 1;
+        t.pause_ms += r.pause_ms;
+        t.pause_ms_max = t.pause_ms_max.max(r.pause_ms);
+        t.ack_ms += r.ack_ms;
+        if r.period_ms > 0.0 {
+            t.period_ms += r.period_ms;
+            t.periods += 1;
+        }
+        t.overruns += u64::from(r.late_ms > 0.0);
+        t.bytes += r.bytes;
+        if self.per_epoch.len() == PER_EPOCH_KEPT {
+            self.per_epoch.pop_front();
+            self.per_epoch_dropped += 1;
+        }
+        self.per_epoch.push_back(r);
+    }
+
     fn finish(&mut self) {
-        let n = self.per_epoch.len().max(1) as f64;
-        self.epochs = self.per_epoch.len() as u64;
-        self.pause_ms_mean = self.per_epoch.iter().map(|e| e.pause_ms).sum::<f64>() / n;
-        self.pause_ms_max = self
-            .per_epoch
-            .iter()
-            .map(|e| e.pause_ms)
-            .fold(0.0, f64::max);
-        self.ack_ms_mean = self.per_epoch.iter().map(|e| e.ack_ms).sum::<f64>() / n;
-        let periods: Vec<f64> = self
-            .per_epoch
-            .iter()
-            .map(|e| e.period_ms)
-            .filter(|&p| p > 0.0)
-            .collect();
-        self.period_ms_mean = periods.iter().sum::<f64>() / periods.len().max(1) as f64;
-        self.overruns = self.per_epoch.iter().filter(|e| e.late_ms > 0.0).count() as u64;
-        self.epoch_bytes = self.per_epoch.iter().map(|e| e.bytes).sum();
+        let t = &self.totals;
+        let n = t.epochs.max(1) as f64;
+        self.epochs = t.epochs;
+        self.pause_ms_mean = t.pause_ms / n;
+        self.pause_ms_max = t.pause_ms_max;
+        self.ack_ms_mean = t.ack_ms / n;
+        self.period_ms_mean = t.period_ms / t.periods.max(1) as f64;
+        self.overruns = t.overruns;
+        self.epoch_bytes = t.bytes;
     }
 }
 
@@ -951,9 +986,21 @@ impl Primary {
         if self.status.state != state {
             self.status.since_unix_ms = unix_ms();
         }
+        let changed = self.status.state != state || self.status.reason != reason;
         self.status.state = state.to_owned();
         self.status.reason = reason.to_owned();
         write_status(&self.opts.status_dir, &self.status);
+        if changed {
+            let what = if reason.is_empty() {
+                state.to_owned()
+            } else {
+                format!("{state}: {reason}")
+            };
+            crate::service::notify(
+                state == "protected",
+                &format!("vGPU {}: {what}", self.status.vgpu_id),
+            );
+        }
     }
 
     /// Connects the data link (authenticated, HELLO naming the session),
@@ -1457,7 +1504,7 @@ impl Primary {
         self.status.last_pause_ms = r.pause_ms;
         self.status.last_bytes = r.bytes;
         self.status.last_ack_ms = r.ack_ms;
-        self.report.per_epoch.push(cap.report);
+        self.report.record(cap.report);
         self.save_status("protected", "");
         if cap.finished {
             return Err(EpochError::Finished);
@@ -2015,7 +2062,7 @@ mod tests {
     fn report_sums_epochs() {
         let mut r = CheckpointReport::default();
         for (i, pause) in [10.0, 30.0].into_iter().enumerate() {
-            r.per_epoch.push(EpochReport {
+            r.record(EpochReport {
                 epoch: i as u64 + 1,
                 pause_ms: pause,
                 ack_ms: 4.0,
@@ -2029,5 +2076,32 @@ mod tests {
         assert!(r
             .text()
             .contains("2 epochs, pause mean 20.0 ms max 30.0 ms"));
+    }
+
+    /// Issue 22, item 4: a long protection keeps the last epochs' reports
+    /// only, and its totals still count every epoch.
+    #[test]
+    fn the_epoch_history_is_bounded_and_the_totals_are_not() {
+        let mut r = CheckpointReport::default();
+        let n = PER_EPOCH_KEPT as u64 * 3 + 7;
+        for epoch in 1..=n {
+            r.record(EpochReport {
+                epoch,
+                pause_ms: if epoch == 5 { 99.0 } else { 1.0 },
+                bytes: 10,
+                late_ms: if epoch % 2 == 0 { 1.0 } else { 0.0 },
+                ..EpochReport::default()
+            });
+        }
+        r.finish();
+        assert_eq!(r.per_epoch.len(), PER_EPOCH_KEPT);
+        assert_eq!(r.per_epoch_dropped, n - PER_EPOCH_KEPT as u64);
+        assert_eq!(
+            r.per_epoch.front().unwrap().epoch,
+            n - PER_EPOCH_KEPT as u64 + 1
+        );
+        assert_eq!(r.per_epoch.back().unwrap().epoch, n);
+        assert_eq!((r.epochs, r.epoch_bytes, r.overruns), (n, 10 * n, n / 2));
+        assert_eq!(r.pause_ms_max, 99.0, "a dropped epoch's pause still counts");
     }
 }

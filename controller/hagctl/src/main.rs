@@ -52,6 +52,7 @@ mod primary;
 mod replica;
 mod schedule;
 mod secure;
+mod service;
 mod stall;
 mod standby_argv;
 mod state_delta;
@@ -488,7 +489,9 @@ generation, epochs, syncs, sync_bytes, pause_ms_mean, pause_ms_max,
 ack_ms_mean, epoch_bytes, gpu_dirty_mode, compress, per_epoch [{epoch,
 pause_ms, quiesce_ms, stop_ms, dirty_ms, state_ms, copy_ms, resume_ms,
 pages, cpu_dirty, gpu_dirty, bytes, raw_bytes, ack_ms, iteration,
-released, gpu_bytes_written, hashed_pages, hash_ms}]). The pause's steps:
+released, gpu_bytes_written, hashed_pages, hash_ms}] for the last 1000
+epochs, per_epoch_dropped the older ones; the totals count every epoch).
+The pause's steps:
 stop_ms pausing the VM, quiesce_ms the vGPU going idle, dirty_ms collecting
 the dirty logs, state_ms the VM's device state, copy_ms the dirty pages,
 resume_ms resuming. gpu_bytes_written is what the vGPU's engine wrote
@@ -856,7 +859,16 @@ fn max_downtime(text: &str) -> Result<Duration, String> {
 }
 
 fn cli() -> Cli {
-    let matches = command().get_matches();
+    let args = service::with_config(
+        std::env::args_os().collect(),
+        std::path::Path::new(service::CONFIG_DIR),
+    )
+    .unwrap_or_else(|e| {
+        eprintln!("hagctl: {e}");
+        // A usage error, as clap's own (its exit status 2).
+        std::process::exit(2)
+    });
+    let matches = command().get_matches_from(args);
     Cli::from_arg_matches(&matches).unwrap_or_else(|err| err.exit())
 }
 
@@ -878,7 +890,9 @@ fn command() -> clap::Command {
         )
         .into_boxed_str(),
     );
-    Cli::command().version(version)
+    // A VM's configuration file comes first and the command line's own
+    // arguments win (service.rs).
+    Cli::command().version(version).args_override_self(true)
 }
 
 /// Prints a command's report: one JSON object, or its `text`.
