@@ -12,7 +12,9 @@
 # resyncs and stays protected; a backup host with one generation for every
 # VM would have fenced it, a healthy VM stopped for another VM's takeover.
 # VM b's pair runs as its units would, `hagctl checkpoint --name b` and
-# `hagctl backup --name b` with every setting in /etc/hag/b.conf.
+# `hagctl backup --name b` with every setting in /etc/hag/b.conf; `hagctl
+# job --name b` shows it on each host, and `hagctl abort --name b` finally
+# ends its protection cleanly (the backup confirms, the VM runs on).
 # VM a's workload verifies on host 1, VM b's on host 0.
 ITERATIONS_A=20000
 ITERATIONS_B=40000
@@ -62,6 +64,8 @@ if [ "$HAG_HOST" = 1 ]; then
 	[ ! -e /run/hag/backup.json ] && [ ! -e /var/lib/hag/backup.json ] ||
 		fail "a named backup wrote the host-wide state"
 	expect_eq "backup b's stored generation" "$(generation_in b)" 0
+	hagctl job --name b | tee /tmp/job-b.txt
+	grep -q '^backup: standby (pid [0-9]*), listening on' /tmp/job-b.txt || fail "hagctl job does not show backup b standing by"
 	signal_ready 7300
 	step "host 1: waiting for backup a's takeover"
 	wait_for 120 grep -q '"generation":1' /tmp/backup-a.out ||
@@ -120,15 +124,23 @@ else
 	step "host 0: VM a's VMM and hagctl checkpoint killed"
 	kill -KILL "$cp_a" "$vm_a"
 	wait "$cp_a" "$vm_a" 2>/dev/null || true
+	step "host 0: waiting for b to resynchronise with its restarted backup"
+	# Two epochs acknowledged after the second synchronisation.
+	wait_for 180 awk '/synchronising with the backup/ { n++; e = 0 } /^epoch / { if (n >= 2) e++ } END { exit !(e >= 2) }' /tmp/cp-b.err ||
+		fail "b did not resync with its restarted backup: $(cat /tmp/cp-b.err)"
+	hagctl job --name b --json | tee /tmp/job-b.json
+	grep -q '"state":"protected"' /tmp/job-b.json || fail "hagctl job --json does not show b protected"
+	step "host 0: hagctl abort --name b"
+	hagctl abort --name b || fail "hagctl abort --name b failed"
 	rc=0
 	wait "$cp_b" || rc=$?
 	cat /tmp/cp-b.err /tmp/cp-b.out
 	expect_eq "hagctl checkpoint b's exit status" "$rc" 0
-	grep -q '"outcome":"finished"' /tmp/cp-b.out || fail "b's protection did not end with its VM"
-	grep -q '"syncs":[2-9]' /tmp/cp-b.out || fail "b did not resync with its restarted backup"
+	grep -q '"outcome":"ended"' /tmp/cp-b.out || fail "b's protection did not end on hagctl abort"
+	grep -q '"syncs":[2-9]' /tmp/cp-b.out || fail "the report counts no resync"
 	rc=0
 	wait "$vm_b" || rc=$?
 	expect_eq "VM b's exit status" "$rc" 0
 	grep -q "^PASS frames: $ITERATIONS_B iterations verified" /tmp/vm-b.out ||
-		fail "VM b's workload did not verify on host 0"
+		fail "VM b's workload did not verify on host 0, where it ran on unprotected"
 fi

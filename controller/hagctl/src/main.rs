@@ -44,6 +44,7 @@ mod console;
 mod events;
 mod exit;
 mod fence;
+mod jobs;
 mod migrate;
 mod output;
 mod pagehash;
@@ -753,6 +754,36 @@ VM runs unprotected: protect it again with a new hagctl checkpoint.")]
         #[arg(long, value_name = "DURATION", default_value = "30", value_parser = units::seconds)]
         timeout: Duration,
     },
+    /// Show one VM's protection on this host: its hagctl checkpoint's
+    /// state and progress, or its hagctl backup's
+    #[command(after_long_help = "\
+Reads what the running processes publish (hagctl checkpoint holds QEMU's QMP
+socket): STATUS_DIR/checkpoint-vgpuN.json and STATE_DIR/backup.json; with
+--name VM, /run/hag/VM and /var/lib/hag/VM. --json: {checkpoints: [{pid,
+vgpu_id, backup, state, last_epoch, ..., running, text}], backup: {pid,
+state, listen, generation, epoch} or null}. Exits 1 if neither is there.")]
+    Job {
+        #[command(flatten)]
+        dirs: vm_dirs::VmDirArgs,
+        /// Print one JSON object instead of text
+        #[arg(long)]
+        json: bool,
+    },
+    /// End one VM's protection cleanly: its hagctl checkpoint ends it with
+    /// the backup (ABORT), and this waits for it to exit
+    #[command(after_long_help = "\
+As SIGTERM to hagctl checkpoint: once the backup confirms the end, the held
+output is released and the VM runs on unprotected; if the backup does not
+confirm in time, the VM is stopped (the backup may be taking over). Exits 1
+if no hagctl checkpoint runs for the VM, or one still runs after --timeout.")]
+    Abort {
+        /// The checkpoint's --name, or its --status-dir
+        #[command(flatten)]
+        dirs: vm_dirs::VmDirArgs,
+        /// How long to wait for each hagctl checkpoint to exit
+        #[arg(long, value_name = "DURATION", default_value = "60", value_parser = units::seconds)]
+        timeout: Duration,
+    },
     /// Print a completion script for SHELL (bash: save it as
     /// /usr/share/bash-completion/completions/hagctl)
     Completions {
@@ -1152,6 +1183,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 checkpoint::confirm_backup_down(&dirs.run, vgpu, timeout)?
             );
         }
+        Command::Job { dirs, json } => print!("{}", jobs::job(&dirs.resolve(), json)?),
+        Command::Abort { dirs, timeout } => print!("{}", jobs::abort(&dirs.resolve(), timeout)?),
         Command::Takeover { dirs, timeout } => {
             let generation = backup::request_takeover(&dirs.resolve(), timeout)?;
             println!("took over: generation {generation}");
@@ -1269,7 +1302,8 @@ impl Command {
             | Command::Migrate { json, .. }
             | Command::Checkpoint { json, .. }
             | Command::Backup { json, .. }
-            | Command::Receive { json, .. } => *json,
+            | Command::Receive { json, .. }
+            | Command::Job { json, .. } => *json,
             _ => false,
         }
     }
