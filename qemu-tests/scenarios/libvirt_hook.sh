@@ -6,7 +6,9 @@
 # No libvirt and no QEMU here: the "domain" is a real hag-vmm VM (its control
 # socket named by <hag:protect vm-socket=…>), protected by the
 # real hagctl checkpoint against a real hagctl backup on this same host.
-#   started  -> hagctl checkpoint runs (pidfile, process, `hagctl status`)
+#   started  -> hagctl checkpoint runs (pidfile, process, `hagctl status`);
+#            first with its backup not yet listening: it fails, and the
+#            hook retries it (RETRY) until the backup is there
 #   stopped, release (after the VM is gone) -> it ends, the backup ends
 #            without a takeover
 #   no mdev, no hag metadata, hag absent, migrate -> left alone, exit 0,
@@ -137,27 +139,32 @@ logged "$DOM-in migrate/begin: incoming domain: marked /run/hag/libvirt-$DOM-in.
 hook "$DOM-in" release end /tmp/absent.xml
 [ ! -e "/run/hag/libvirt-$DOM-in.incoming" ] || fail "release kept the incoming mark"
 
-step "backup on $BACKUP, VM at $SOCK"
-hagctl backup --listen "$BACKUP" --mdev "$backup_uuid" --control /tmp/backup-vm.sock \
-	--failover-timeout 10 >/tmp/backup.out 2>/tmp/backup.err &
-backup_pid=$!
+step "VM at $SOCK; its backup not there yet"
+echo "RETRY=3" >>/etc/hag/hag.conf
 mkdir -p "$(dirname "$SOCK")"
 hag-vmm serve --mdev "$vm_uuid" --control "$SOCK" --iterations 200000 >/tmp/vm.out 2>/tmp/vm.err &
 vm_pid=$!
 wait_for 30 test -S "$SOCK" || fail "VM did not start: $(cat /tmp/vm.err)"
 
-step "started: protection begins"
+step "started with the backup unreachable: protection fails and is retried"
 domain_xml "$DOM" "$DOM_ID" "$vm_uuid" "$PROTECT" >/tmp/dom.xml
 hook "$DOM" prepare begin /tmp/dom.xml
 hook "$DOM" start begin /tmp/dom.xml
 hook "$DOM" started begin /tmp/dom.xml
 logged "$DOM started/begin: protecting vGPU $vm_uuid: hagctl checkpoint --vm $SOCK"
-wait_for 10 test -s "$PIDFILE" || fail "no pidfile $PIDFILE: $(cat "$LOG")"
+retrying() { grep -q "$DOM supervise/-: protection failed; retrying in 3s while the domain runs" "$LOG"; }
+wait_for 90 retrying || fail "no retry after the failed protection: $(cat "$LOG")"
+
+step "backup on $BACKUP: the retry protects the domain"
+hagctl backup --listen "$BACKUP" --mdev "$backup_uuid" --control /tmp/backup-vm.sock \
+	--failover-timeout 10 >/tmp/backup.out 2>/tmp/backup.err &
+backup_pid=$!
+protected() { hagctl status | grep -q "protected, last epoch"; }
+wait_for 90 protected || fail "the retried protection did not protect the VM: $(cat "$LOG")"
 cp_pid=$(cat "$PIDFILE")
 kill -0 "$cp_pid" || fail "hagctl checkpoint (pid $cp_pid) is not running"
 tr '\0' ' ' <"/proc/$cp_pid/cmdline" | grep -q "checkpoint --vm $SOCK --backup $BACKUP --interval 1s" ||
 	fail "pid $cp_pid is not the checkpoint: $(tr '\0' ' ' <"/proc/$cp_pid/cmdline")"
-protected() { hagctl status | grep -q "protected, last epoch"; }
 if ! wait_for 90 protected; then
 	hagctl status
 	cat /var/log/hag/checkpoint-$DOM.log /tmp/backup.err
