@@ -29,8 +29,8 @@ if [ "$HAG_HOST" = 1 ]; then
 		fail "no takeover after the hang"
 	grep -q "^PASS frames: $ITERATIONS iterations verified" /tmp/backup.out ||
 		fail "the workload did not verify on host 1"
-	cat /var/lib/hag/backup.json
-	grep -q '"generation":1' /var/lib/hag/backup.json || fail "generation 1 not stored with the checkpoint"
+	cat /var/lib/hag/generation.json
+	grep -q '"generation":1' /var/lib/hag/generation.json || fail "generation 1 not stored with the checkpoint"
 else
 	load_hag allow_hang_injection=1
 	ha_key

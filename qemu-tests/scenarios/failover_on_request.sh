@@ -50,8 +50,8 @@ SH
 	expect_eq "hagctl backup exit status" "$rc" 0
 	grep -q '"reason":"a takeover was requested' /tmp/backup.out || fail "no takeover on request"
 	grep -q '"generation":1' /tmp/backup.out || fail "the takeover did not raise the generation"
-	grep -q '"state":"took-over".*"generation":1\|"generation":1.*"state":"took-over"' /var/lib/hag/vm1/backup.json ||
-		fail "the generation is not stored in vm1's state directory: $(cat /var/lib/hag/vm1/backup.json)"
+	grep -q '"state":"took-over".*"generation":1\|"generation":1.*"state":"took-over"' /var/lib/hag/vm1/generation.json ||
+		fail "the generation is not stored in vm1's state directory: $(cat /var/lib/hag/vm1/generation.json)"
 	grep -q 'no power switch answers' /tmp/backup.err || fail "the fence agent's output is not in the backup's log"
 	grep -q "^PASS frames: $ITERATIONS iterations verified" /tmp/backup.out ||
 		fail "the workload did not verify on host 1"

@@ -27,12 +27,12 @@ if [ "$HAG_HOST" = 1 ]; then
 	hagctl backup --listen "$backup" --heartbeat-listen "$heartbeat" --mdev "$uuid" --control "$sock" \
 		--failover-timeout 3 --json >/tmp/backup.out 2>/tmp/backup.err || rc=$?
 	cat /tmp/backup.err /tmp/backup.out
-	cat /var/lib/hag/backup.json
+	cat /run/hag/backup.json
 	expect_eq "hagctl backup exit status" "$rc" 0
 	grep -q "primary alive via $heartbeat, data link down: not taking over" /tmp/backup.err ||
 		fail "the backup did not notice the partition"
 	! grep -q 'takeover' /tmp/backup.out /tmp/backup.err || fail "the backup took over during a partition"
-	! grep -q 'took-over' /var/lib/hag/backup.json || fail "the backup's state says it took over"
+	! grep -q 'took-over' /run/hag/backup.json || fail "the backup's state says it took over"
 	[ ! -e "$sock" ] || fail "the backup started its incoming VM"
 	! grep -q "^PASS frames" /tmp/backup.out || fail "the workload ran on host 1 too"
 	[ "$(grep -c 'checkpoint stream from' /tmp/backup.err)" -ge 2 ] ||

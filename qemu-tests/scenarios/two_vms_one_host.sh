@@ -10,7 +10,8 @@
 # silence and stores generation 1 in /var/lib/hag/a/ only. Backup b is then
 # killed and restarted: it reads its own generation back (0), so primary b
 # resyncs and stays protected; a backup host with one generation for every
-# VM would have fenced it, a healthy VM stopped for another VM's takeover.
+# VM would have fenced it, a healthy VM stopped for another VM's takeover;
+# backup a, restarted after VM a ended there, reads its generation 1 back.
 # VM b's pair runs as its units would, `hagctl checkpoint --name b` and
 # `hagctl backup --name b` with every setting in /etc/hag/b.conf; `hagctl
 # job --name b` shows it on each host, and `hagctl abort --name b` finally
@@ -29,8 +30,15 @@ mdev_create "$ub"
 backup_a=$(host_ip 1):7200
 backup_b=$(host_ip 1):7210
 
-# generation_in NAME: the generation in backup NAME's stored state.
-generation_in() { sed -n 's/.*"generation":\([0-9]*\).*/\1/p' "/var/lib/hag/$1/backup.json"; }
+# generation_in NAME: the generation backup NAME stored durably (0 if it
+# stored none: it never took over).
+generation_in() {
+	if [ -f "/var/lib/hag/$1/generation.json" ]; then
+		sed -n 's/.*"generation":\([0-9]*\).*/\1/p' "/var/lib/hag/$1/generation.json"
+	else
+		echo 0
+	fi
+}
 
 # VM b's pair reads its settings from its configuration file, as the units
 # hag-checkpoint@b.service and hag-backup@b.service run it.
@@ -60,8 +68,8 @@ if [ "$HAG_HOST" = 1 ]; then
 	start_backup_b
 	wait_for 120 grep -q 'epoch 3 applied' /tmp/backup-a.err || fail "a: no epoch 3: $(cat /tmp/backup-a.err)"
 	wait_for 120 grep -q 'epoch 3 applied' /tmp/backup-b.err || fail "b: no epoch 3: $(cat /tmp/backup-b.err)"
-	ls -l /var/lib/hag/a /var/lib/hag/b
-	[ ! -e /run/hag/backup.json ] && [ ! -e /var/lib/hag/backup.json ] ||
+	ls -l /run/hag/a /run/hag/b
+	[ ! -e /run/hag/backup.json ] && [ ! -e /var/lib/hag/generation.json ] ||
 		fail "a named backup wrote the host-wide state"
 	expect_eq "backup b's stored generation" "$(generation_in b)" 0
 	hagctl job --name b | tee /tmp/job-b.txt
@@ -87,6 +95,14 @@ if [ "$HAG_HOST" = 1 ]; then
 	grep -q '"reason":"the primary was silent for' /tmp/backup-a.out || fail "a: no takeover on silence"
 	grep -q "^PASS frames: $ITERATIONS_A iterations verified" /tmp/backup-a.out ||
 		fail "VM a's workload did not verify on host 1"
+	step "host 1: backup a restarted after its takeover reads generation 1 back"
+	hagctl backup --name a --listen "$backup_a" --mdev "$ua" >/tmp/backup-a2.out 2>/tmp/backup-a2.err &
+	bk_a2=$!
+	wait_for 60 grep -q 'backup listening' /tmp/backup-a2.err || fail "backup a did not restart: $(cat /tmp/backup-a2.err)"
+	grep 'backup listening' /tmp/backup-a2.err | grep -q 'generation 1)' ||
+		fail "the restarted backup a forgot its takeover: $(grep 'backup listening' /tmp/backup-a2.err)"
+	kill "$bk_a2"
+	wait "$bk_a2" 2>/dev/null || true
 	rc=0
 	wait "$bk_b" || rc=$?
 	cat /tmp/backup-b.err /tmp/backup-b.out

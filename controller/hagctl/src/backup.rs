@@ -1627,8 +1627,19 @@ fn heartbeat_loop(b: Arc<Backup>) {
     }
 }
 
-fn state_path(dir: &std::path::Path) -> PathBuf {
+/// The backup's runtime status, in its status directory: pid, state,
+/// listen address, generation, last applied epoch; rewritten at every
+/// epoch (what `hagctl takeover` and `hagctl job` read).
+fn status_path(dir: &std::path::Path) -> PathBuf {
     dir.join("backup.json")
+}
+
+/// The backup's durable generation, in its state directory: written with
+/// `fsync` (and read back) at each takeover, before the fence; read at
+/// start. Apart from the status so that the per-epoch rewrite never waits
+/// for a disk.
+fn generation_path(dir: &std::path::Path) -> PathBuf {
+    dir.join("generation.json")
 }
 
 /// `hagctl takeover`'s request, in the backup's status directory.
@@ -1659,9 +1670,9 @@ fn refuse_request(dir: &std::path::Path, why: &str) {
 /// to take over now (its primary fenced by the caller), and waits up to
 /// `timeout` for the outcome. Returns the new generation.
 pub fn request_takeover(dirs: &crate::vm_dirs::VmDirs, timeout: Duration) -> anyhow::Result<u64> {
-    let (dir, state_dir) = (dirs.run.as_path(), dirs.state.as_path());
-    let state: serde_json::Value = std::fs::read_to_string(state_path(state_dir))
-        .map_err(|e| anyhow::anyhow!("no hagctl backup state in {}: {e}", state_dir.display()))
+    let dir = dirs.run.as_path();
+    let state: serde_json::Value = std::fs::read_to_string(status_path(dir))
+        .map_err(|e| anyhow::anyhow!("no hagctl backup status in {}: {e}", dir.display()))
         .and_then(|s| Ok(serde_json::from_str(&s)?))?;
     let pid = state.get("pid").and_then(|p| p.as_u64()).unwrap_or(0);
     let alive =
@@ -1669,13 +1680,13 @@ pub fn request_takeover(dirs: &crate::vm_dirs::VmDirs, timeout: Duration) -> any
     if !alive {
         anyhow::bail!(
             "the hagctl backup of {} (pid {pid}) is not running",
-            state_path(state_dir).display()
+            status_path(dir).display()
         );
     }
     if state.get("state").and_then(|s| s.as_str()) == Some("took-over") {
         anyhow::bail!(
             "the backup of {} took over already (generation {})",
-            state_dir.display(),
+            dir.display(),
             state
                 .get("generation")
                 .and_then(|g| g.as_u64())
@@ -1694,7 +1705,7 @@ pub fn request_takeover(dirs: &crate::vm_dirs::VmDirs, timeout: Duration) -> any
                 format!("the backup did not take over: {}", why.trim()),
             ));
         }
-        let now: Option<serde_json::Value> = std::fs::read_to_string(state_path(state_dir))
+        let now: Option<serde_json::Value> = std::fs::read_to_string(status_path(dir))
             .ok()
             .and_then(|s| serde_json::from_str(&s).ok());
         if let Some(now) = now {
@@ -1711,37 +1722,76 @@ pub fn request_takeover(dirs: &crate::vm_dirs::VmDirs, timeout: Duration) -> any
     )
 }
 
-/// The generation stored in `dir`, if any.
-pub fn stored_generation(dir: &std::path::Path) -> Option<u64> {
-    let text = std::fs::read_to_string(state_path(dir)).ok()?;
+/// The generation in a backup file (status or durable) at `path`: `None`
+/// if there is no file, an error if there is one that does not say it (a
+/// backup must not start below a takeover it cannot read).
+fn generation_in(path: &std::path::Path) -> Result<Option<u64>, String> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    };
     serde_json::from_str::<serde_json::Value>(&text)
-        .ok()?
-        .get("generation")?
-        .as_u64()
+        .ok()
+        .and_then(|v| v.get("generation")?.as_u64())
+        .map(Some)
+        .ok_or_else(|| format!("{} holds no generation: '{}'", path.display(), text.trim()))
 }
 
-/// Stores the state durably: written to a temporary file, synced, renamed,
-/// the directory synced, and read back.
-fn store_state(dir: &std::path::Path, value: &serde_json::Value) -> Result<(), String> {
-    let io = |e: std::io::Error| format!("{}: {e}", state_path(dir).display());
+/// The highest generation this backup stored: the durable one in
+/// `state_dir`, and the status in `status_dir` (a restart without a reboot
+/// keeps it; before the state directory existed, the generation was kept
+/// only there).
+pub fn stored_generation(
+    state_dir: &std::path::Path,
+    status_dir: &std::path::Path,
+) -> Result<u64, String> {
+    let durable = generation_in(&generation_path(state_dir))?;
+    let status = generation_in(&status_path(status_dir))?;
+    Ok(durable.max(status).unwrap_or(0))
+}
+
+/// Writes `value` to `path` whole (a temporary file renamed over it), and
+/// with `durable`, synced with its directory first.
+fn write_json(
+    path: &std::path::Path,
+    value: &serde_json::Value,
+    durable: bool,
+) -> Result<(), String> {
+    let io = |e: std::io::Error| format!("{}: {e}", path.display());
+    let dir = path.parent().unwrap_or(std::path::Path::new("."));
     std::fs::create_dir_all(dir).map_err(io)?;
-    let tmp = dir.join(".backup.json.tmp");
+    let tmp = dir.join(format!(
+        ".{}.tmp",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("state")
+    ));
     {
         let mut f = std::fs::File::create(&tmp).map_err(io)?;
         f.write_all((value.to_string() + "\n").as_bytes())
             .map_err(io)?;
-        f.sync_all().map_err(io)?;
+        if durable {
+            f.sync_all().map_err(io)?;
+        }
     }
-    std::fs::rename(&tmp, state_path(dir)).map_err(io)?;
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)?;
+    if durable {
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io)?;
+    }
+    Ok(())
+}
+
+/// Stores a generation durably in `state_dir` and reads it back.
+fn store_generation(state_dir: &std::path::Path, value: &serde_json::Value) -> Result<(), String> {
+    let path = generation_path(state_dir);
+    write_json(&path, value, true)?;
     let want = value.get("generation").and_then(|g| g.as_u64());
-    let got = stored_generation(dir);
+    let got = generation_in(&path)?;
     if got != want {
         return Err(format!(
             "{} reads back generation {got:?}, not {want:?}",
-            state_path(dir).display()
+            path.display()
         ));
     }
     Ok(())
@@ -1851,17 +1901,16 @@ fn persist_takeover(
     reason: &str,
     generation: u64,
 ) -> Result<(), String> {
-    store_state(
-        &opts.state_dir,
-        &serde_json::json!({
-            "pid": std::process::id(),
-            "state": "took-over",
-            "listen": opts.listen,
-            "generation": generation,
-            "epoch": cp.epoch,
-            "reason": reason,
-        }),
-    )
+    let state = serde_json::json!({
+        "pid": std::process::id(),
+        "state": "took-over",
+        "listen": opts.listen,
+        "generation": generation,
+        "epoch": cp.epoch,
+        "reason": reason,
+    });
+    store_generation(&opts.state_dir, &state)?;
+    write_json(&status_path(&opts.status_dir), &state, false)
 }
 
 /// `--fence-peer`, if given, for a takeover to `generation` from `cp`.
@@ -2071,9 +2120,9 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
     std::fs::create_dir_all(&opts.status_dir)
         .map_err(|e| anyhow::anyhow!("cannot stand by: {}: {e}", opts.status_dir.display()))?;
     // The generation survives a restart: never go back below a takeover.
-    let generation = opts
-        .generation
-        .max(stored_generation(&opts.state_dir).unwrap_or(0));
+    let stored = stored_generation(&opts.state_dir, &opts.status_dir)
+        .map_err(|e| anyhow::anyhow!("cannot stand by: the stored generation: {e}"))?;
+    let generation = opts.generation.max(stored);
     let mut listeners = Vec::new();
     for addr in std::iter::once(&opts.listen).chain(&opts.heartbeat_listen) {
         let l =
@@ -2166,7 +2215,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                 "generation": l.generation,
                 "epoch": l.epoch,
             });
-            if let Err(e) = store_state(&opts.state_dir, &state) {
+            if let Err(e) = write_json(&status_path(&opts.status_dir), &state, false) {
                 eprintln!("hagctl: warning: {e}");
             }
         }
@@ -3015,11 +3064,11 @@ mod tests {
             state: dir.clone(),
         };
         let e = request_takeover(&dirs, Duration::from_millis(100)).unwrap_err();
-        assert!(e.to_string().contains("no hagctl backup state"), "{e}");
+        assert!(e.to_string().contains("no hagctl backup status"), "{e}");
         std::fs::create_dir_all(&dir).unwrap();
         // pid 1 is not a hagctl.
         std::fs::write(
-            state_path(&dir),
+            status_path(&dir),
             r#"{"pid":1,"state":"standby","generation":0}"#,
         )
         .unwrap();
@@ -3202,19 +3251,33 @@ mod tests {
         }
     }
 
-    /// Issue 12, item 9: the generation is stored durably and read back.
+    /// Issue 12, item 9, and issue 20, item 3: the generation is stored
+    /// durably in the state directory and read back; a status left in the
+    /// runtime directory counts too (the higher wins), and a file that
+    /// holds no generation stops the backup instead of starting it at 0.
     #[test]
     fn the_generation_is_read_back() {
-        let dir = std::env::temp_dir().join(format!("hag-backup-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        assert_eq!(stored_generation(&dir), None);
-        store_state(
-            &dir,
+        let base = std::env::temp_dir().join(format!("hag-backup-{}", std::process::id()));
+        let (state, run) = (base.join("state"), base.join("run"));
+        let _ = std::fs::remove_dir_all(&base);
+        assert_eq!(stored_generation(&state, &run), Ok(0));
+        store_generation(
+            &state,
             &serde_json::json!({"generation": 7, "state": "took-over"}),
         )
         .unwrap();
-        assert_eq!(stored_generation(&dir), Some(7));
-        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(stored_generation(&state, &run), Ok(7));
+        write_json(
+            &status_path(&run),
+            &serde_json::json!({"generation": 9}),
+            false,
+        )
+        .unwrap();
+        assert_eq!(stored_generation(&state, &run), Ok(9));
+        std::fs::write(generation_path(&state), "{\"gen").unwrap();
+        let e = stored_generation(&state, &run).unwrap_err();
+        assert!(e.contains("generation.json holds no generation"), "{e}");
+        let _ = std::fs::remove_dir_all(&base);
     }
 
     #[test]

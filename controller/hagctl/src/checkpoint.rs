@@ -681,6 +681,10 @@ fn heartbeat_path(link: Arc<Link>, addr: String) {
 pub struct StatusFile {
     /// The checkpoint process.
     pub pid: u32,
+    /// When it started (clock ticks after boot, /proc/PID/stat): `pid`
+    /// names it only while this matches (a pid is reused).
+    #[serde(default)]
+    pub pid_start: u64,
     /// The vGPU protected.
     pub vgpu_id: u32,
     /// The backup.
@@ -1974,6 +1978,7 @@ pub fn checkpoint(
         stop,
         status: StatusFile {
             pid: std::process::id(),
+            pid_start: crate::jobs::process_start(std::process::id()).unwrap_or(0),
             vgpu_id,
             backup: opts.backup.clone(),
             generation: opts.generation,

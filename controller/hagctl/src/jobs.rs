@@ -17,12 +17,38 @@ use nix::unistd::Pid;
 use crate::checkpoint::{protection_lines, StatusFile};
 use crate::vm_dirs::VmDirs;
 
-/// Whether `pid` is a running hagctl (not a reused pid).
+/// Whether `pid` is a running hagctl (not a zombie).
 fn is_hagctl(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "hagctl")
+        && process_state(pid).is_some_and(|s| s != 'Z')
 }
 
-/// The backup's stored state in `dir`, if its process runs.
+/// The fields of /proc/PID/stat after the command name (which may hold
+/// spaces and parentheses): state first.
+fn stat_fields(pid: u32) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    Some(rest.split_whitespace().map(str::to_owned).collect())
+}
+
+fn process_state(pid: u32) -> Option<char> {
+    stat_fields(pid)?.first()?.chars().next()
+}
+
+/// When process `pid` started, in clock ticks after boot (field 22 of
+/// /proc/PID/stat): with the pid, it names one process for good.
+pub fn process_start(pid: u32) -> Option<u64> {
+    stat_fields(pid)?.get(19)?.parse().ok()
+}
+
+/// Whether the checkpoint that wrote `st` still runs: its pid is a hagctl
+/// that started when the status file says (older files carry no start).
+fn still_runs(st: &StatusFile) -> bool {
+    is_hagctl(st.pid) && (st.pid_start == 0 || process_start(st.pid) == Some(st.pid_start))
+}
+
+/// The backup's status in its runtime directory `dir`, if its process
+/// runs.
 fn running_backup(dir: &Path) -> Option<serde_json::Value> {
     let text = std::fs::read_to_string(dir.join("backup.json")).ok()?;
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
@@ -35,12 +61,11 @@ fn running_backup(dir: &Path) -> Option<serde_json::Value> {
 /// one JSON object `{checkpoints: [status…], backup: state|null}`.
 pub fn job(dirs: &VmDirs, json: bool) -> anyhow::Result<String> {
     let checkpoints = protection_lines(&dirs.run);
-    let backup = running_backup(&dirs.state);
+    let backup = running_backup(&dirs.run);
     if checkpoints.is_empty() && backup.is_none() {
         anyhow::bail!(
-            "no protection here: no hagctl checkpoint status in {} and no running hagctl backup's state in {}",
-            dirs.run.display(),
-            dirs.state.display()
+            "no protection here: neither a hagctl checkpoint's nor a running hagctl backup's status in {}",
+            dirs.run.display()
         );
     }
     if json {
@@ -49,7 +74,7 @@ pub fn job(dirs: &VmDirs, json: bool) -> anyhow::Result<String> {
             .map(|(st, line)| {
                 let mut o = serde_json::to_value(st).unwrap_or_default();
                 o["text"] = line.clone().into();
-                o["running"] = is_hagctl(st.pid).into();
+                o["running"] = still_runs(st).into();
                 o
             })
             .collect();
@@ -81,7 +106,7 @@ pub fn abort(dirs: &VmDirs, timeout: Duration) -> anyhow::Result<String> {
     let running: Vec<StatusFile> = protection_lines(&dirs.run)
         .into_iter()
         .map(|(st, _)| st)
-        .filter(|st| is_hagctl(st.pid))
+        .filter(still_runs)
         .collect();
     if running.is_empty() {
         anyhow::bail!(
@@ -89,17 +114,22 @@ pub fn abort(dirs: &VmDirs, timeout: Duration) -> anyhow::Result<String> {
             dirs.run.display()
         );
     }
-    let mut out = String::new();
-    for st in running {
-        let t0 = Instant::now();
+    // Every one is told first: one that is slow to end must not keep the
+    // others protected.
+    let t0 = Instant::now();
+    for st in &running {
         let pid = i32::try_from(st.pid)
             .map_err(|_| anyhow::anyhow!("pid {} in the status file is not a pid", st.pid))?;
         kill(Pid::from_raw(pid), Signal::SIGTERM)
             .map_err(|e| anyhow::anyhow!("signalling hagctl checkpoint pid {pid}: {e}"))?;
-        while is_hagctl(st.pid) {
+    }
+    let mut out = String::new();
+    for st in &running {
+        while still_runs(st) {
             if t0.elapsed() > timeout {
                 anyhow::bail!(
-                    "hagctl checkpoint pid {pid} (vGPU {}) still runs {:.0} s after SIGTERM",
+                    "{out}hagctl checkpoint pid {} (vGPU {}) still runs {:.0} s after SIGTERM",
+                    st.pid,
                     st.vgpu_id,
                     timeout.as_secs_f64()
                 );
@@ -107,8 +137,9 @@ pub fn abort(dirs: &VmDirs, timeout: Duration) -> anyhow::Result<String> {
             std::thread::sleep(Duration::from_millis(50));
         }
         out += &format!(
-            "protection of vGPU {} ended: hagctl checkpoint pid {pid} exited {:.1} s after SIGTERM (its report is in its output)\n",
+            "protection of vGPU {} ended: hagctl checkpoint pid {} exited {:.1} s after SIGTERM; its report (in its output) says whether the backup confirmed the end (ended: the VM runs on) or not (vm-stopped)\n",
             st.vgpu_id,
+            st.pid,
             t0.elapsed().as_secs_f64()
         );
     }
@@ -120,6 +151,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_process_is_named_by_its_pid_and_start() {
+        let me = std::process::id();
+        let start = process_start(me).expect("this process's start");
+        let st = |pid_start| StatusFile {
+            pid: me,
+            pid_start,
+            ..StatusFile::default()
+        };
+        // The test binary is not called hagctl: never "running", however
+        // its start matches; process_state reads it as running (R or S).
+        assert!(!still_runs(&st(start)));
+        assert!(matches!(process_state(me), Some('R' | 'S')));
+        assert_ne!(
+            process_start(1),
+            Some(start),
+            "pid 1 started before this test"
+        );
+    }
+
+    #[test]
     fn nothing_running_is_said_with_both_directories() {
         let base = std::env::temp_dir().join(format!("hag-jobs-{}", std::process::id()));
         let dirs = VmDirs {
@@ -127,19 +178,19 @@ mod tests {
             state: base.join("state"),
         };
         let e = job(&dirs, false).unwrap_err().to_string();
-        assert!(e.contains("run") && e.contains("state"), "{e}");
+        assert!(e.contains("no protection here") && e.contains("run"), "{e}");
         let e = abort(&dirs, Duration::from_millis(10))
             .unwrap_err()
             .to_string();
         assert!(e.contains("no running hagctl checkpoint"), "{e}");
-        // A backup state whose pid is not a hagctl is not running.
-        std::fs::create_dir_all(&dirs.state).unwrap();
+        // A backup status whose pid is not a hagctl is not running.
+        std::fs::create_dir_all(&dirs.run).unwrap();
         std::fs::write(
-            dirs.state.join("backup.json"),
+            dirs.run.join("backup.json"),
             r#"{"pid":1,"state":"standby","generation":2,"epoch":9}"#,
         )
         .unwrap();
-        assert!(running_backup(&dirs.state).is_none());
+        assert!(running_backup(&dirs.run).is_none());
         let _ = std::fs::remove_dir_all(&base);
     }
 }

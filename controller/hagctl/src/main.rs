@@ -569,6 +569,10 @@ exits 4 on finished-unconfirmed, 3 on fenced and 5 on stop-failed.")]
         connect_timeout: Duration,
         #[command(flatten)]
         dirs: vm_dirs::VmDirArgs,
+        /// Do not read /etc/hag/VM.conf for --name VM (the libvirt hook
+        /// passes it: its settings come from the domain XML)
+        #[arg(long)]
+        no_config: bool,
         /// The pre-shared key file this host and the backup hold
         #[arg(long, value_name = "FILE", default_value = KEY_DEFAULT)]
         key: std::path::PathBuf,
@@ -592,8 +596,9 @@ sets the VM state and resumes it, raising the generation, and prints
 restore_ms, pages}). The VM's output follows on stdout; hagctl exits 0
 when the VM taken over here ends well, 7 (naming its status) when it
 fails. If the primary ends protection (its VM finished), it exits 0
-without a takeover. State (the generation): STATE_DIR/backup.json; with
---name VM, STATE_DIR is /var/lib/hag/VM and STATUS_DIR /run/hag/VM.")]
+without a takeover. Its status: STATUS_DIR/backup.json; its generation,
+stored before each takeover's fence: STATE_DIR/generation.json; with --name
+VM, STATE_DIR is /var/lib/hag/VM and STATUS_DIR /run/hag/VM.")]
     Backup {
         /// Address and port to listen on
         #[arg(long, value_name = "ADDR:PORT")]
@@ -621,11 +626,15 @@ without a takeover. State (the generation): STATE_DIR/backup.json; with
         /// Generation to start at
         #[arg(long, value_name = "N", default_value_t = 0)]
         generation: u64,
-        /// Where this backup's files go; its state (STATE_DIR/backup.json,
-        /// with the generation) is read back at start: a restarted or
-        /// rebooted backup never goes below a takeover
+        /// Where this backup's files go; its generation
+        /// (STATE_DIR/generation.json) is read back at start: a restarted
+        /// or rebooted backup never goes below a takeover
         #[command(flatten)]
         dirs: vm_dirs::VmDirArgs,
+        /// Do not read /etc/hag/VM.conf for --name VM (the libvirt hook
+        /// passes it: its settings come from the domain XML)
+        #[arg(long)]
+        no_config: bool,
         /// Where the replicas of a QEMU VM's writable disks are kept, one
         /// raw file per disk, DIR/ID.raw (ID: the disk's device id); the
         /// standby QEMU command line must open each [default:
@@ -758,8 +767,8 @@ VM runs unprotected: protect it again with a new hagctl checkpoint.")]
     /// state and progress, or its hagctl backup's
     #[command(after_long_help = "\
 Reads what the running processes publish (hagctl checkpoint holds QEMU's QMP
-socket): STATUS_DIR/checkpoint-vgpuN.json and STATE_DIR/backup.json; with
---name VM, /run/hag/VM and /var/lib/hag/VM. --json: {checkpoints: [{pid,
+socket): STATUS_DIR/checkpoint-vgpuN.json and STATUS_DIR/backup.json; with
+--name VM, STATUS_DIR is /run/hag/VM. --json: {checkpoints: [{pid,
 vgpu_id, backup, state, last_epoch, ..., running, text}], backup: {pid,
 state, listen, generation, epoch} or null}. Exits 1 if neither is there.")]
     Job {
@@ -1042,6 +1051,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             no_compress,
             connect_timeout,
             dirs,
+            no_config: _,
             key,
             json,
         } => {
@@ -1103,6 +1113,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             failover_timeout,
             generation,
             dirs,
+            no_config: _,
             replica_dir,
             key,
             max_ram,

@@ -2,7 +2,9 @@
 //! readiness protocol.
 //!
 //! **Configuration.** `hagctl checkpoint --name VM` and `hagctl backup
-//! --name VM` first read `/etc/hag/VM.conf`, if it exists: its
+//! --name VM` first read `/etc/hag/VM.conf`, if it exists (and
+//! `--no-config` is not given: the libvirt hook, which has its settings
+//! from the domain XML, passes it): its
 //! `[checkpoint]` or `[backup]` section holds that command's long flags, one
 //! per line, as `flag = value` (`interval = 2s`; a repeatable flag on
 //! several lines; `json = true` for a flag without a value). They go before
@@ -35,7 +37,7 @@ pub fn with_config(args: Vec<OsString>, dir: &Path) -> Result<Vec<OsString>, Str
     if !CONFIGURED.contains(&sub) {
         return Ok(args);
     }
-    let Some(name) = name_in(&args[2..]) else {
+    let (Some(name), false) = name_in(&args[2..]) else {
         return Ok(args);
     };
     // An invalid name is left to the parser, which says why.
@@ -55,21 +57,24 @@ pub fn with_config(args: Vec<OsString>, dir: &Path) -> Result<Vec<OsString>, Str
     Ok(out)
 }
 
-/// The value of `--name` (or `--name=`) before any `--`.
-fn name_in(args: &[OsString]) -> Option<String> {
+/// The value of the last `--name` (or `--name=`) before any `--`, as the
+/// parser takes it, and whether `--no-config` is there.
+fn name_in(args: &[OsString]) -> (Option<String>, bool) {
     let mut words = args
         .iter()
         .map_while(|a| a.to_str())
         .take_while(|a| *a != "--");
+    let (mut name, mut no_config) = (None, false);
     while let Some(w) = words.next() {
         if w == "--name" {
-            return words.next().map(str::to_owned);
-        }
-        if let Some(v) = w.strip_prefix("--name=") {
-            return Some(v.to_owned());
+            name = words.next().map(str::to_owned);
+        } else if let Some(v) = w.strip_prefix("--name=") {
+            name = Some(v.to_owned());
+        } else if w == "--no-config" {
+            no_config = true;
         }
     }
-    None
+    (name, no_config)
 }
 
 /// The flags of section `[sub]` of a configuration text, as arguments.
@@ -108,6 +113,13 @@ fn section_flags(text: &str, sub: &str) -> Result<Vec<String>, String> {
         }
         if key == "name" {
             return Err(at("the name is the file's, not a setting".to_owned()));
+        }
+        // `hagctl job`, `abort`, `takeover` find a VM's files by its name
+        // alone: they do not read this file.
+        if key == "status-dir" || key == "state-dir" {
+            return Err(at(format!(
+                "'{key}' cannot be set here: a named VM's directories are /run/hag/NAME and /var/lib/hag/NAME"
+            )));
         }
         let Some(s) = &section else {
             return Err(at(format!("'{key}' comes before any [section]")));
@@ -212,8 +224,14 @@ listen = 0.0.0.0:7200
                 "--name=web1"
             ])
         );
-        // No name, another command, no file, a name after --: unchanged.
+        // The last --name is the one the parser keeps.
+        let two = args(&["hagctl", "backup", "--name", "x", "--name", "web1"]);
+        let got = with_config(two, &dir).unwrap();
+        assert_eq!(got[2..4], args(&["--listen", "0.0.0.0:7200"])[..]);
+        // No name, another command, no file, a name after --, --no-config:
+        // unchanged.
         for words in [
+            &["hagctl", "checkpoint", "--name", "web1", "--no-config"][..],
             &["hagctl", "checkpoint", "--qmp", "x"][..],
             &["hagctl", "status", "--name", "web1"][..],
             &["hagctl", "checkpoint", "--name", "web2"][..],
@@ -243,6 +261,10 @@ listen = 0.0.0.0:7200
                 "line 2: '--interval' is not a flag's name",
             ),
             ("[backup]\nname = x\n", "line 2: the name is the file's"),
+            (
+                "[checkpoint]\nstate-dir = /x\n",
+                "line 2: 'state-dir' cannot be set here",
+            ),
         ] {
             let dir = dir_with("bad", text);
             let e =

@@ -2,13 +2,14 @@
 //!
 //! Two kinds, kept apart because they must outlive different things:
 //! - **runtime** (`--status-dir`, default `/run/hag`): status files that
-//!   `hagctl status` reads, `hagctl takeover`'s and `confirm-backup-down`'s
+//!   `hagctl status` and `hagctl job` read (`checkpoint-vgpuN.json`,
+//!   `backup.json`), `hagctl takeover`'s and `confirm-backup-down`'s
 //!   requests, the standby QEMU's QMP socket and log. They describe running
 //!   processes, so a reboot rightly removes them (`/run` is tmpfs).
 //! - **state** (`--state-dir`, default `/var/lib/hag`): the backup's
-//!   fencing generation, which must survive a reboot (a backup that came
-//!   back at generation 0 would no longer fence a partitioned old primary),
-//!   and the disks' replicas and deltas.
+//!   fencing generation (`generation.json`), which must survive a reboot (a
+//!   backup that came back at generation 0 would no longer fence a
+//!   partitioned old primary), and the disks' replicas and deltas.
 //!
 //! `--name VM` gives a VM a directory of each kind of its own
 //! (`/run/hag/VM/`, `/var/lib/hag/VM/`), so several VMs protected on one
@@ -24,8 +25,9 @@ pub const RUN_ROOT: &str = "/run/hag";
 /// The host-wide state directory; a named VM's is below it.
 pub const STATE_ROOT: &str = "/var/lib/hag";
 
-/// A VM's name as hagctl files it: 1-64 of `A-Z a-z 0-9 _ . + -`, not
-/// starting with `.` or `-`.
+/// A VM's name as hagctl files it: 1-64 of `A-Z a-z 0-9 _ . -`, not
+/// starting with `.` or `-` (a file name, and a systemd instance name that
+/// needs no escaping).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VmName(String);
 
@@ -45,7 +47,7 @@ impl std::str::FromStr for VmName {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
-        let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '+' | '-');
+        let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-');
         if s.is_empty() || s.len() > 64 {
             return Err(format!(
                 "VM name '{s}': 1 to 64 characters, not {}",
@@ -54,7 +56,7 @@ impl std::str::FromStr for VmName {
         }
         if let Some(bad) = s.chars().find(|&c| !allowed(c)) {
             return Err(format!(
-                "VM name '{s}': '{bad}' is not allowed (letters, digits, _ . + - only)"
+                "VM name '{s}': '{bad}' is not allowed (letters, digits, _ . - only)"
             ));
         }
         if s.starts_with(['.', '-']) {
@@ -143,13 +145,14 @@ mod tests {
 
     #[test]
     fn names_are_plain_file_and_unit_names() {
-        for ok in ["web1", "db.prod", "a_b-c+d", "X"] {
+        for ok in ["web1", "db.prod", "a_b-c", "X"] {
             assert_eq!(ok.parse::<VmName>().unwrap().as_str(), ok);
         }
         for (bad, why) in [
             ("", "1 to 64"),
             ("../etc", "'/' is not allowed"),
             ("a b", "' ' is not allowed"),
+            ("a+b", "'+' is not allowed"),
             (".hidden", "may not start"),
             ("-x", "may not start"),
             ("dom\u{e9}", "'\u{e9}' is not allowed"),
