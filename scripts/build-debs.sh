@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds hag's two Debian packages from this tree, into OUT (default
 # build/deb):
-#   hag_VERSION_amd64.deb        hagctl (a production build: no test
+#   hag_VERSION_amd64.deb (VERSION: the crate's, then +git and the commit)
+#                                hagctl (a production build: no test
 #       switches), its man pages and bash completion, the systemd units
 #       hag-checkpoint@.service and hag-backup@.service (not enabled: a VM
 #       needs its /etc/hag/VM.conf first), the libvirt hook with
@@ -19,6 +20,12 @@ cd "$(dirname "$0")/.."
 out=${1:-build/deb}
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' controller/hagctl/Cargo.toml | head -1)
 [ -n "$version" ] || { echo "build-debs: no version in controller/hagctl/Cargo.toml" >&2; exit 1; }
+# From a git tree, the commit's time and hash follow (0.1.0+git202612030512.ea83413):
+# each build orders after the ones before it, as dpkg compares versions.
+if commit=$(git log -1 --format='%cd.%h' --date=format:%Y%m%d%H%M 2>/dev/null); then
+	version="$version+git$commit"
+fi
+rm -f "$out"/hag_*_amd64.deb "$out"/hag-mdev-dkms_*_all.deb
 stage=$(mktemp -d build-debs.XXXXXX --tmpdir)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$out"
