@@ -53,6 +53,18 @@ Description: high availability for VMs with mediated vGPUs
  hag_mdev kernel module (packaged as hag-mdev-dkms). The libvirt hook
  is in /usr/share/hag/libvirt (install.sh puts it in place).
 EOF
+# systemd reads the new units (none is enabled: a VM needs its
+# /etc/hag/VM.conf first), as debhelper's scripts do.
+for script in postinst postrm; do
+	cat >"$root/DEBIAN/$script" <<'EOF'
+#!/bin/sh
+set -e
+if [ -d /run/systemd/system ]; then
+	systemctl daemon-reload >/dev/null || true
+fi
+EOF
+	chmod 0755 "$root/DEBIAN/$script"
+done
 dpkg-deb --root-owner-group -Zxz --build "$root" "$out/hag_${version}_amd64.deb" >/dev/null
 echo "build-debs: $out/hag_${version}_amd64.deb"
 

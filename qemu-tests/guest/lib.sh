@@ -231,7 +231,7 @@ vm_start() {
 	wait_for 30 test -S "/tmp/$name.qmp" || fail "VM $name: no QMP socket"
 }
 
-# qmp SOCKET COMMAND: runs a QMP command (no arguments) on the QMP socket
+# qmp SOCKET COMMAND [ARGUMENTS-JSON]: runs a QMP command on the QMP socket
 # SOCKET (one that no hagctl holds); prints its return value as JSON.
 qmp() {
 	in_root python3 -c '
@@ -240,15 +240,17 @@ s = socket.socket(socket.AF_UNIX)
 s.connect(sys.argv[1])
 f = s.makefile("rw")
 f.readline()
-for cmd in ("qmp_capabilities", sys.argv[2]):
-    f.write(json.dumps({"execute": cmd}) + "\n"); f.flush()
+args = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
+for cmd in ({"execute": "qmp_capabilities"},
+            {"execute": sys.argv[2], **({"arguments": args} if args else {})}):
+    f.write(json.dumps(cmd) + "\n"); f.flush()
     while True:
         r = json.loads(f.readline())
         if "return" in r or "error" in r:
             break
 if "error" in r:
     sys.exit("QMP " + sys.argv[2] + ": " + r["error"].get("desc", ""))
-print(json.dumps(r["return"]))' "$1" "$2"
+print(json.dumps(r["return"]))' "$@"
 }
 
 # qmp_status NAME: VM NAME's run state, asked on its QMP socket.
@@ -289,7 +291,32 @@ vm_wait_console() {
 	fi
 	echo "--- VM $1's console's end:"
 	tail -40 "/tmp/$1.console" 2>/dev/null | guest_oops_quoted
+	vm_cpu_state "$1"
 	fail "VM $1: no '$3' on its console after $2 s"
+}
+
+# vm_cpu_state NAME: where VM NAME's vCPU is, twice a second apart (a
+# guest that stopped printing: halted and waiting for an interrupt, or
+# spinning), and this host's load; from its libvirt domain or its QMP
+# socket, whichever it has. Diagnosis only: it never fails.
+vm_cpu_state() {
+	local i
+	echo "--- VM $1's vCPU (HMP info registers, RIP and flags), this host's load $(cat /proc/loadavg)"
+	for i in 1 2; do
+		if in_root virsh domstate "$1" >/dev/null 2>&1; then
+			in_root virsh qemu-monitor-command "$1" --hmp 'info registers' 2>&1
+		elif [ -S "/tmp/$1.qmp" ]; then
+			hmp "/tmp/$1.qmp" 'info registers' 2>&1
+		fi | grep -E '^(RIP|EFL|CR0)|HLT' || true
+		sleep 1
+	done
+}
+
+# hmp SOCKET COMMAND: an HMP command through the QMP socket SOCKET (one no
+# hagctl holds); prints its output.
+hmp() {
+	qmp "$1" human-monitor-command "{\"command-line\": \"$2\"}" |
+		in_root python3 -c 'import json, sys; print(json.load(sys.stdin), end="")'
 }
 
 # vm_result NAME SECONDS: waits for hag-guest to end (vm-init's
