@@ -1675,8 +1675,7 @@ pub fn request_takeover(dirs: &crate::vm_dirs::VmDirs, timeout: Duration) -> any
         .map_err(|e| anyhow::anyhow!("no hagctl backup status in {}: {e}", dir.display()))
         .and_then(|s| Ok(serde_json::from_str(&s)?))?;
     let pid = state.get("pid").and_then(|p| p.as_u64()).unwrap_or(0);
-    let alive =
-        std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "hagctl");
+    let alive = u32::try_from(pid).is_ok_and(crate::jobs::is_hagctl);
     if !alive {
         anyhow::bail!(
             "the hagctl backup of {} (pid {pid}) is not running",
@@ -1751,41 +1750,10 @@ pub fn stored_generation(
     Ok(durable.max(status).unwrap_or(0))
 }
 
-/// Writes `value` to `path` whole (a temporary file renamed over it), and
-/// with `durable`, synced with its directory first.
-fn write_json(
-    path: &std::path::Path,
-    value: &serde_json::Value,
-    durable: bool,
-) -> Result<(), String> {
-    let io = |e: std::io::Error| format!("{}: {e}", path.display());
-    let dir = path.parent().unwrap_or(std::path::Path::new("."));
-    std::fs::create_dir_all(dir).map_err(io)?;
-    let tmp = dir.join(format!(
-        ".{}.tmp",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("state")
-    ));
-    {
-        let mut f = std::fs::File::create(&tmp).map_err(io)?;
-        f.write_all((value.to_string() + "\n").as_bytes())
-            .map_err(io)?;
-        if durable {
-            f.sync_all().map_err(io)?;
-        }
-    }
-    std::fs::rename(&tmp, path).map_err(io)?;
-    if durable {
-        std::fs::File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io)?;
-    }
-    Ok(())
-}
-
 /// Stores a generation durably in `state_dir` and reads it back.
 fn store_generation(state_dir: &std::path::Path, value: &serde_json::Value) -> Result<(), String> {
     let path = generation_path(state_dir);
-    write_json(&path, value, true)?;
+    crate::vm_dirs::write_json(&path, value, true)?;
     let want = value.get("generation").and_then(|g| g.as_u64());
     let got = generation_in(&path)?;
     if got != want {
@@ -1910,7 +1878,7 @@ fn persist_takeover(
         "reason": reason,
     });
     store_generation(&opts.state_dir, &state)?;
-    write_json(&status_path(&opts.status_dir), &state, false)
+    crate::vm_dirs::write_json(&status_path(&opts.status_dir), &state, false)
 }
 
 /// `--fence-peer`, if given, for a takeover to `generation` from `cp`.
@@ -2215,7 +2183,9 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                 "generation": l.generation,
                 "epoch": l.epoch,
             });
-            if let Err(e) = write_json(&status_path(&opts.status_dir), &state, false) {
+            if let Err(e) =
+                crate::vm_dirs::write_json(&status_path(&opts.status_dir), &state, false)
+            {
                 eprintln!("hagctl: warning: {e}");
             }
         }
@@ -3267,7 +3237,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(stored_generation(&state, &run), Ok(7));
-        write_json(
+        crate::vm_dirs::write_json(
             &status_path(&run),
             &serde_json::json!({"generation": 9}),
             false,

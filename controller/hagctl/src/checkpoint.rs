@@ -776,9 +776,7 @@ pub fn confirm_backup_down(
             dir.display()
         )
     })?;
-    let alive = std::fs::read_to_string(format!("/proc/{}/comm", st.pid))
-        .is_ok_and(|c| c.trim() == "hagctl");
-    if !alive {
+    if !crate::jobs::is_hagctl(st.pid) {
         anyhow::bail!(
             "the hagctl checkpoint of vGPU {} (pid {}) is not running",
             st.vgpu_id,
@@ -815,14 +813,17 @@ pub fn confirm_backup_down(
 }
 
 fn write_status(dir: &Path, st: &StatusFile) {
-    let _ = std::fs::create_dir_all(dir);
-    let path = status_path(dir, st.vgpu_id);
-    let tmp = path.with_extension("json.tmp");
-    if let Ok(text) = serde_json::to_string(st) {
-        if std::fs::write(&tmp, text + "\n").is_ok() {
-            let _ = std::fs::rename(&tmp, &path);
-        }
+    if let Ok(value) = serde_json::to_value(st) {
+        let _ = crate::vm_dirs::write_json(&status_path(dir, st.vgpu_id), &value, false);
     }
+}
+
+/// A protection as `--json` shows it: its status file's fields and its
+/// line of text.
+pub fn protection_json(st: &StatusFile, line: &str) -> serde_json::Value {
+    let mut o = serde_json::to_value(st).unwrap_or_default();
+    o["text"] = line.into();
+    o
 }
 
 /// The protection lines `hagctl status` prints, one per status file.

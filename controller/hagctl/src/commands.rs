@@ -67,9 +67,8 @@ pub fn status(json: bool) -> Result<(), StatusError> {
                 v["protection"] = protection
                     .iter()
                     .map(|(name, st, line)| {
-                        let mut o = serde_json::to_value(st).unwrap_or_default();
+                        let mut o = crate::checkpoint::protection_json(st, line);
                         o["vm"] = name.as_ref().map(|n| n.to_string()).into();
-                        o["text"] = line.clone().into();
                         o
                     })
                     .collect();

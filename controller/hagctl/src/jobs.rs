@@ -17,28 +17,28 @@ use nix::unistd::Pid;
 use crate::checkpoint::{protection_lines, StatusFile};
 use crate::vm_dirs::VmDirs;
 
-/// Whether `pid` is a running hagctl (not a zombie).
-fn is_hagctl(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "hagctl")
-        && process_state(pid).is_some_and(|s| s != 'Z')
-}
-
-/// The fields of /proc/PID/stat after the command name (which may hold
-/// spaces and parentheses): state first.
-fn stat_fields(pid: u32) -> Option<Vec<String>> {
+/// Process `pid`'s command name and the fields of /proc/PID/stat after it
+/// (the name may hold spaces and parentheses): state first.
+fn stat(pid: u32) -> Option<(String, Vec<String>)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 1..];
-    Some(rest.split_whitespace().map(str::to_owned).collect())
+    let (open, close) = (stat.find('(')?, stat.rfind(')')?);
+    let fields = stat[close + 1..]
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    Some((stat[open + 1..close].to_owned(), fields))
 }
 
-fn process_state(pid: u32) -> Option<char> {
-    stat_fields(pid)?.first()?.chars().next()
+/// Whether `pid` is a running hagctl (not a zombie).
+pub fn is_hagctl(pid: u32) -> bool {
+    stat(pid)
+        .is_some_and(|(name, fields)| name == "hagctl" && fields.first().is_some_and(|s| s != "Z"))
 }
 
 /// When process `pid` started, in clock ticks after boot (field 22 of
 /// /proc/PID/stat): with the pid, it names one process for good.
 pub fn process_start(pid: u32) -> Option<u64> {
-    stat_fields(pid)?.get(19)?.parse().ok()
+    stat(pid)?.1.get(19)?.parse().ok()
 }
 
 /// Whether the checkpoint that wrote `st` still runs: its pid is a hagctl
@@ -72,8 +72,7 @@ pub fn job(dirs: &VmDirs, json: bool) -> anyhow::Result<String> {
         let cps: Vec<serde_json::Value> = checkpoints
             .iter()
             .map(|(st, line)| {
-                let mut o = serde_json::to_value(st).unwrap_or_default();
-                o["text"] = line.clone().into();
+                let mut o = crate::checkpoint::protection_json(st, line);
                 o["running"] = still_runs(st).into();
                 o
             })
@@ -149,6 +148,10 @@ pub fn abort(dirs: &VmDirs, timeout: Duration) -> anyhow::Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn process_state(pid: u32) -> Option<char> {
+        stat(pid)?.1.first()?.chars().next()
+    }
 
     #[test]
     fn a_process_is_named_by_its_pid_and_start() {

@@ -139,6 +139,38 @@ pub fn runtime_dirs() -> Vec<(Option<VmName>, PathBuf)> {
     std::iter::once((None, root)).chain(named).collect()
 }
 
+/// Writes `value` to `path` whole (a temporary file renamed over it), and
+/// with `durable`, synced with its directory first.
+pub fn write_json(
+    path: &std::path::Path,
+    value: &serde_json::Value,
+    durable: bool,
+) -> Result<(), String> {
+    use std::io::Write as _;
+    let io = |e: std::io::Error| format!("{}: {e}", path.display());
+    let dir = path.parent().unwrap_or(std::path::Path::new("."));
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let tmp = dir.join(format!(
+        ".{}.tmp",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("state")
+    ));
+    {
+        let mut f = std::fs::File::create(&tmp).map_err(io)?;
+        f.write_all((value.to_string() + "\n").as_bytes())
+            .map_err(io)?;
+        if durable {
+            f.sync_all().map_err(io)?;
+        }
+    }
+    std::fs::rename(&tmp, path).map_err(io)?;
+    if durable {
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
