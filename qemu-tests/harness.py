@@ -36,6 +36,11 @@ A scenario loses a host for real by printing `HAG-KILL-HOST` on its console
 process at once, as a power cut would, and judges the host only on what it
 logged before.
 
+A live host beats on its second serial port (`NAME.hostI.beat`); one that
+stops for HANG_SECONDS is hung: the harness records its vCPU's registers
+from its HMP monitor, sends it an NMI (the kernel panics with a backtrace:
+`unknown_nmi_panic`), and ends the run; the Result says it `hung`.
+
 Promises: every QEMU process a run starts is killed before the run returns,
 whatever happened; a scenario passes only if every host's script exited 0
 and no host's log shows a kernel BUG, WARNING, Oops or panic, or a taint
@@ -255,12 +260,26 @@ def free_udp_port():
         return s.getsockname()[1]
 
 
+# A live host's /init beats every 5 s on its second serial port; one silent
+# this long is hung (TCG, or the test kernel), not slow: its scenario is
+# ended at once, with where its vCPU was, instead of at its timeout (CI
+# once lost 30 min to a host that went silent mid-scenario).
+HANG_SECONDS = float(os.environ.get("HAG_HANG_SECONDS", "240"))
+
+
 @dataclass
 class Host:
     index: int
     log: Path
     process: subprocess.Popen = None
     killed: bool = False
+    # The heartbeat's file (-serial file:) and the HMP monitor's socket.
+    beat: Path = None
+    monitor: Path = None
+    # What the harness found when this host stopped beating, and the test
+    # kernel's System.map to name where its vCPU was.
+    hang: str = ""
+    system_map: Path = None
 
     def text(self):
         try:
@@ -278,6 +297,91 @@ class Host:
             self.process.wait()
             self.killed = True
 
+    def silent_for(self):
+        """Seconds since this host's last heartbeat (0 before its first, and
+        once it has finished: boot and shutdown do not beat)."""
+        try:
+            beat = self.beat.stat()
+        except (AttributeError, FileNotFoundError):
+            return 0.0
+        if beat.st_size == 0 or self.finished():
+            return 0.0
+        return time.time() - beat.st_mtime
+
+    def diagnose_hang(self, silent):
+        """Records where a host that stopped beating is, then ends it: its
+        vCPU's registers twice (HMP `info registers`: a vCPU in a nested
+        guest shows that guest's state), then an NMI, on which the test
+        kernel (booted with unknown_nmi_panic) panics with a backtrace of
+        what it was running, if it still runs at all."""
+        lines = [f"no heartbeat for {silent:.0f} s: the host hung"]
+        for _ in range(2):
+            regs = hmp(self.monitor, "info registers")
+            for line in regs.splitlines():
+                if line.startswith("RIP="):
+                    lines.append(f"{line} ({kernel_symbol(self.system_map, line[4:20])})")
+                elif line.startswith(("CS ", "CR0=", "EFER=")):
+                    lines.append(line)
+            time.sleep(1)
+        before = len(self.text())
+        hmp(self.monitor, "nmi")
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and self.process.poll() is None:
+            time.sleep(0.5)
+        answered = "Kernel panic" in self.text()[before:]
+        lines.append("its kernel answered the NMI (its backtrace is above)" if answered
+                     else "its kernel did not answer an NMI in 20 s")
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.hang = "; ".join([lines[0], *(l for l in lines if l.startswith("RIP="))][:2] + [lines[-1]])
+        with open(self.log, "a") as log:
+            log.write("".join(f"\nHAG-HARNESS {l}" for l in lines) + "\n")
+
+
+def kernel_symbol(system_map, address):
+    """`symbol+0xoffset` of a hex `address` in the test kernel (which runs
+    without KASLR, in the hosts and in their VMs alike), or `not in the
+    kernel`."""
+    try:
+        addr = int(address, 16)
+        best = None
+        for line in system_map.read_text().splitlines():
+            value, kind, name = line.split()[:3]
+            if kind.lower() == "t" and int(value, 16) <= addr and (best is None or int(value, 16) > best[0]):
+                best = (int(value, 16), name)
+    except (OSError, ValueError, AttributeError):
+        return "no System.map"
+    if best is None or addr - best[0] > 1 << 20:
+        return "not in the kernel"
+    return f"{best[1]}+{addr - best[0]:#x}"
+
+
+def hmp(socket_path, command, timeout=10):
+    """Runs an HMP command on a QEMU monitor's Unix socket; its output, or
+    what went wrong, as text."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(str(socket_path))
+            out = b""
+
+            def until_prompt():
+                nonlocal out
+                while not out.endswith(b"(qemu) "):
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        break
+                    out += chunk
+
+            until_prompt()
+            out = b""
+            s.sendall(command.encode() + b"\n")
+            until_prompt()
+            return out.decode(errors="replace").replace("\r", "").removesuffix("(qemu) ")
+    except OSError as e:
+        return f"(monitor: {e})"
+
 
 @dataclass
 class Result:
@@ -286,6 +390,12 @@ class Result:
     reasons: list = field(default_factory=list)
     hosts: list = field(default_factory=list)
     seconds: float = 0.0
+
+    @property
+    def hung(self):
+        """A host stopped beating: the emulator or the test kernel hung,
+        which says nothing about the scenario's verdict."""
+        return any(h.hang for h in self.hosts)
 
 
 def scenario_header(script, key, default):
@@ -365,6 +475,7 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
                 vm_initramfs.stat().st_mtime < max(p.stat().st_mtime for p in inputs)):
         build_vm_initramfs(build, vm_initramfs)
     start = time.monotonic()
+    monitors = Path(tempfile.mkdtemp(prefix="hag-monitors-"))
     # Two independent segments: eth0 carries the data, eth1 is a second
     # path (for heartbeats), so a scenario can cut one link and keep the
     # other, as redundant cluster links allow.
@@ -372,8 +483,10 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
     hosts = []
     try:
         for i in range(n_hosts):
-            host = Host(i, logdir / f"{name}.host{i}.log")
+            host = Host(i, logdir / f"{name}.host{i}.log", beat=logdir / f"{name}.host{i}.beat",
+                        monitor=monitors / f"host{i}", system_map=build.kernel_tree / "System.map")
             host.log.unlink(missing_ok=True)
+            host.beat.unlink(missing_ok=True)
             nics = []
             for n, hub in enumerate(hubs):
                 port = free_udp_port()
@@ -390,11 +503,12 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
                 # to seed on a busy machine, and anything calling
                 # getrandom(2) (hagctl's Noise handshake) blocked that long.
                 "-cpu", "max",
-                "-smp", str(cpus), "-nodefaults", "-display", "none", "-no-reboot", "-monitor", "none",
+                "-smp", str(cpus), "-nodefaults", "-display", "none", "-no-reboot",
+                "-monitor", f"unix:{host.monitor},server=on,wait=off",
                 "-kernel", str(build.bzimage), "-initrd", str(initramfs),
-                "-append", f"console=ttyS0 panic=-1 quiet loglevel=4 hag_scenario={name} "
+                "-append", f"console=ttyS0 panic=-1 unknown_nmi_panic quiet loglevel=4 hag_scenario={name} "
                            f"hag_host={i} hag_hosts={n_hosts}{words}",
-                "-serial", f"file:{host.log}",
+                "-serial", f"file:{host.log}", "-serial", f"file:{host.beat}",
             ] + extra + nics
             host.process = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -415,7 +529,10 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
                 show_new_output()
             for h in hosts:
                 h.kill_if_asked()
-            if all(h.finished() for h in hosts):
+            hung = [h for h in hosts if h.silent_for() > HANG_SECONDS]
+            for h in hung:
+                h.diagnose_hang(h.silent_for())
+            if hung or all(h.finished() for h in hosts):
                 break
             time.sleep(0.2)
         # Give a host that printed its result a moment to reboot (exit).
@@ -431,6 +548,7 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
             h.process.wait()
         for hub in hubs:
             hub.close()
+        shutil.rmtree(monitors, ignore_errors=True)
 
     result = Result(name, True, hosts=hosts, seconds=time.monotonic() - start)
     for h in hosts:
@@ -443,7 +561,9 @@ def judge_host(host, result, timeout):
     text = host.text()
     who = f"host{host.index}"
     end = re.search(r"HAG-SCENARIO-END rc=(\d+)", text)
-    if host.killed:
+    if host.hang:
+        result.reasons.append(f"{who}: {host.hang}")
+    elif host.killed:
         pass  # lost on purpose: judged on its kernel log up to then
     elif not end:
         result.reasons.append(f"{who}: scenario did not finish (timeout {timeout} s or crash)")
