@@ -36,8 +36,10 @@ A scenario loses a host for real by printing `HAG-KILL-HOST` on its console
 process at once, as a power cut would, and judges the host only on what it
 logged before.
 
-A live host beats on its second serial port (`NAME.hostI.beat`); one that
-stops for HANG_SECONDS is hung: the harness records its vCPU's registers
+A live host beats on its second serial port (`NAME.hostI.beat`), through
+which the harness pokes it every few seconds (POKE_SECONDS: an interrupt
+that revives a host whose own was lost); one that stops for HANG_SECONDS
+is hung: the harness records its vCPU's registers
 from its HMP monitor, sends it an NMI (the kernel panics with a backtrace:
 `unknown_nmi_panic`), and ends the run; the Result says it `hung`.
 
@@ -265,6 +267,12 @@ def free_udp_port():
 # ended at once, with where its vCPU was, instead of at its timeout (CI
 # once lost 30 min to a host that went silent mid-scenario).
 HANG_SECONDS = float(os.environ.get("HAG_HANG_SECONDS", "240"))
+# The harness writes a byte to that port this often: its receive interrupt
+# wakes a host whose own interrupt was lost. QEMU before 10.2 updates a
+# vCPU's pending-interrupt word from two threads without atomics (fixed by
+# commits 87511341c30d and 27e76d010104); a lost timer interrupt while a
+# nested guest spins without exits stops the host for good.
+POKE_SECONDS = 3.0
 
 
 @dataclass
@@ -273,9 +281,14 @@ class Host:
     log: Path
     process: subprocess.Popen = None
     killed: bool = False
-    # The heartbeat's file (-serial file:) and the HMP monitor's socket.
+    # The heartbeat's file (the second serial port's log), that port's
+    # socket (the pokes) and the HMP monitor's socket.
     beat: Path = None
+    beat_socket: Path = None
     monitor: Path = None
+    _poke: socket.socket = None
+    _poked_at: float = 0.0
+    pokes: int = 0
     # What the harness found when this host stopped beating, and the test
     # kernel's System.map to name where its vCPU was.
     hang: str = ""
@@ -297,6 +310,27 @@ class Host:
             self.process.wait()
             self.killed = True
 
+    def poke(self):
+        """Every POKE_SECONDS, a byte into the host's second serial port
+        (its /init reads and drops them)."""
+        if time.monotonic() - self._poked_at < POKE_SECONDS or self.finished():
+            return
+        self._poked_at = time.monotonic()
+        try:
+            if self._poke is None:
+                self._poke = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._poke.setblocking(False)
+                self._poke.connect(str(self.beat_socket))
+            self._poke.send(b"\n")
+            self.pokes += 1
+        except OSError:
+            self.close_poke()
+
+    def close_poke(self):
+        if self._poke is not None:
+            self._poke.close()
+            self._poke = None
+
     def silent_for(self):
         """Seconds since this host's last heartbeat (0 before its first, and
         once it has finished: boot and shutdown do not beat)."""
@@ -314,7 +348,8 @@ class Host:
         guest shows that guest's state), then an NMI, on which the test
         kernel (booted with unknown_nmi_panic) panics with a backtrace of
         what it was running, if it still runs at all."""
-        lines = [f"no heartbeat for {silent:.0f} s: the host hung"]
+        lines = [f"no heartbeat for {silent:.0f} s: the host hung "
+                 f"({self.pokes} serial interrupts sent to it in all, every {POKE_SECONDS:.0f} s)"]
         for _ in range(2):
             regs = hmp(self.monitor, "info registers")
             for line in regs.splitlines():
@@ -323,6 +358,10 @@ class Host:
                 elif line.startswith(("CS ", "CR0=", "EFER=")):
                     lines.append(line)
             time.sleep(1)
+        # Pending (IRR) and in-service (ISR) vectors: 236 pending is
+        # Linux's timer, undelivered.
+        lines += [f"LAPIC {l.strip()}" for l in hmp(self.monitor, "info lapic").splitlines()
+                  if l.strip().startswith(("IRR", "ISR", "LVT0", "LVTT"))]
         before = len(self.text())
         hmp(self.monitor, "nmi")
         deadline = time.monotonic() + 20
@@ -484,7 +523,8 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
     try:
         for i in range(n_hosts):
             host = Host(i, logdir / f"{name}.host{i}.log", beat=logdir / f"{name}.host{i}.beat",
-                        monitor=monitors / f"host{i}", system_map=build.kernel_tree / "System.map")
+                        beat_socket=monitors / f"beat{i}", monitor=monitors / f"host{i}",
+                        system_map=build.kernel_tree / "System.map")
             host.log.unlink(missing_ok=True)
             host.beat.unlink(missing_ok=True)
             nics = []
@@ -508,7 +548,9 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
                 "-kernel", str(build.bzimage), "-initrd", str(initramfs),
                 "-append", f"console=ttyS0 panic=-1 unknown_nmi_panic quiet loglevel=4 hag_scenario={name} "
                            f"hag_host={i} hag_hosts={n_hosts}{words}",
-                "-serial", f"file:{host.log}", "-serial", f"file:{host.beat}",
+                "-serial", f"file:{host.log}",
+                "-chardev", f"socket,id=beat,path={host.beat_socket},server=on,wait=off,logfile={host.beat}",
+                "-serial", "chardev:beat",
             ] + extra + nics
             host.process = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -529,6 +571,7 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
                 show_new_output()
             for h in hosts:
                 h.kill_if_asked()
+                h.poke()
             hung = [h for h in hosts if h.silent_for() > HANG_SECONDS]
             for h in hung:
                 h.diagnose_hang(h.silent_for())
@@ -548,6 +591,8 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
             h.process.wait()
         for hub in hubs:
             hub.close()
+        for h in hosts:
+            h.close_poke()
         shutil.rmtree(monitors, ignore_errors=True)
 
     result = Result(name, True, hosts=hosts, seconds=time.monotonic() - start)
