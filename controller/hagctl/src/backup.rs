@@ -40,6 +40,7 @@ use crate::replica::{replica_path, shared_refusal, standby_refusal, Replicas};
 use crate::secure::{self, Key, Outbox, Reader};
 use crate::stall::StallGuard;
 use crate::state_delta;
+use crate::term::{self, Instance, Record, Term, Verdict};
 use crate::vmm::qemu_copy::EpochState;
 use crate::vmm::qemu_standby;
 #[cfg(test)]
@@ -146,6 +147,9 @@ pub struct Checkpoint {
     pub epoch: u64,
     /// Generation it was taken in.
     pub generation: u64,
+    /// The VM instance it is a copy of (if its primary named it): the one
+    /// a takeover from it supersedes.
+    pub instance: Option<Instance>,
     /// vGPU context snapshot.
     pub context: Vec<u8>,
     /// VM state.
@@ -295,6 +299,8 @@ pub struct Standby<I> {
     replicas: Option<Replicas>,
     /// The session in progress named its disks.
     session_disks: bool,
+    /// The term the session's primary presented in its HELLO.
+    term: Option<Term>,
 }
 
 impl<I: Image> Standby<I> {
@@ -326,6 +332,7 @@ impl<I: Image> Standby<I> {
             disk_policy: None,
             replicas: None,
             session_disks: false,
+            term: None,
         }
     }
 
@@ -345,6 +352,7 @@ impl<I: Image> Standby<I> {
         self.session = None;
         self.last_epoch_in_session = 0;
         self.session_disks = false;
+        self.term = None;
         if let Some(r) = &mut self.replicas {
             r.drop_staged();
         }
@@ -390,6 +398,7 @@ impl<I: Image> Standby<I> {
     fn hello(
         &mut self,
         (min, max, ram_size, session): (u16, u16, u64, u128),
+        term: Option<Term>,
         create: &mut dyn FnMut(u64) -> Result<I, String>,
     ) -> Result<Msg, StandbyError> {
         let bad = |s: String| Err(StandbyError::Invalid(s));
@@ -417,10 +426,14 @@ impl<I: Image> Standby<I> {
         })?;
         self.next = Some(img);
         self.session = Some(session);
+        self.term = term;
+        // A superseded primary was answered before its HELLO got here
+        // (data_session): this one is current.
         Ok(Msg::HelloOk {
             version,
             generation: self.generation,
             timeout_ms: self.limits.timeout_ms,
+            superseded: term.map(|_| false),
         })
     }
 
@@ -441,6 +454,7 @@ impl<I: Image> Standby<I> {
                     ram_size,
                     session,
                     vmm,
+                    term,
                 },
             ) => {
                 if vmm != self.limits.vmm {
@@ -450,7 +464,7 @@ impl<I: Image> Standby<I> {
                         self.limits.vmm.name()
                     )));
                 }
-                let reply = self.hello((min, max, ram_size, session), create)?;
+                let reply = self.hello((min, max, ram_size, session), term, create)?;
                 Ok((Phase::Rounds(Round::FIRST), Some(reply)))
             }
             (Phase::Rounds(at), Msg::Pages { round, pages }) => {
@@ -722,6 +736,7 @@ impl<I: Image> Standby<I> {
             session,
             epoch,
             generation,
+            instance: self.term.map(|t| t.instance),
             context,
             vm_state,
         });
@@ -1209,6 +1224,8 @@ struct Live {
     end_refused: bool,
     /// The backup's generation (mirrors the standby's).
     generation: u64,
+    /// The VM instances it took over from (stored with the generation).
+    superseded: Vec<Instance>,
     epoch: u64,
     /// The address the session's data connection came from (what
     /// `--fence-peer` is told to fence).
@@ -1216,8 +1233,9 @@ struct Live {
 }
 
 impl Live {
-    /// No pairing yet, at `generation`.
-    fn new(generation: u64) -> Live {
+    /// No pairing yet, at `generation`, having taken over from the
+    /// instances `superseded`.
+    fn new(generation: u64, superseded: Vec<Instance>) -> Live {
         Live {
             session: None,
             heard: BTreeMap::new(),
@@ -1229,8 +1247,26 @@ impl Live {
             end_confirmed: false,
             end_refused: false,
             generation,
+            superseded,
             epoch: 0,
             primary: None,
+        }
+    }
+
+    /// The verdict on a primary presenting `term` (or, before terms, only
+    /// `generation`).
+    fn judge(&self, term: Option<Term>, generation: u64) -> Verdict {
+        term::judge(self.generation, &self.superseded, term, generation)
+    }
+
+    /// A HELLO_OK telling a superseded primary the generation that
+    /// replaced it: it stops its VM.
+    fn superseded_reply(&self, timeout: Duration) -> Msg {
+        Msg::HelloOk {
+            version: VERSION_MAX,
+            generation: self.generation,
+            timeout_ms: timeout.as_millis().min(u32::MAX as u128) as u32,
+            superseded: Some(true),
         }
     }
 
@@ -1339,10 +1375,24 @@ fn data_session(
     path: &str,
 ) {
     eprintln!("hagctl: checkpoint stream from {from}");
-    let session = match &first {
-        Msg::Hello { session, .. } => *session,
+    let (session, term) = match &first {
+        Msg::Hello { session, term, .. } => (*session, *term),
         _ => return,
     };
+    {
+        let l = b.live();
+        // Before terms a primary's generation came only with its epochs:
+        // the standby refuses a stale one there.
+        if term.is_some() && l.judge(term, 0) == Verdict::Superseded {
+            eprintln!(
+                "hagctl: checkpoint stream from {from}: {} was taken over from (generation {}): told to stop",
+                term.map_or(String::new(), |t| t.instance.to_string()),
+                l.generation
+            );
+            out.send(&l.superseded_reply(b.timeout));
+            return;
+        }
+    }
     let mut msg = first;
     let mut joined = false;
     loop {
@@ -1455,12 +1505,25 @@ fn control_session(
     mut r: Reader,
     out: Outbox,
     conn: u64,
-    session: u128,
+    (session, term): (u128, Option<Term>),
     from: &str,
     path: &str,
 ) {
     {
         let mut l = b.live();
+        // Before terms a primary learnt the generation from the answer
+        // and judged itself (primary::Policy).
+        if term.is_some() && l.judge(term, 0) == Verdict::Superseded {
+            // Whatever session it names: the copy this backup took over
+            // from (or, before terms, an older generation) must stop.
+            eprintln!(
+                "hagctl: control connection from {from}: {} was taken over from (generation {}): told to stop",
+                term.map_or("a primary below this generation".into(), |t| t.instance.to_string()),
+                l.generation
+            );
+            out.send(&l.superseded_reply(b.timeout));
+            return;
+        }
         let ours = l.session.is_none_or(|s| s == session);
         if !ours || l.role.taking_over() && l.session != Some(session) {
             let why = format!(
@@ -1479,6 +1542,7 @@ fn control_session(
             version: VERSION_MAX,
             generation: l.generation,
             timeout_ms: b.timeout.as_millis().min(u32::MAX as u128) as u32,
+            superseded: term.map(|_| false),
         };
         if !swallowed(&ok) {
             out.post(&ok);
@@ -1591,8 +1655,8 @@ fn accept_loop(b: Arc<Backup>, listener: TcpListener, path: String) {
             r.set_deadline(Some(Instant::now() + secure::HANDSHAKE_TIMEOUT));
             match read_msg(&mut r) {
                 Ok((m @ Msg::Hello { .. }, _)) => data_session(&b, r, out, conn, m, &from, &path),
-                Ok((Msg::Join { session }, _)) => {
-                    control_session(&b, r, out, conn, session, &from, &path)
+                Ok((Msg::Join { session, term }, _)) => {
+                    control_session(&b, r, out, conn, (session, term), &from, &path)
                 }
                 Ok((m, _)) => {
                     eprintln!(
@@ -1721,33 +1785,54 @@ pub fn request_takeover(dirs: &crate::vm_dirs::VmDirs, timeout: Duration) -> any
     )
 }
 
-/// The generation in a backup file (status or durable) at `path`: `None`
-/// if there is no file, an error if there is one that does not say it (a
-/// backup must not start below a takeover it cannot read).
-fn generation_in(path: &std::path::Path) -> Result<Option<u64>, String> {
+/// The fencing record in a backup file (status or durable) at `path`:
+/// `None` if there is no file, an error if there is one that does not say
+/// its generation or lists an instance it cannot read (a backup must not
+/// start below a takeover it cannot read, nor forget whom it took over
+/// from).
+fn record_in(path: &std::path::Path) -> Result<Option<Record>, String> {
     let text = match std::fs::read_to_string(path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(format!("{}: {e}", path.display())),
     };
-    serde_json::from_str::<serde_json::Value>(&text)
-        .ok()
+    let v: Option<serde_json::Value> = serde_json::from_str(&text).ok();
+    let generation = v
+        .as_ref()
         .and_then(|v| v.get("generation")?.as_u64())
-        .map(Some)
-        .ok_or_else(|| format!("{} holds no generation: '{}'", path.display(), text.trim()))
+        .ok_or_else(|| format!("{} holds no generation: '{}'", path.display(), text.trim()))?;
+    let superseded = v
+        .as_ref()
+        .map_or(Ok(Vec::new()), Record::superseded_from_json)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(Some(Record {
+        generation,
+        superseded,
+    }))
 }
 
-/// The highest generation this backup stored: the durable one in
-/// `state_dir`, and the status in `status_dir` (a restart without a reboot
-/// keeps it; before the state directory existed, the generation was kept
-/// only there).
-pub fn stored_generation(
+/// What this backup stored: the highest generation and every instance
+/// taken over from, in the durable record in `state_dir` and the status
+/// in `status_dir` (a restart without a reboot keeps it; before the state
+/// directory existed, the generation was kept only there).
+pub fn stored_record(
     state_dir: &std::path::Path,
     status_dir: &std::path::Path,
-) -> Result<u64, String> {
-    let durable = generation_in(&generation_path(state_dir))?;
-    let status = generation_in(&status_path(status_dir))?;
-    Ok(durable.max(status).unwrap_or(0))
+) -> Result<Record, String> {
+    let mut record = Record::default();
+    for r in [
+        record_in(&generation_path(state_dir))?,
+        record_in(&status_path(status_dir))?,
+    ]
+    .into_iter()
+    .flatten()
+    {
+        for i in r.superseded {
+            record.take_over(record.generation, Some(i));
+        }
+        record.generation = record.generation.max(r.generation);
+    }
+    Ok(record)
 }
 
 /// Stores a generation durably in `state_dir` and reads it back.
@@ -1755,7 +1840,7 @@ fn store_generation(state_dir: &std::path::Path, value: &serde_json::Value) -> R
     let path = generation_path(state_dir);
     crate::vm_dirs::write_json(&path, value, true)?;
     let want = value.get("generation").and_then(|g| g.as_u64());
-    let got = generation_in(&path)?;
+    let got = record_in(&path)?.map(|r| r.generation);
     if got != want {
         return Err(format!(
             "{} reads back generation {got:?}, not {want:?}",
@@ -1862,13 +1947,20 @@ fn program_found(program: &std::path::Path) -> bool {
     }
 }
 
-/// Stores a takeover's generation durably (before the fence).
+/// Stores a takeover's generation durably (before the fence), with the
+/// instance it supersedes: the checkpoint's.
 fn persist_takeover(
     opts: &BackupOptions,
+    b: &Backup,
     cp: &Checkpoint,
     reason: &str,
     generation: u64,
 ) -> Result<(), String> {
+    let mut record = Record {
+        generation,
+        superseded: b.live().superseded.clone(),
+    };
+    record.take_over(generation, cp.instance);
     let state = serde_json::json!({
         "pid": std::process::id(),
         "state": "took-over",
@@ -1876,8 +1968,10 @@ fn persist_takeover(
         "generation": generation,
         "epoch": cp.epoch,
         "reason": reason,
+        "superseded": record.superseded_json(),
     });
     store_generation(&opts.state_dir, &state)?;
+    b.live().superseded = record.superseded;
     crate::vm_dirs::write_json(&status_path(&opts.status_dir), &state, false)
 }
 
@@ -1974,7 +2068,7 @@ impl TakeoverSteps for QemuTakeover<'_> {
         fence_primary(self.opts, self.b, self.cp, &self.report.reason, generation)
     }
     fn persist(&mut self, generation: u64) -> Result<(), String> {
-        persist_takeover(self.opts, self.cp, &self.report.reason, generation)
+        persist_takeover(self.opts, self.b, self.cp, &self.report.reason, generation)
     }
     fn fence(&mut self, generation: u64) {
         fence(self.b, generation, self.cp.epoch);
@@ -2054,7 +2148,7 @@ impl TakeoverSteps for Takeover<'_> {
         fence_primary(self.opts, self.b, self.cp, &self.report.reason, generation)
     }
     fn persist(&mut self, generation: u64) -> Result<(), String> {
-        persist_takeover(self.opts, self.cp, &self.report.reason, generation)
+        persist_takeover(self.opts, self.b, self.cp, &self.report.reason, generation)
     }
     fn fence(&mut self, generation: u64) {
         fence(self.b, generation, self.cp.epoch);
@@ -2088,9 +2182,9 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
     std::fs::create_dir_all(&opts.status_dir)
         .map_err(|e| anyhow::anyhow!("cannot stand by: {}: {e}", opts.status_dir.display()))?;
     // The generation survives a restart: never go back below a takeover.
-    let stored = stored_generation(&opts.state_dir, &opts.status_dir)
+    let stored = stored_record(&opts.state_dir, &opts.status_dir)
         .map_err(|e| anyhow::anyhow!("cannot stand by: the stored generation: {e}"))?;
-    let generation = opts.generation.max(stored);
+    let generation = opts.generation.max(stored.generation);
     let mut listeners = Vec::new();
     for addr in std::iter::once(&opts.listen).chain(&opts.heartbeat_listen) {
         let l =
@@ -2104,7 +2198,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
     };
     let b = Arc::new(Backup {
         opts: Arc::new(opts.clone()),
-        live: Mutex::new(Live::new(generation)),
+        live: Mutex::new(Live::new(generation, stored.superseded)),
         standby: Mutex::new({
             let mut s = Standby::new(generation, limits);
             if !opts.qemu.is_empty() {
@@ -2445,6 +2539,7 @@ mod tests {
             ram_size: 8 * PAGE as u64,
             session,
             vmm: VmmKind::HagVmm,
+            term: None,
         }
     }
 
@@ -2614,7 +2709,8 @@ mod tests {
                 Msg::HelloOk {
                     version: 3,
                     generation: 0,
-                    timeout_ms: 3000
+                    timeout_ms: 3000,
+                    superseded: None,
                 },
                 Msg::Ok { phase: 0 },
                 Msg::Ok { phase: 1 },
@@ -2729,6 +2825,7 @@ mod tests {
             ram_size: 8 * PAGE as u64,
             session: SESSION,
             vmm: VmmKind::Qemu,
+            term: None,
         };
         let err = feed(&mut s, vec![qemu_hello.clone()]).unwrap_err();
         assert_eq!(
@@ -2787,6 +2884,7 @@ mod tests {
                         ram_size,
                         session: 1,
                         vmm: VmmKind::HagVmm,
+                        term: None,
                     },
                     &mut |n| {
                         made += 1;
@@ -2875,6 +2973,7 @@ mod tests {
                     ram_size: 4 * PAGE as u64,
                     session: SESSION,
                     vmm: VmmKind::HagVmm,
+                    term: None,
                 },
                 &mut fresh,
             )
@@ -3194,7 +3293,7 @@ mod tests {
     /// pairing's connections, so nothing from them counts any more.
     #[test]
     fn the_fence_reaches_every_connection_of_the_session() {
-        let mut l = Live::new(0);
+        let mut l = Live::new(0, Vec::new());
         l.adopt(SESSION);
         let mut readers = Vec::new();
         for conn in 1..=3 {
@@ -3230,22 +3329,37 @@ mod tests {
         let base = std::env::temp_dir().join(format!("hag-backup-{}", std::process::id()));
         let (state, run) = (base.join("state"), base.join("run"));
         let _ = std::fs::remove_dir_all(&base);
-        assert_eq!(stored_generation(&state, &run), Ok(0));
+        let stored = |state, run| stored_record(state, run).map(|r| r.generation);
+        assert_eq!(stored(&state, &run), Ok(0));
+        let old = Instance {
+            boot: 1,
+            pid: 100,
+            started: 5,
+        };
         store_generation(
             &state,
-            &serde_json::json!({"generation": 7, "state": "took-over"}),
+            &serde_json::json!({"generation": 7, "state": "took-over", "superseded": [old.to_json()]}),
         )
         .unwrap();
-        assert_eq!(stored_generation(&state, &run), Ok(7));
+        assert_eq!(stored(&state, &run), Ok(7));
         crate::vm_dirs::write_json(
             &status_path(&run),
             &serde_json::json!({"generation": 9}),
             false,
         )
         .unwrap();
-        assert_eq!(stored_generation(&state, &run), Ok(9));
+        assert_eq!(stored(&state, &run), Ok(9));
+        // The instance taken over from is remembered across the restart.
+        assert_eq!(stored_record(&state, &run).unwrap().superseded, vec![old]);
+        std::fs::write(
+            generation_path(&state),
+            r#"{"generation": 7, "superseded": [{"pid": 1}]}"#,
+        )
+        .unwrap();
+        let e = stored_record(&state, &run).unwrap_err();
+        assert!(e.contains("not an instance"), "{e}");
         std::fs::write(generation_path(&state), "{\"gen").unwrap();
-        let e = stored_generation(&state, &run).unwrap_err();
+        let e = stored(&state, &run).unwrap_err();
         assert!(e.contains("generation.json holds no generation"), "{e}");
         let _ = std::fs::remove_dir_all(&base);
     }

@@ -57,6 +57,7 @@ use crate::schedule::Schedule;
 use crate::secure::{self, Key, Outbox};
 use crate::stall::StallGuard;
 use crate::state_delta;
+use crate::term::{Instance, Term};
 use crate::vmm::copy::{CopyVm, OutputGate, VmStatus};
 use crate::vmm::qemu::Qemu;
 use crate::vmm::qemu_copy::{PlugGate, QemuVm};
@@ -383,7 +384,9 @@ impl Stopper {
 struct Link {
     shared: Mutex<Shared>,
     stopper: Stopper,
-    generation: u64,
+    /// The VM instance protected (its VMM process): with the policy's
+    /// generation, the term every HELLO and JOIN presents.
+    instance: Instance,
     session: u128,
     key: Key,
 }
@@ -391,6 +394,14 @@ struct Link {
 impl Link {
     fn lock(&self) -> MutexGuard<'_, Shared> {
         self.shared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// This primary's fencing term now.
+    fn term(&self) -> Term {
+        Term {
+            generation: self.lock().policy.generation(),
+            instance: self.instance,
+        }
     }
 
     /// Feeds the policy from any thread and carries out what it says
@@ -512,11 +523,22 @@ impl Link {
         let out = Outbox::spawn(w).map_err(|e| e.to_string())?;
         out.send(&Msg::Join {
             session: self.session,
+            term: Some(self.term()),
         });
         r.set_deadline(Some(Instant::now() + secure::HANDSHAKE_TIMEOUT));
         match read_msg(&mut r) {
-            Ok((Msg::HelloOk { generation, .. }, _)) => {
-                self.event(Event::Heard { generation });
+            Ok((
+                Msg::HelloOk {
+                    generation,
+                    superseded,
+                    ..
+                },
+                _,
+            )) => {
+                self.event(Event::Joined {
+                    generation,
+                    superseded,
+                });
             }
             Ok((Msg::Error { message }, _)) => {
                 return Err(format!("the backup refused: {message}"))
@@ -581,7 +603,7 @@ fn heartbeat_thread(link: Arc<Link>) {
         // heartbeats of that time.
         let may_judge = stalls.may_decide(Instant::now());
         let msg = Msg::Heartbeat {
-            generation: link.generation,
+            generation: g.policy.generation(),
             epoch: g.policy.acked(),
         };
         g.outs.retain(|_, o| o.post(&msg));
@@ -1039,15 +1061,26 @@ impl Primary {
         if let Some((outcome, detail)) = self.link.exit() {
             return Err(EpochError::Exit(outcome, detail));
         }
-        self.src.handshake()?;
+        let term = self.link.term();
+        self.src.handshake(Some(term))?;
         self.paired = true;
         let peer = self.src.peer;
         self.link.event(Event::Paired {
             generation: peer.generation,
             timeout: peer.timeout,
+            superseded: peer.superseded,
         });
         if let Some((outcome, detail)) = self.link.exit() {
             return Err(EpochError::Exit(outcome, detail));
+        }
+        let generation = self.link.lock().policy.generation();
+        if generation != self.status.generation {
+            eprintln!(
+                "hagctl: the backup is at generation {generation}, from a takeover of another instance of this VM: this one ({}) adopts it",
+                self.link.instance
+            );
+            self.status.generation = generation;
+            self.report.generation = generation;
         }
         {
             let mut g = self.link.lock();
@@ -1387,7 +1420,7 @@ impl Primary {
         bytes += self.src.send(
             &Msg::EpochEnd {
                 epoch,
-                generation: self.opts.generation,
+                generation: self.link.lock().policy.generation(),
             },
             "epoch",
         )?;
@@ -1542,9 +1575,12 @@ impl Primary {
         eprintln!("hagctl: {outcome}: {detail}");
         self.report.outcome = outcome.to_owned();
         self.report.detail = detail.clone();
-        self.report.generation = match self.link.lock().policy.state {
-            State::Fenced(g) => g,
-            _ => self.opts.generation,
+        self.report.generation = {
+            let g = self.link.lock();
+            match g.policy.state {
+                State::Fenced(fenced) => fenced,
+                _ => g.policy.generation(),
+            }
         };
         self.report.finish();
         if self.link.lock().policy.held_output_void() {
@@ -1807,19 +1843,33 @@ struct OpenedVm {
     vgpu_id: u32,
     /// How another thread stops it.
     stopper: Stopper,
+    /// Its VMM process, named across hosts and reboots.
+    instance: Instance,
 }
 
 /// The VM at `at`, opened.
 fn open_vm(at: &VmAt) -> anyhow::Result<OpenedVm> {
     match at {
         VmAt::HagVmm(path) => {
-            let (vm, ram, dev, vgpu_id) = open_running(path)?;
+            let (mut vm, ram, dev, vgpu_id) = open_running(path)?;
+            let instance = vm
+                .client()
+                .peer_pid()
+                .map_err(|e| {
+                    format!(
+                        "cannot tell hag-vmm's pid (SO_PEERCRED on {}): {e}",
+                        path.display()
+                    )
+                })
+                .and_then(Instance::of_process)
+                .map_err(anyhow::Error::msg)?;
             Ok(OpenedVm {
                 vm: Box::new(vm),
                 ram,
                 dev,
                 vgpu_id,
                 stopper: Stopper::HagVmm(path.clone()),
+                instance,
             })
         }
         VmAt::Qemu {
@@ -1872,12 +1922,17 @@ fn open_vm(at: &VmAt) -> anyhow::Result<OpenedVm> {
                 opened.vm.mapping().name,
                 opened.vgpu_uuid
             );
+            let instance = u32::try_from(pid)
+                .map_err(|_| format!("QEMU's pid {pid} is not a pid"))
+                .and_then(Instance::of_process)
+                .map_err(anyhow::Error::msg)?;
             Ok(OpenedVm {
                 vm: Box::new(opened.vm),
                 ram: opened.ram,
                 dev,
                 vgpu_id,
                 stopper: Stopper::Qemu(pid),
+                instance,
             })
         }
     }
@@ -1910,6 +1965,7 @@ pub fn checkpoint(
         dev,
         vgpu_id,
         stopper,
+        instance,
     } = open_vm(&opts.vm)?;
     let stats0 = dev.vgpu_stats(vgpu_id)?;
     let mopts = MigrateOptions {
@@ -1945,7 +2001,7 @@ pub fn checkpoint(
             exit: None,
         }),
         stopper,
-        generation: opts.generation,
+        instance,
         session: src.session,
         key,
     });

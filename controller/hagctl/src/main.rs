@@ -57,6 +57,7 @@ mod service;
 mod stall;
 mod standby_argv;
 mod state_delta;
+mod term;
 mod test_switches;
 mod units;
 mod vm_dirs;

@@ -31,6 +31,7 @@ use vmm_control::VmClient;
 
 use crate::pagehash::{PageHashes, Scan};
 use crate::secure::{self, Key};
+use crate::term::Term;
 use crate::vmm::copy::CopyVm;
 use crate::vmm::hagvmm::HagVmm;
 use crate::vmm::{RunKind, Vmm, VmmError};
@@ -512,6 +513,8 @@ pub(crate) struct Peer {
     pub(crate) timeout: Duration,
     /// The stream version it chose.
     pub(crate) version: u16,
+    /// A backup's verdict on the primary's term (see `term`).
+    pub(crate) superseded: Option<bool>,
 }
 
 /// Dirty pages of one collection.
@@ -725,7 +728,7 @@ impl Source {
 
     fn run(&mut self, report: &mut MigrationReport) -> Result<(), MigrateError> {
         let start = Instant::now();
-        self.handshake()?;
+        self.handshake(None)?;
         if self.opts.gpu_dirty == GpuDirty::Audit {
             self.start_gpu_log()?;
         }
@@ -741,8 +744,9 @@ impl Source {
         Ok(())
     }
 
-    /// HELLO, and the target's HELLO_OK.
-    pub(crate) fn handshake(&mut self) -> Result<(), MigrateError> {
+    /// HELLO (with a protecting primary's `term`), and the target's
+    /// HELLO_OK.
+    pub(crate) fn handshake(&mut self, term: Option<Term>) -> Result<(), MigrateError> {
         let ram_size = self.ram.size();
         self.send(
             &Msg::Hello {
@@ -751,6 +755,7 @@ impl Source {
                 ram_size,
                 session: self.session,
                 vmm: self.vm.kind(),
+                term,
             },
             "handshake",
         )?;
@@ -763,11 +768,13 @@ impl Source {
                 version,
                 generation,
                 timeout_ms,
+                superseded,
             } if (VERSION_MIN..=VERSION_MAX).contains(&version) => {
                 self.peer = Peer {
                     generation,
                     timeout: Duration::from_millis(u64::from(timeout_ms)),
                     version,
+                    superseded,
                 };
             }
             Msg::Error { message } => {

@@ -14,7 +14,10 @@
 //!   last checkpoint, and released output would then be contradicted.
 //! - A backup that shows a newer generation took over: the VM is stopped
 //!   before anything else, and is never resumed; if stopping fails, output
-//!   stays held and stopping is retried.
+//!   stays held and stopping is retried. At pairing the backup judges this
+//!   primary's term (`term`): a VM instance it took over from is stopped
+//!   so; any other adopts the backup's generation if newer (a new start of
+//!   the VM after a takeover of an older one).
 //! - A hang stops the VM first, then tells the backup (HANG). A VM that
 //!   crashed (its VMM gone without shutting it down) is handed over the
 //!   same way, with nothing to stop.
@@ -61,13 +64,23 @@ pub enum State {
 /// What the primary observed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
-    /// The backup accepted the pairing (HELLO_OK): its generation and
-    /// failover timeout.
+    /// The backup accepted the pairing (HELLO_OK): its generation,
+    /// failover timeout and verdict on this primary's term.
     Paired {
         /// The backup's generation.
         generation: u64,
         /// The backup's failover timeout.
         timeout: Duration,
+        /// Whether it took over from this VM instance (`None`: a backup
+        /// before terms, which judges by generation alone).
+        superseded: Option<bool>,
+    },
+    /// The backup answered a control connection's JOIN (HELLO_OK).
+    Joined {
+        /// The backup's generation.
+        generation: u64,
+        /// Its verdict on this primary's term, as in `Paired`.
+        superseded: Option<bool>,
     },
     /// EPOCH_ACK.
     Acked {
@@ -168,6 +181,11 @@ impl Policy {
         }
     }
 
+    /// This primary's generation (its backup's, if newer, once paired).
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
     /// The failover timeout in force (the backup's, once paired).
     pub fn timeout(&self) -> Duration {
         self.timeout
@@ -248,15 +266,22 @@ impl Policy {
     /// Takes an event; returns the actions, in order.
     pub fn on(&mut self, ev: Event) -> Vec<Action> {
         use Action::*;
-        match ev {
-            Event::Heard { generation } | Event::Paired { generation, .. }
-                if generation > self.generation =>
-            {
-                if let Event::Paired { timeout, .. } = ev {
-                    self.timeout = timeout;
-                }
-                self.fenced(generation)
+        if let Event::Paired {
+            generation,
+            superseded,
+            ..
+        }
+        | Event::Joined {
+            generation,
+            superseded,
+        } = ev
+        {
+            if let Some(fence) = self.judged(generation, superseded) {
+                return fence;
             }
+        }
+        match ev {
+            Event::Heard { generation } if generation > self.generation => self.fenced(generation),
             Event::Acked { generation, .. } if generation > self.generation => {
                 self.fenced(generation)
             }
@@ -274,7 +299,7 @@ impl Policy {
                 }
                 vec![]
             }
-            Event::Heard { .. } => vec![],
+            Event::Heard { .. } | Event::Joined { .. } => vec![],
             Event::Acked { epoch, .. } => {
                 if matches!(self.state, State::HandedOver(_) | State::Ending { .. }) {
                     return vec![];
@@ -400,6 +425,21 @@ impl Policy {
         }
     }
 
+    /// The backup's verdict at pairing: superseded (or, from a backup
+    /// before terms, a newer generation) fences; current adopts the
+    /// backup's generation if newer.
+    fn judged(&mut self, generation: u64, superseded: Option<bool>) -> Option<Vec<Action>> {
+        match superseded {
+            Some(true) => Some(self.fenced(generation)),
+            None if generation > self.generation => Some(self.fenced(generation)),
+            Some(false) if !self.final_state() => {
+                self.generation = self.generation.max(generation);
+                None
+            }
+            _ => None,
+        }
+    }
+
     fn fenced(&mut self, generation: u64) -> Vec<Action> {
         if let State::Fenced(g) = self.state {
             if g >= generation {
@@ -448,6 +488,7 @@ mod tests {
         p.on(Event::Paired {
             generation: 0,
             timeout: Duration::from_secs(3),
+            superseded: Some(false),
         });
         assert_eq!(
             p.on(Event::Acked {
@@ -559,7 +600,60 @@ mod tests {
         assert!(matches!(
             r.on(Event::Paired {
                 generation: 2,
-                timeout: Duration::from_secs(3)
+                timeout: Duration::from_secs(3),
+                superseded: None,
+            })[0],
+            StopVm(_)
+        ));
+    }
+
+    /// Issue 20, item 3: at pairing the backup judges the VM instance, not
+    /// the generation alone. One it took over from stops, whatever its
+    /// generation; any other (the VM started afresh after a takeover)
+    /// adopts the backup's newer generation and runs on.
+    #[test]
+    fn the_backups_verdict_decides_at_pairing_not_the_generation() {
+        let mut fresh = Policy::new(0, Duration::from_secs(3));
+        let a = fresh.on(Event::Joined {
+            generation: 3,
+            superseded: Some(false),
+        });
+        assert!(a.is_empty(), "{a:?}");
+        assert_eq!(fresh.generation(), 3);
+        assert!(fresh
+            .on(Event::Paired {
+                generation: 3,
+                timeout: Duration::from_secs(3),
+                superseded: Some(false),
+            })
+            .is_empty());
+        assert_eq!(
+            fresh.on(Event::Acked {
+                epoch: 1,
+                generation: 3
+            }),
+            vec![Release(1)]
+        );
+        // A later raise is a takeover: fenced as always.
+        assert!(matches!(
+            fresh.on(Event::Heard { generation: 4 })[0],
+            StopVm(_)
+        ));
+
+        let mut old = Policy::new(5, Duration::from_secs(3));
+        let a = old.on(Event::Joined {
+            generation: 2,
+            superseded: Some(true),
+        });
+        assert!(matches!(&a[0], StopVm(_)), "{a:?}");
+        assert!(matches!(a.last(), Some(Exit("fenced", _))), "{a:?}");
+        assert!(!old.vm_may_run());
+        // A backup before terms: a newer generation fences, as before.
+        let mut legacy = Policy::new(0, Duration::from_secs(3));
+        assert!(matches!(
+            legacy.on(Event::Joined {
+                generation: 1,
+                superseded: None,
             })[0],
             StopVm(_)
         ));
@@ -573,6 +667,7 @@ mod tests {
         p.on(Event::Paired {
             generation: 0,
             timeout: Duration::from_millis(2500),
+            superseded: Some(false),
         });
         assert_eq!(p.timeout(), Duration::from_millis(2500));
     }

@@ -81,6 +81,7 @@
 //! (length 0), 1 raw (length 4096), 2 LZ4 block (length < 4096,
 //! decompressing to exactly 4096 bytes).
 
+use crate::term::{Instance, Term};
 use std::io::{self, Read, Write};
 
 /// Which VMM runs the VM a stream carries, named in HELLO: it says what
@@ -359,6 +360,16 @@ impl PageData {
     }
 }
 
+/// Appends a fencing term, if any (the last field of HELLO and JOIN).
+fn put_term(p: &mut Vec<u8>, term: &Option<Term>) {
+    if let Some(t) = term {
+        p.extend_from_slice(&t.generation.to_le_bytes());
+        p.extend_from_slice(&t.instance.boot.to_le_bytes());
+        p.extend_from_slice(&t.instance.pid.to_le_bytes());
+        p.extend_from_slice(&t.instance.started.to_le_bytes());
+    }
+}
+
 /// A message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Msg {
@@ -376,6 +387,9 @@ pub enum Msg {
         session: u128,
         /// The VMM the VM runs under: what CONTEXT and VM_STATE hold.
         vmm: VmmKind,
+        /// A protecting primary's fencing term (none for a migration, or
+        /// from a hagctl before terms).
+        term: Option<Term>,
     },
     /// Handshake accepted (the answer to HELLO and to JOIN).
     HelloOk {
@@ -387,11 +401,17 @@ pub enum Msg {
         /// target): the primary adopts it, so both sides judge silence
         /// alike.
         timeout_ms: u32,
+        /// A backup's verdict on the term the primary presented: whether
+        /// it took over from that VM instance (none if no term was
+        /// presented, or from a hagctl before terms).
+        superseded: Option<bool>,
     },
     /// A control connection joins `session`.
     Join {
         /// The session.
         session: u128,
+        /// The primary's fencing term (none from a hagctl before terms).
+        term: Option<Term>,
     },
     /// A phase is done: round number, or [`COMMIT_PHASE`].
     Ok {
@@ -580,6 +600,21 @@ impl<'a> Cursor<'a> {
         }
         Ok(count)
     }
+    /// An optional fencing term, last in its message: none if the
+    /// message ends here (a hagctl before terms).
+    fn term(&mut self) -> Result<Option<Term>, WireError> {
+        if self.b.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(Term {
+            generation: self.u64("term's generation")?,
+            instance: Instance {
+                boot: self.u128("instance's boot")?,
+                pid: self.u32("instance's pid")?,
+                started: self.u64("instance's start")?,
+            },
+        }))
+    }
     fn end(&self) -> Result<(), WireError> {
         if self.b.is_empty() {
             Ok(())
@@ -628,6 +663,7 @@ impl Msg {
                 ram_size,
                 session,
                 vmm,
+                term,
             } => {
                 p.extend_from_slice(&MAGIC);
                 p.extend_from_slice(&min.to_le_bytes());
@@ -636,17 +672,25 @@ impl Msg {
                 p.extend_from_slice(&(PAGE as u32).to_le_bytes());
                 p.extend_from_slice(&session.to_le_bytes());
                 p.push(*vmm as u8);
+                put_term(&mut p, term);
             }
             Msg::HelloOk {
                 version,
                 generation,
                 timeout_ms,
+                superseded,
             } => {
                 p.extend_from_slice(&version.to_le_bytes());
                 p.extend_from_slice(&generation.to_le_bytes());
                 p.extend_from_slice(&timeout_ms.to_le_bytes());
+                if let Some(s) = superseded {
+                    p.push(u8::from(*s));
+                }
             }
-            Msg::Join { session } => p.extend_from_slice(&session.to_le_bytes()),
+            Msg::Join { session, term } => {
+                p.extend_from_slice(&session.to_le_bytes());
+                put_term(&mut p, term);
+            }
             Msg::Ok { phase } => p.extend_from_slice(&phase.to_le_bytes()),
             Msg::Error { message } => p.extend_from_slice(message.as_bytes()),
             Msg::Abort { reason } => p.extend_from_slice(reason.as_bytes()),
@@ -763,15 +807,31 @@ impl Msg {
                     ram_size,
                     session,
                     vmm,
+                    term: c.term()?,
                 }
             }
             MsgType::HelloOk => Msg::HelloOk {
                 version: c.u16("version")?,
                 generation: c.u64("generation")?,
                 timeout_ms: c.u32("failover timeout")?,
+                superseded: if c.b.is_empty() {
+                    None
+                } else {
+                    match c.u8("superseded")? {
+                        0 => Some(false),
+                        1 => Some(true),
+                        v => {
+                            return Err(WireError::Malformed {
+                                ty: ty.name(),
+                                what: format!("superseded is {v}, not 0 or 1"),
+                            })
+                        }
+                    }
+                },
             },
             MsgType::Join => Msg::Join {
                 session: c.u128("session")?,
+                term: c.term()?,
             },
             MsgType::Ok => Msg::Ok {
                 phase: c.u32("phase")?,
@@ -1266,6 +1326,7 @@ impl Receiver {
                         version,
                         generation: 0,
                         timeout_ms: 0,
+                        superseded: None,
                     }),
                 ))
             }
@@ -1373,6 +1434,7 @@ pub(crate) mod tests {
                 ram_size: 16 * PAGE as u64,
                 session: 7,
                 vmm: VmmKind::HagVmm,
+                term: None,
             },
             Msg::Pages {
                 round: 0,
@@ -1451,7 +1513,8 @@ pub(crate) mod tests {
                 Msg::HelloOk {
                     version: 3,
                     generation: 0,
-                    timeout_ms: 0
+                    timeout_ms: 0,
+                    superseded: None,
                 },
                 Msg::Ok { phase: 0 },
                 Msg::Ok { phase: 1 },
@@ -1560,6 +1623,7 @@ pub(crate) mod tests {
             ram_size: 1,
             session: 1,
             vmm: VmmKind::Qemu,
+            term: None,
         }
         .payload();
         hello[0] = b'X';
@@ -1633,7 +1697,48 @@ pub(crate) mod tests {
                 epoch: 7,
                 generation: 2,
             },
-            Msg::Join { session: u128::MAX },
+            Msg::Join {
+                session: u128::MAX,
+                term: None,
+            },
+            Msg::Join {
+                session: 3,
+                term: Some(Term {
+                    generation: 2,
+                    instance: Instance {
+                        boot: u128::MAX - 1,
+                        pid: 4_000_000,
+                        started: u64::MAX,
+                    },
+                }),
+            },
+            Msg::Hello {
+                min: 3,
+                max: 6,
+                ram_size: 1 << 30,
+                session: 3,
+                vmm: VmmKind::Qemu,
+                term: Some(Term {
+                    generation: 0,
+                    instance: Instance {
+                        boot: 7,
+                        pid: 1,
+                        started: 0,
+                    },
+                }),
+            },
+            Msg::HelloOk {
+                version: 5,
+                generation: 4,
+                timeout_ms: 3000,
+                superseded: Some(true),
+            },
+            Msg::HelloOk {
+                version: 5,
+                generation: 4,
+                timeout_ms: 3000,
+                superseded: Some(false),
+            },
             Msg::VmStateDelta {
                 base_epoch: 6,
                 patch: vec![1, 2, 3],
@@ -1642,6 +1747,7 @@ pub(crate) mod tests {
                 version: 2,
                 generation: 9,
                 timeout_ms: 3000,
+                superseded: None,
             },
             Msg::Disks(vec![
                 DiskInfo {
@@ -1696,6 +1802,7 @@ pub(crate) mod tests {
             ram_size,
             session: 1,
             vmm: VmmKind::HagVmm,
+            term: None,
         };
         let err = run(vec![hello(32 * PAGE as u64, 3, 3)], &mut ram()).unwrap_err();
         assert!(matches!(err, ReceiveError::Handshake(_)), "{err}");

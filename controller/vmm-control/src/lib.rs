@@ -290,6 +290,13 @@ pub struct VmClient {
 }
 
 impl VmClient {
+    /// The pid of the VMM at the other end (`SO_PEERCRED`: the process
+    /// that made the listening socket).
+    pub fn peer_pid(&self) -> nix::Result<u32> {
+        nix::sys::socket::getsockopt(&self.stream, nix::sys::socket::sockopt::PeerCredentials)
+            .map(|c| c.pid().unsigned_abs())
+    }
+
     /// Connects to the control socket at `path`.
     pub fn connect(path: &Path) -> Result<Self, ControlError> {
         let stream = UnixStream::connect(path).map_err(|source| ControlError::Connect {
