@@ -41,7 +41,9 @@ which the harness pokes it every few seconds (POKE_SECONDS: an interrupt
 that revives a host whose own was lost); one that stops for HANG_SECONDS
 is hung: the harness records its vCPU's registers
 from its HMP monitor, sends it an NMI (the kernel panics with a backtrace:
-`unknown_nmi_panic`), and ends the run; the Result says it `hung`.
+`unknown_nmi_panic`), and ends the run; the Result says it `hung`, as it
+does when a host's VM stalled (lib.sh prints HAG-NESTED-STALL when a VM's
+console stayed silent for 300 s).
 
 Promises: every QEMU process a run starts is killed before the run returns,
 whatever happened; a scenario passes only if every host's script exited 0
@@ -432,9 +434,10 @@ class Result:
 
     @property
     def hung(self):
-        """A host stopped beating: the emulator or the test kernel hung,
-        which says nothing about the scenario's verdict."""
-        return any(h.hang for h in self.hosts)
+        """A host stopped beating, or a VM in a host printed nothing for
+        minutes (lib.sh's HAG-NESTED-STALL): the emulator or the test
+        kernel hung, which says nothing about the scenario's verdict."""
+        return any(h.hang or "HAG-NESTED-STALL" in h.text() for h in self.hosts)
 
 
 def scenario_header(script, key, default):

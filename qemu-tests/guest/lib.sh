@@ -292,6 +292,15 @@ vm_wait_console() {
 	echo "--- VM $1's console's end:"
 	tail -40 "/tmp/$1.console" 2>/dev/null | guest_oops_quoted
 	vm_cpu_state "$1"
+	# A guest that printed nothing for minutes although it prints every
+	# second once running (hag-guest's progress; systemd's status lines)
+	# stalled under the emulator (nested KVM on TCG, README: How the tests
+	# run), a run the harness repeats once (HAG-NESTED-STALL).
+	local silent
+	silent=$(($(date +%s) - $(stat -c %Y "/tmp/$1.console" 2>/dev/null || date +%s)))
+	if [ "$silent" -ge 300 ] && ! grep -q 'Kernel panic\|Oops\|BUG:' "/tmp/$1.console" 2>/dev/null; then
+		echo "HAG-NESTED-STALL VM $1's console silent for $silent s"
+	fi
 	fail "VM $1: no '$3' on its console after $2 s"
 }
 
