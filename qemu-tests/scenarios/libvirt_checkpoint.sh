@@ -9,7 +9,8 @@
 # virsh; libvirtd runs the hook, which starts hagctl checkpoint --qmp
 # --console against hagctl backup on host 1. Epochs must be acknowledged
 # (hagctl status says the VM is protected), the guest's console lines
-# must reach the hook's console log as their epochs are; `virsh destroy` must end the
+# must reach the hook's console log as their epochs are; QEMU's
+# x-ignore-shared must be off between epochs; `virsh destroy` must end the
 # protection: the hook's checkpoint ends, and the backup ends without a
 # takeover.
 DOM=gpu-guest
@@ -62,6 +63,20 @@ else
 	wait_for 120 grep -q 'hag-guest: iteration' "$CONSOLE_LOG" ||
 		fail "the guest's console never reached $CONSOLE_LOG: $(cat "$CONSOLE_LOG" 2>&1)"
 	echo "console released to $CONSOLE_LOG: $(wc -l <"$CONSOLE_LOG") lines, the last: $(tail -1 "$CONSOLE_LOG")"
+	# Between epochs the domain migrates like any other: hagctl sets
+	# x-ignore-shared only around each save (a virsh migrate with it on
+	# would leave guest RAM behind). Asked through libvirt's own monitor;
+	# three times, as an epoch's save may be under way.
+	ignored=0
+	for _ in 1 2 3; do
+		on=$(in_root virsh qemu-monitor-command "$DOM" '{"execute":"query-migrate-capabilities"}' |
+			in_root python3 -c 'import json, sys
+caps = {c["capability"]: c["state"] for c in json.load(sys.stdin)["return"]}
+print(caps["x-ignore-shared"])') || fail "no x-ignore-shared in QEMU's migration capabilities"
+		[ "$on" = False ] || ignored=$((ignored + 1))
+		usleep 300000
+	done
+	[ "$ignored" -lt 3 ] || fail "x-ignore-shared stays on between epochs"
 	step "host 0: virsh destroy: protection ends"
 	in_root virsh destroy "$DOM"
 	wait_for 120 grep -q "$DOM supervise/-: protection ended" "$HOOK_LOG" ||

@@ -20,8 +20,10 @@
 //! - output: [`OutputGate`]s on the network its packets leave by
 //!   ([`PlugGate`]) and on its console ([`crate::console::ConsoleGate`]).
 //!
-//! `x-ignore-shared` stays set only while this lives: a later ordinary
-//! migration of the VM must carry its RAM.
+//! `x-ignore-shared` is set only around each save, never left on between
+//! epochs: a migration of the VM started by anyone else (`virsh migrate`)
+//! must carry its RAM, and a hagctl killed between epochs leaves nothing
+//! behind that would make it leave RAM out.
 
 use std::io::Read;
 use std::os::fd::OwnedFd;
@@ -218,7 +220,8 @@ pub fn shared_backend(memdevs: &Value) -> Result<(String, u64), String> {
 impl QemuVm {
     /// Opens the VM behind `qemu` for copying: finds its shared RAM, its
     /// hag vGPU and its writable disks (their deltas' files go in a
-    /// directory of `delta_dir` of its own), and sets `x-ignore-shared`.
+    /// directory of `delta_dir` of its own), and turns off what a save
+    /// into a pipe cannot use (return path, multifd, postcopy).
     pub fn open(
         mut qemu: Qemu,
         gates: Vec<Box<dyn OutputGate>>,
@@ -289,7 +292,6 @@ impl QemuVm {
             ));
         }
         let vgpu_uuid = vgpu_of(&mut qemu)?;
-        qemu.apply(&ignore_shared(true))?;
         // An epoch's save goes into a pipe: no return path there (a VM
         // that arrived by migration may have it set), nothing that needs
         // more channels.
@@ -559,7 +561,13 @@ impl CopyVm for QemuVm {
                 .read_to_end(&mut state);
             got.map(|_| state)
         });
-        let saved = self.qemu.save_device_state(w);
+        // On only for this save (see the module's comment); off again
+        // whatever the save did.
+        let saved = self
+            .qemu
+            .apply(&ignore_shared(true))
+            .and_then(|()| self.qemu.save_device_state(w));
+        let off = self.qemu.apply(&ignore_shared(false));
         let state = reader
             .join()
             .map_err(|_| {
@@ -570,6 +578,7 @@ impl CopyVm for QemuVm {
             })?
             .map_err(|e| io("reading QEMU's device state", e))?;
         saved?;
+        off?;
         let state = EpochState {
             ram_id: &self.ram_id,
             stream: &state,

@@ -216,6 +216,13 @@ impl Standby {
             .execute("closefd", Some(json!({ "fdname": "hag-epoch" })));
         let _ = writer.join();
         result.map_err(|e| format!("{e} (QEMU: {})", log_tail(&self.log)))?;
+        // The VM that runs on after a takeover is migrated like any other
+        // later (a failback): with its RAM.
+        qemu.apply(&MigrationSettings {
+            capabilities: vec![("x-ignore-shared".into(), false)],
+            ..MigrationSettings::default()
+        })
+        .map_err(|e| e.to_string())?;
         let st = wait_state(qemu, Duration::from_secs(10), |s| s.kind == RunKind::Paused)
             .map_err(|e| e.to_string())?;
         if st.kind != RunKind::Paused {
