@@ -41,6 +41,7 @@ use crate::secure::{self, Key, Outbox, Reader};
 use crate::stall::StallGuard;
 use crate::state_delta;
 use crate::term::{self, Instance, Record, Term, Verdict};
+use crate::vm_dirs::VmName;
 use crate::vmm::qemu_copy::EpochState;
 use crate::vmm::qemu_standby;
 #[cfg(test)]
@@ -426,14 +427,15 @@ impl<I: Image> Standby<I> {
         })?;
         self.next = Some(img);
         self.session = Some(session);
-        self.term = term;
         // A superseded primary was answered before its HELLO got here
         // (data_session): this one is current.
+        let superseded = term.as_ref().map(|_| false);
+        self.term = term;
         Ok(Msg::HelloOk {
             version,
             generation: self.generation,
             timeout_ms: self.limits.timeout_ms,
-            superseded: term.map(|_| false),
+            superseded,
         })
     }
 
@@ -736,7 +738,7 @@ impl<I: Image> Standby<I> {
             session,
             epoch,
             generation,
-            instance: self.term.map(|t| t.instance),
+            instance: self.term.as_ref().map(|t| t.instance),
             context,
             vm_state,
         });
@@ -954,6 +956,8 @@ pub struct BackupOptions {
     /// Where the state that must survive a reboot goes (backup.json, with
     /// the generation).
     pub state_dir: PathBuf,
+    /// The VM's name (`--name`): a primary of another is refused.
+    pub vm_name: Option<VmName>,
     /// Where a QEMU VM's disk replicas go.
     pub replica_dir: PathBuf,
     /// JSON takeover report.
@@ -1255,7 +1259,7 @@ impl Live {
 
     /// The verdict on a primary presenting `term` (or, before terms, only
     /// `generation`).
-    fn judge(&self, term: Option<Term>, generation: u64) -> Verdict {
+    fn judge(&self, term: Option<&Term>, generation: u64) -> Verdict {
         term::judge(self.generation, &self.superseded, term, generation)
     }
 
@@ -1376,18 +1380,25 @@ fn data_session(
 ) {
     eprintln!("hagctl: checkpoint stream from {from}");
     let (session, term) = match &first {
-        Msg::Hello { session, term, .. } => (*session, *term),
+        Msg::Hello { session, term, .. } => (*session, term.clone()),
         _ => return,
     };
+    if let Some(why) = term::wrong_vm(b.opts.vm_name.as_ref(), term.as_ref()) {
+        eprintln!("hagctl: refused a checkpoint stream from {from}: {why}");
+        out.send(&Msg::Error { message: why });
+        return;
+    }
     {
         let l = b.live();
         // Before terms a primary's generation came only with its epochs:
         // the standby refuses a stale one there.
-        if term.is_some() && l.judge(term, 0) == Verdict::Superseded {
+        if let Some(t) = term
+            .as_ref()
+            .filter(|t| l.judge(Some(t), 0) == Verdict::Superseded)
+        {
             eprintln!(
                 "hagctl: checkpoint stream from {from}: {} was taken over from (generation {}): told to stop",
-                term.map_or(String::new(), |t| t.instance.to_string()),
-                l.generation
+                t.instance, l.generation
             );
             out.send(&l.superseded_reply(b.timeout));
             return;
@@ -1511,15 +1522,22 @@ fn control_session(
 ) {
     {
         let mut l = b.live();
+        if let Some(why) = term::wrong_vm(b.opts.vm_name.as_ref(), term.as_ref()) {
+            eprintln!("hagctl: refused a control connection from {from}: {why}");
+            out.send(&Msg::Error { message: why });
+            return;
+        }
         // Before terms a primary learnt the generation from the answer
         // and judged itself (primary::Policy).
-        if term.is_some() && l.judge(term, 0) == Verdict::Superseded {
+        if let Some(t) = term
+            .as_ref()
+            .filter(|t| l.judge(Some(t), 0) == Verdict::Superseded)
+        {
             // Whatever session it names: the copy this backup took over
-            // from (or, before terms, an older generation) must stop.
+            // from must stop.
             eprintln!(
                 "hagctl: control connection from {from}: {} was taken over from (generation {}): told to stop",
-                term.map_or("a primary below this generation".into(), |t| t.instance.to_string()),
-                l.generation
+                t.instance, l.generation
             );
             out.send(&l.superseded_reply(b.timeout));
             return;
@@ -1542,7 +1560,7 @@ fn control_session(
             version: VERSION_MAX,
             generation: l.generation,
             timeout_ms: b.timeout.as_millis().min(u32::MAX as u128) as u32,
-            superseded: term.map(|_| false),
+            superseded: term.as_ref().map(|_| false),
         };
         if !swallowed(&ok) {
             out.post(&ok);

@@ -58,6 +58,7 @@ use crate::secure::{self, Key, Outbox};
 use crate::stall::StallGuard;
 use crate::state_delta;
 use crate::term::{Instance, Term};
+use crate::vm_dirs::VmName;
 use crate::vmm::copy::{CopyVm, OutputGate, VmStatus};
 use crate::vmm::qemu::Qemu;
 use crate::vmm::qemu_copy::{PlugGate, QemuVm};
@@ -83,6 +84,8 @@ pub struct CheckpointOptions {
     pub failover_timeout: Duration,
     /// This primary's generation.
     pub generation: u64,
+    /// The VM's name (`--name`): the backup refuses a primary of another.
+    pub vm_name: Option<VmName>,
     /// vGPU quiesce timeout per epoch.
     pub quiesce_timeout_ms: u32,
     /// Pre-copy rounds at most for the first checkpoint.
@@ -384,9 +387,10 @@ impl Stopper {
 struct Link {
     shared: Mutex<Shared>,
     stopper: Stopper,
-    /// The VM instance protected (its VMM process): with the policy's
-    /// generation, the term every HELLO and JOIN presents.
+    /// The VM instance protected (its VMM process) and its name: with the
+    /// policy's generation, the term every HELLO and JOIN presents.
     instance: Instance,
+    vm_name: Option<VmName>,
     session: u128,
     key: Key,
 }
@@ -401,6 +405,7 @@ impl Link {
         Term {
             generation: self.lock().policy.generation(),
             instance: self.instance,
+            vm: self.vm_name.clone(),
         }
     }
 
@@ -2002,6 +2007,7 @@ pub fn checkpoint(
         }),
         stopper,
         instance,
+        vm_name: opts.vm_name.clone(),
         session: src.session,
         key,
     });

@@ -1056,6 +1056,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             key,
             json,
         } => {
+            let vm_name = dirs.name.clone();
             let dirs = dirs.resolve();
             // Before any other thread: they all inherit the mask.
             let vm = match (vm, qmp) {
@@ -1095,6 +1096,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     threshold_pages,
                     connect_timeout,
                     status_dir: dirs.run,
+                    vm_name,
                     key,
                 },
                 stop,
@@ -1128,6 +1130,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             libvirt_uri,
             qemu,
         } => {
+            let vm_name = dirs.name.clone();
             let dirs = dirs.resolve();
             let replica_dir = replica_dir.unwrap_or_else(|| dirs.replicas());
             let qemu = match libvirt_domain {
@@ -1157,6 +1160,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 generation,
                 status_dir: dirs.run,
                 state_dir: dirs.state,
+                vm_name: vm_name.clone(),
                 replica_dir,
                 json,
                 key,

@@ -24,6 +24,8 @@
 
 use std::time::Duration;
 
+use crate::vm_dirs::VmName;
+
 /// How many instances a backup remembers having taken over from (oldest
 /// dropped first): one per takeover of this VM.
 pub const REMEMBERED: usize = 64;
@@ -85,12 +87,14 @@ impl std::fmt::Display for Instance {
 }
 
 /// What a primary presents at pairing.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Term {
     /// Its generation.
     pub generation: u64,
     /// The VM instance it protects.
     pub instance: Instance,
+    /// The VM's name (`--name`), if it was given one.
+    pub vm: Option<VmName>,
 }
 
 /// A backup's answer to a primary's term.
@@ -105,13 +109,25 @@ pub enum Verdict {
 /// The verdict of a backup at `ours` that took over from `superseded` on
 /// a primary presenting `term` (`None`: an older hagctl that presents only
 /// `generation`).
-pub fn judge(ours: u64, superseded: &[Instance], term: Option<Term>, generation: u64) -> Verdict {
+pub fn judge(ours: u64, superseded: &[Instance], term: Option<&Term>, generation: u64) -> Verdict {
     match term {
         Some(t) if superseded.contains(&t.instance) => Verdict::Superseded,
         Some(_) => Verdict::Current,
         None if generation < ours => Verdict::Superseded,
         None => Verdict::Current,
     }
+}
+
+/// Why a backup named `ours` must not pair with a primary presenting
+/// `term`: both are named, differently (a primary pointed at another VM's
+/// backup would have that backup take over with the wrong VM's command
+/// line).
+pub fn wrong_vm(ours: Option<&VmName>, term: Option<&Term>) -> Option<String> {
+    let theirs = term?.vm.as_ref()?;
+    let ours = ours?;
+    (theirs != ours).then(|| {
+        format!("this backup stands by for VM '{ours}', the primary protects VM '{theirs}' (--name): check the primary's --backup address")
+    })
 }
 
 /// A backup's durable fencing state: its generation and the instances it
@@ -170,14 +186,31 @@ mod tests {
     }
 
     fn verdict(r: &Record, term: Option<Term>, generation: u64) -> Verdict {
-        judge(r.generation, &r.superseded, term, generation)
+        judge(r.generation, &r.superseded, term.as_ref(), generation)
     }
 
     fn term(generation: u64, pid: u32) -> Option<Term> {
         Some(Term {
             generation,
             instance: instance(pid),
+            vm: None,
         })
+    }
+
+    #[test]
+    fn a_primary_of_another_vm_is_refused_only_when_both_are_named() {
+        let named = |n: &str| -> Option<VmName> { Some(n.parse().unwrap()) };
+        let mut t = term(0, 1).unwrap();
+        assert_eq!(wrong_vm(named("web1").as_ref(), Some(&t)), None);
+        t.vm = named("web1");
+        assert_eq!(wrong_vm(named("web1").as_ref(), Some(&t)), None);
+        assert_eq!(wrong_vm(None, Some(&t)), None);
+        assert_eq!(wrong_vm(named("web1").as_ref(), None), None);
+        let why = wrong_vm(named("db2").as_ref(), Some(&t)).unwrap();
+        assert!(
+            why.contains("for VM 'db2', the primary protects VM 'web1'"),
+            "{why}"
+        );
     }
 
     #[test]
@@ -199,7 +232,7 @@ mod tests {
         // The same pid in another boot is another instance.
         let mut other = term(0, 100).unwrap();
         other.instance.boot += 1;
-        assert_eq!(verdict(&r, Some(other), 0), Verdict::Current);
+        assert_eq!(verdict(&r, Some(other.clone()), 0), Verdict::Current);
         // And a restarted process with the same pid (another start time).
         other.instance = Instance {
             started: 999,

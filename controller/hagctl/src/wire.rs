@@ -82,6 +82,7 @@
 //! decompressing to exactly 4096 bytes).
 
 use crate::term::{Instance, Term};
+use crate::vm_dirs::VmName;
 use std::io::{self, Read, Write};
 
 /// Which VMM runs the VM a stream carries, named in HELLO: it says what
@@ -367,6 +368,9 @@ fn put_term(p: &mut Vec<u8>, term: &Option<Term>) {
         p.extend_from_slice(&t.instance.boot.to_le_bytes());
         p.extend_from_slice(&t.instance.pid.to_le_bytes());
         p.extend_from_slice(&t.instance.started.to_le_bytes());
+        let vm = t.vm.as_ref().map_or("", |v| v.as_str()).as_bytes();
+        p.push(vm.len() as u8);
+        p.extend_from_slice(vm);
     }
 }
 
@@ -606,13 +610,30 @@ impl<'a> Cursor<'a> {
         if self.b.is_empty() {
             return Ok(None);
         }
+        let generation = self.u64("term's generation")?;
+        let instance = Instance {
+            boot: self.u128("instance's boot")?,
+            pid: self.u32("instance's pid")?,
+            started: self.u64("instance's start")?,
+        };
+        let len = self.u8("VM name's length")?;
+        let name = self.take(usize::from(len), "VM name")?;
+        let vm = match len {
+            0 => None,
+            _ => Some(
+                std::str::from_utf8(name)
+                    .map_err(|_| "not UTF-8".to_owned())
+                    .and_then(str::parse::<VmName>)
+                    .map_err(|e| WireError::Malformed {
+                        ty: self.ty,
+                        what: format!("VM name: {e}"),
+                    })?,
+            ),
+        };
         Ok(Some(Term {
-            generation: self.u64("term's generation")?,
-            instance: Instance {
-                boot: self.u128("instance's boot")?,
-                pid: self.u32("instance's pid")?,
-                started: self.u64("instance's start")?,
-            },
+            generation,
+            instance,
+            vm,
         }))
     }
     fn end(&self) -> Result<(), WireError> {
@@ -1628,6 +1649,26 @@ pub(crate) mod tests {
         .payload();
         hello[0] = b'X';
         assert!(read_msg(&mut &frame(MsgType::Hello, &hello)[..]).is_err());
+        // A term's VM name that is not one, or runs past the payload.
+        let mut join = Msg::Join {
+            session: 1,
+            term: Some(Term {
+                generation: 0,
+                instance: Instance {
+                    boot: 1,
+                    pid: 2,
+                    started: 3,
+                },
+                vm: Some("web1".parse().unwrap()),
+            }),
+        }
+        .payload();
+        let name = join.len() - 4;
+        join[name..].copy_from_slice(b"../x");
+        let e = read_msg(&mut &frame(MsgType::Join, &join)[..]).unwrap_err();
+        assert!(e.to_string().contains("VM name"), "{e}");
+        join[name - 1] = 200;
+        assert!(read_msg(&mut &frame(MsgType::Join, &join)[..]).is_err());
         // Disks: too many, an id that is not one; disk data over the cap,
         // empty, of an unknown kind.
         let disks = |count: u32, id: &[u8]| {
@@ -1710,6 +1751,7 @@ pub(crate) mod tests {
                         pid: 4_000_000,
                         started: u64::MAX,
                     },
+                    vm: Some("web-1.example".parse().unwrap()),
                 }),
             },
             Msg::Hello {
@@ -1725,6 +1767,7 @@ pub(crate) mod tests {
                         pid: 1,
                         started: 0,
                     },
+                    vm: None,
                 }),
             },
             Msg::HelloOk {
