@@ -13,7 +13,9 @@
 #   with the same restarted backup, adopts generation 1 and is protected
 #   until its workload verifies. A restart must not fence a healthy new
 #   primary, which a generation alone cannot tell from A.
-# The hosts signal each other on eth1, which stays up.
+# First, a primary of another VM (--name vm2) pointed at vm1's backup is
+# refused, saying so on both sides. The hosts signal each other on eth1,
+# which stays up.
 ITERATIONS=8000
 backup=$(host_ip 1):7200
 other=$((1 - HAG_HOST))
@@ -34,6 +36,8 @@ if [ "$HAG_HOST" = 1 ]; then
 	wait_for 300 grep -q 'takeover: generation 1' /tmp/backup1.err ||
 		fail "no takeover during the cut: $(cat /tmp/backup1.err)"
 	cat /tmp/backup1.err
+	grep -q "refused a control connection from .*: this backup stands by for VM 'vm1', the primary protects VM 'vm2'" /tmp/backup1.err ||
+		fail "the backup did not refuse the primary of vm2"
 	grep -q '"generation":1' "$state" || fail "generation 1 is not stored: $(cat "$state")"
 	grep -q '"superseded":\[{"boot":"[0-9a-f]*","pid":[0-9]*,"started":[0-9]*}\]' "$state" ||
 		fail "the instance taken over from is not stored: $(cat "$state")"
@@ -56,6 +60,24 @@ if [ "$HAG_HOST" = 1 ]; then
 		fail "VM B's protection did not end cleanly"
 	! grep -q 'takeover' /tmp/backup2.out || fail "the restarted backup took over"
 else
+	step "host 0: a primary of VM vm2 pointed at vm1's backup"
+	uuid_x=$(new_uuid)
+	mdev_create "$uuid_x"
+	hag-vmm serve --mdev "$uuid_x" --control /tmp/x.sock --iterations 262144 >/tmp/x.out 2>/tmp/x.err &
+	vm_x=$!
+	wait_for 30 test -S /tmp/x.sock || fail "VM X did not start: $(cat /tmp/x.err)"
+	hagctl checkpoint --name vm2 --vm /tmp/x.sock --backup "$backup" --interval 1s >/tmp/cp_x.out 2>/tmp/cp_x.err &
+	cp_x=$!
+	wait_for 120 grep -q "the backup refused: this backup stands by for VM 'vm1', the primary protects VM 'vm2' (--name)" /tmp/cp_x.err ||
+		fail "the primary of vm2 was not refused: $(cat /tmp/cp_x.err)"
+	# Refused at its first pairing, it ends (nothing was ever protected).
+	rc=0
+	wait "$cp_x" || rc=$?
+	[ "$rc" != 0 ] || fail "the refused primary of vm2 exited 0: $(cat /tmp/cp_x.err)"
+	kill -KILL "$vm_x"
+	wait "$vm_x" 2>/dev/null || true
+	mdev_remove "$uuid_x"
+
 	step "host 0: VM A with the frames workload, protected by $backup"
 	hag-vmm serve --mdev "$uuid" --control /tmp/a.sock --iterations 262144 --progress 20000 \
 		>/tmp/a.out 2>/tmp/a.err &
