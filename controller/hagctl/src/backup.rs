@@ -1257,23 +1257,6 @@ impl Live {
         }
     }
 
-    /// The verdict on a primary presenting `term` (or, before terms, only
-    /// `generation`).
-    fn judge(&self, term: Option<&Term>, generation: u64) -> Verdict {
-        term::judge(self.generation, &self.superseded, term, generation)
-    }
-
-    /// A HELLO_OK telling a superseded primary the generation that
-    /// replaced it: it stops its VM.
-    fn superseded_reply(&self, timeout: Duration) -> Msg {
-        Msg::HelloOk {
-            version: VERSION_MAX,
-            generation: self.generation,
-            timeout_ms: timeout.as_millis().min(u32::MAX as u128) as u32,
-            superseded: Some(true),
-        }
-    }
-
     fn heard(&mut self, path: &str) {
         self.heard.insert(path.to_owned(), Instant::now());
     }
@@ -1383,26 +1366,16 @@ fn data_session(
         Msg::Hello { session, term, .. } => (*session, term.clone()),
         _ => return,
     };
-    if let Some(why) = term::wrong_vm(b.opts.vm_name.as_ref(), term.as_ref()) {
-        eprintln!("hagctl: refused a checkpoint stream from {from}: {why}");
-        out.send(&Msg::Error { message: why });
+    // Before terms a primary's generation came only with its epochs: the
+    // standby refuses a stale one there.
+    if let Some(refusal) = refuse_term(
+        b,
+        &b.live(),
+        term.as_ref(),
+        &format!("checkpoint stream from {from}"),
+    ) {
+        out.send(&refusal);
         return;
-    }
-    {
-        let l = b.live();
-        // Before terms a primary's generation came only with its epochs:
-        // the standby refuses a stale one there.
-        if let Some(t) = term
-            .as_ref()
-            .filter(|t| l.judge(Some(t), 0) == Verdict::Superseded)
-        {
-            eprintln!(
-                "hagctl: checkpoint stream from {from}: {} was taken over from (generation {}): told to stop",
-                t.instance, l.generation
-            );
-            out.send(&l.superseded_reply(b.timeout));
-            return;
-        }
     }
     let mut msg = first;
     let mut joined = false;
@@ -1511,6 +1484,31 @@ fn data_session(
     }
 }
 
+/// The answer to a HELLO or JOIN (on `conn`, for the log) whose primary
+/// must not pair, if it must not: an ERROR for a primary of another VM, a
+/// HELLO_OK saying `superseded` (with the generation that replaced it: it
+/// stops its VM) for an instance this backup took over from.
+fn refuse_term(b: &Backup, l: &Live, term: Option<&Term>, conn: &str) -> Option<Msg> {
+    if let Some(why) = term::wrong_vm(b.opts.vm_name.as_ref(), term) {
+        eprintln!("hagctl: refused a {conn}: {why}");
+        return Some(Msg::Error { message: why });
+    }
+    let t = term?;
+    if term::judge(l.generation, &l.superseded, Some(t), t.generation) != Verdict::Superseded {
+        return None;
+    }
+    eprintln!(
+        "hagctl: {conn}: {} was taken over from (generation {}): told to stop",
+        t.instance, l.generation
+    );
+    Some(Msg::HelloOk {
+        version: VERSION_MAX,
+        generation: l.generation,
+        timeout_ms: b.timeout.as_millis().min(u32::MAX as u128) as u32,
+        superseded: Some(true),
+    })
+}
+
 fn control_session(
     b: &Backup,
     mut r: Reader,
@@ -1522,24 +1520,16 @@ fn control_session(
 ) {
     {
         let mut l = b.live();
-        if let Some(why) = term::wrong_vm(b.opts.vm_name.as_ref(), term.as_ref()) {
-            eprintln!("hagctl: refused a control connection from {from}: {why}");
-            out.send(&Msg::Error { message: why });
-            return;
-        }
-        // Before terms a primary learnt the generation from the answer
-        // and judged itself (primary::Policy).
-        if let Some(t) = term
-            .as_ref()
-            .filter(|t| l.judge(Some(t), 0) == Verdict::Superseded)
-        {
-            // Whatever session it names: the copy this backup took over
-            // from must stop.
-            eprintln!(
-                "hagctl: control connection from {from}: {} was taken over from (generation {}): told to stop",
-                t.instance, l.generation
-            );
-            out.send(&l.superseded_reply(b.timeout));
+        // Whatever session it names: the copy this backup took over from
+        // must stop. Before terms a primary learnt the generation from the
+        // answer and judged itself (primary::Policy).
+        if let Some(refusal) = refuse_term(
+            b,
+            &l,
+            term.as_ref(),
+            &format!("control connection from {from}"),
+        ) {
+            out.send(&refusal);
             return;
         }
         let ours = l.session.is_none_or(|s| s == session);
