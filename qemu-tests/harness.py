@@ -314,8 +314,8 @@ class Host:
 
     def poke(self):
         """Every POKE_SECONDS, a byte into the host's second serial port
-        (its /init reads and drops them)."""
-        if time.monotonic() - self._poked_at < POKE_SECONDS or self.finished():
+        (its /init reads and drops them; one that exited refuses it)."""
+        if time.monotonic() - self._poked_at < POKE_SECONDS or self.killed:
             return
         self._poked_at = time.monotonic()
         try:
@@ -334,15 +334,18 @@ class Host:
             self._poke = None
 
     def silent_for(self):
-        """Seconds since this host's last heartbeat (0 before its first, and
-        once it has finished: boot and shutdown do not beat)."""
+        """Seconds since this host's last heartbeat, once past HANG_SECONDS
+        (0 before that, before its first beat, and once it has finished:
+        boot and shutdown do not beat)."""
         try:
             beat = self.beat.stat()
         except (AttributeError, FileNotFoundError):
             return 0.0
-        if beat.st_size == 0 or self.finished():
+        silent = time.time() - beat.st_mtime
+        # Last, as it reads the whole serial log: only for a silent host.
+        if beat.st_size == 0 or silent < HANG_SECONDS or self.finished():
             return 0.0
-        return time.time() - beat.st_mtime
+        return silent
 
     def diagnose_hang(self, silent):
         """Records where a host that stopped beating is, then ends it: its
