@@ -218,8 +218,10 @@ check-userspace: deps
 	cd rust && cargo fmt --check && cargo clippy --all-targets --quiet -- -D warnings && cargo test --quiet
 	cd controller && cargo fmt --check && cargo clippy --all-targets --quiet -- -D warnings && \
 		cargo clippy --all-targets --quiet --features hagctl/test-switches -- -D warnings && cargo test --quiet
-	# Disk deltas against a real QEMU on this machine (TCG, no guest; a second).
+	# Disk deltas, and a standby's VM shape, against a real QEMU on this
+	# machine (TCG, no guest; seconds).
 	cd controller && cargo test --quiet -p hagctl qemu_disk_ -- --ignored
+	cd controller && cargo test --quiet -p hagctl vm_shape::tests::qemu -- --ignored
 	qemu-tests/guest/client_check.py --self-test
 
 # The auditor's fuzz target, bounded (FUZZ_SECONDS, default 60).

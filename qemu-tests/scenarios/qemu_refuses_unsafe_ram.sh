@@ -13,7 +13,10 @@
 # replica by) and a vhost-user-blk disk (qemu-storage-daemon writes it,
 # past QEMU's block layer and its dirty bitmaps). A kernel whose bits
 # fail hagctl's self-test is a unit test (vmm::dirty_source). No vGPU: the
-# refusals come before hagctl looks for one.
+# refusals come before hagctl looks for one. Last, with a vGPU, a backup
+# whose standby is not this VM as its guest sees it (a second vCPU, one
+# more device): refused at pairing, before anything is protected, each
+# difference named on both sides.
 VM_MIB=128
 ha_key
 host_root_up
@@ -89,4 +92,20 @@ wait_for 30 test -S /tmp/vub.sock || fail "qemu-storage-daemon did not listen: $
 VM_SHARED_RAM=1 vm_start vm "" "--seconds=600" \
 	-chardev socket,id=vubc,path=/tmp/vub.sock -device vhost-user-blk-pci,chardev=vubc,id=vub0
 checkpoint_says 'disk device vub0 (vhost-user-blk-pci) cannot be protected: a vhost-user back end writes its disk'
+vm_stop
+
+step "a backup whose QEMU command line is not this VM's: a second vCPU, one more device"
+load_hag
+uuid=$(new_uuid)
+standby_uuid=$(new_uuid)
+mdev_create "$uuid"
+mdev_create "$standby_uuid"
+VM_SHARED_RAM=1 vm_start vm "$uuid" "--seconds=600"
+eval "set -- $(vm_words standby "$standby_uuid" --seconds=600)"
+hagctl backup --listen 127.0.0.1:7200 --failover-timeout 3 --status-dir /tmp/hb --state-dir /tmp/hb \
+	-- chroot "$HOST_ROOT" "$@" -smp 2 -device virtio-rng-pci,id=rng9 >/tmp/backup.out 2>/tmp/backup.err &
+backup=$!
+checkpoint_says "the QEMU that would take over is not the primary's VM.*vCPUs: 1 on the primary, 2 here.*device rng9: nothing on the primary, virtio-rng-pci on /machine/q35/pcie.0 at "
+grep -q "device rng9: nothing on the primary" /tmp/backup.err || fail "the backup did not say why: $(cat /tmp/backup.err)"
+kill "$backup"
 vm_stop

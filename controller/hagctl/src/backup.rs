@@ -42,6 +42,7 @@ use crate::stall::StallGuard;
 use crate::state_delta;
 use crate::term::{self, Instance, Record, Term, Verdict};
 use crate::vm_dirs::VmName;
+use crate::vm_shape::{self, VmShape};
 use crate::vmm::qemu_copy::EpochState;
 use crate::vmm::qemu_standby;
 #[cfg(test)]
@@ -304,6 +305,10 @@ pub struct Standby<I> {
     term: Option<Term>,
 }
 
+/// Makes a fresh zero image of the size a HELLO asks for, for a VM of the
+/// shape the primary sent (if it did), once the limits allow it.
+pub type CreateImage<'a, I> = dyn FnMut(u64, Option<&VmShape>) -> Result<I, String> + 'a;
+
 impl<I: Image> Standby<I> {
     /// Refuses a HELLO of another pairing than the checkpoint's, before
     /// anything of the stream in progress is touched.
@@ -388,7 +393,7 @@ impl<I: Image> Standby<I> {
     pub fn on(
         &mut self,
         msg: Msg,
-        create: &mut dyn FnMut(u64) -> Result<I, String>,
+        create: &mut CreateImage<'_, I>,
     ) -> Result<Option<Msg>, StandbyError> {
         let phase = std::mem::replace(&mut self.phase, Phase::AwaitHello);
         let (next, reply) = self.step(phase, msg, create)?;
@@ -400,7 +405,8 @@ impl<I: Image> Standby<I> {
         &mut self,
         (min, max, ram_size, session): (u16, u16, u64, u128),
         term: Option<Term>,
-        create: &mut dyn FnMut(u64) -> Result<I, String>,
+        shape: Option<&VmShape>,
+        create: &mut CreateImage<'_, I>,
     ) -> Result<Msg, StandbyError> {
         let bad = |s: String| Err(StandbyError::Invalid(s));
         if ram_size == 0 || ram_size % PAGE as u64 != 0 {
@@ -419,7 +425,7 @@ impl<I: Image> Standby<I> {
         let have = self.current.as_ref().map_or(ram_size, Image::ram_size);
         let version =
             check_hello(CHECKPOINT, (min, max, ram_size), have).map_err(StandbyError::Invalid)?;
-        let img = create(ram_size).map_err(|e| {
+        let img = create(ram_size, shape).map_err(|e| {
             StandbyError::Invalid(format!(
                 "cannot stand by for a VM of {} MiB here: {e}",
                 ram_size >> 20
@@ -443,7 +449,7 @@ impl<I: Image> Standby<I> {
         &mut self,
         phase: Phase,
         msg: Msg,
-        create: &mut dyn FnMut(u64) -> Result<I, String>,
+        create: &mut CreateImage<'_, I>,
     ) -> Result<(Phase, Option<Msg>), StandbyError> {
         match (phase, msg) {
             (_, Msg::Abort { reason }) => Err(StandbyError::Ended(reason)),
@@ -457,6 +463,7 @@ impl<I: Image> Standby<I> {
                     session,
                     vmm,
                     term,
+                    shape,
                 },
             ) => {
                 if vmm != self.limits.vmm {
@@ -466,7 +473,8 @@ impl<I: Image> Standby<I> {
                         self.limits.vmm.name()
                     )));
                 }
-                let reply = self.hello((min, max, ram_size, session), term, create)?;
+                let reply =
+                    self.hello((min, max, ram_size, session), term, shape.as_ref(), create)?;
                 Ok((Phase::Rounds(Round::FIRST), Some(reply)))
             }
             (Phase::Rounds(at), Msg::Pages { round, pages }) => {
@@ -1406,8 +1414,8 @@ fn data_session(
                     st.new_session();
                     st.owner = conn;
                 }
-                st.on(msg, &mut |size| {
-                    feasible_for(b.opts.as_ref(), size)?;
+                st.on(msg, &mut |size, shape| {
+                    feasible_for(b.opts.as_ref(), size, shape)?;
                     StandbyRam::new(size).map_err(|e| e.to_string())
                 })
             };
@@ -1914,13 +1922,28 @@ impl BackupOptions {
 
 /// Whether a takeover of a VM with `ram_size` bytes of RAM could run
 /// here, checked when a primary pairs: for QEMU, the standby started as a
-/// dry run ([`qemu_standby::dry_run`]).
-fn feasible_for(opts: &BackupOptions, ram_size: u64) -> Result<(), String> {
+/// dry run ([`qemu_standby::dry_run`]), which must be the primary's VM
+/// (its `shape`, where the primary sent one) as its guest sees it.
+fn feasible_for(
+    opts: &BackupOptions,
+    ram_size: u64,
+    shape: Option<&VmShape>,
+) -> Result<(), String> {
     feasible(opts)?;
     if opts.vmm_kind() == VmmKind::Qemu {
         crate::replica::create_named(&opts.qemu, &opts.replica_dir)?;
-        qemu_standby::dry_run(&opts.qemu, ram_size, &opts.status_dir)
+        let standby = qemu_standby::dry_run(&opts.qemu, ram_size, &opts.status_dir)
             .map_err(|e| format!("the QEMU that would take over does not start here: {e}"))?;
+        if let Some(primary) = shape {
+            let differences = vm_shape::differences(primary, &standby);
+            if !differences.is_empty() {
+                return Err(format!(
+                    "the QEMU that would take over is not the primary's VM as its guest sees it \
+                     (hagctl backup's QEMU command line must describe the same machine, CPU and devices): {}",
+                    differences.join("; ")
+                ));
+            }
+        }
     }
     Ok(())
 }
@@ -2498,7 +2521,7 @@ mod tests {
         Standby::new(generation, LIMITS)
     }
 
-    fn fresh(size: u64) -> Result<Ram, String> {
+    fn fresh(size: u64, _shape: Option<&VmShape>) -> Result<Ram, String> {
         Ok(Ram {
             pages: vec![[0; PAGE]; (size / PAGE as u64) as usize],
             fail_after: None,
@@ -2548,6 +2571,7 @@ mod tests {
             session,
             vmm: VmmKind::HagVmm,
             term: None,
+            shape: None,
         }
     }
 
@@ -2834,6 +2858,7 @@ mod tests {
             session: SESSION,
             vmm: VmmKind::Qemu,
             term: None,
+            shape: None,
         };
         let err = feed(&mut s, vec![qemu_hello.clone()]).unwrap_err();
         assert_eq!(
@@ -2893,10 +2918,11 @@ mod tests {
                         session: 1,
                         vmm: VmmKind::HagVmm,
                         term: None,
+                        shape: None,
                     },
-                    &mut |n| {
+                    &mut |n, shape| {
                         made += 1;
-                        fresh(n)
+                        fresh(n, shape)
                     },
                 )
                 .unwrap_err();
@@ -2904,7 +2930,7 @@ mod tests {
             s.new_session();
         }
         assert_eq!(made, 0);
-        let err = s.on(hello(), &mut |_| Err("ENOMEM".into())).unwrap_err();
+        let err = s.on(hello(), &mut |_, _| Err("ENOMEM".into())).unwrap_err();
         assert!(
             err.to_string()
                 .contains("cannot stand by for a VM of 0 MiB"),
@@ -2982,6 +3008,7 @@ mod tests {
                     session: SESSION,
                     vmm: VmmKind::HagVmm,
                     term: None,
+                    shape: None,
                 },
                 &mut fresh,
             )

@@ -59,6 +59,7 @@ use crate::stall::StallGuard;
 use crate::state_delta;
 use crate::term::{Instance, Term};
 use crate::vm_dirs::VmName;
+use crate::vm_shape::VmShape;
 use crate::vmm::copy::{CopyVm, OutputGate, VmStatus};
 use crate::vmm::qemu::Qemu;
 use crate::vmm::qemu_copy::{PlugGate, QemuVm};
@@ -995,6 +996,9 @@ struct Primary {
     epoch: u64,
     /// The first data connection, made at start, is not used yet.
     first: bool,
+    /// What the VM's guest sees (QEMU), sent at every pairing: the
+    /// backup's standby must match it.
+    shape: Option<VmShape>,
     /// A backup accepted this pairing once (from then on it may hold a
     /// checkpoint of this VM).
     paired: bool,
@@ -1067,7 +1071,7 @@ impl Primary {
             return Err(EpochError::Exit(outcome, detail));
         }
         let term = self.link.term();
-        self.src.handshake(Some(term))?;
+        self.src.handshake(Some(term), self.shape.as_ref())?;
         self.paired = true;
         let peer = self.src.peer;
         self.link.event(Event::Paired {
@@ -1850,6 +1854,8 @@ struct OpenedVm {
     stopper: Stopper,
     /// Its VMM process, named across hosts and reboots.
     instance: Instance,
+    /// What its guest sees (QEMU).
+    shape: Option<VmShape>,
 }
 
 /// The VM at `at`, opened.
@@ -1875,6 +1881,7 @@ fn open_vm(at: &VmAt) -> anyhow::Result<OpenedVm> {
                 vgpu_id,
                 stopper: Stopper::HagVmm(path.clone()),
                 instance,
+                shape: None,
             })
         }
         VmAt::Qemu {
@@ -1938,6 +1945,7 @@ fn open_vm(at: &VmAt) -> anyhow::Result<OpenedVm> {
                 vgpu_id,
                 stopper: Stopper::Qemu(pid),
                 instance,
+                shape: Some(opened.shape),
             })
         }
     }
@@ -1971,6 +1979,7 @@ pub fn checkpoint(
         vgpu_id,
         stopper,
         instance,
+        shape,
     } = open_vm(&opts.vm)?;
     let stats0 = dev.vgpu_stats(vgpu_id)?;
     let mopts = MigrateOptions {
@@ -2036,6 +2045,7 @@ pub fn checkpoint(
         round: 0,
         epoch: 0,
         first: true,
+        shape,
         paired: false,
         released: 0,
         stop,

@@ -61,6 +61,7 @@ mod term;
 mod test_switches;
 mod units;
 mod vm_dirs;
+mod vm_shape;
 // The VMM interface is whole; today's commands use only part of it (the
 // QEMU checkpointing work is to use save_device_state; hag-vmm's pause is
 // called through its client, for the workload's iteration).

@@ -32,6 +32,7 @@ use vmm_control::VmClient;
 use crate::pagehash::{PageHashes, Scan};
 use crate::secure::{self, Key};
 use crate::term::Term;
+use crate::vm_shape::VmShape;
 use crate::vmm::copy::CopyVm;
 use crate::vmm::hagvmm::HagVmm;
 use crate::vmm::{RunKind, Vmm, VmmError};
@@ -728,7 +729,7 @@ impl Source {
 
     fn run(&mut self, report: &mut MigrationReport) -> Result<(), MigrateError> {
         let start = Instant::now();
-        self.handshake(None)?;
+        self.handshake(None, None)?;
         if self.opts.gpu_dirty == GpuDirty::Audit {
             self.start_gpu_log()?;
         }
@@ -744,9 +745,13 @@ impl Source {
         Ok(())
     }
 
-    /// HELLO (with a protecting primary's `term`), and the target's
-    /// HELLO_OK.
-    pub(crate) fn handshake(&mut self, term: Option<Term>) -> Result<(), MigrateError> {
+    /// HELLO (with a protecting primary's `term` and its VM's `shape`),
+    /// and the target's HELLO_OK.
+    pub(crate) fn handshake(
+        &mut self,
+        term: Option<Term>,
+        shape: Option<&VmShape>,
+    ) -> Result<(), MigrateError> {
         let ram_size = self.ram.size();
         self.send(
             &Msg::Hello {
@@ -756,6 +761,7 @@ impl Source {
                 session: self.session,
                 vmm: self.vm.kind(),
                 term,
+                shape: shape.cloned(),
             },
             "handshake",
         )?;

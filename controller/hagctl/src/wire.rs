@@ -83,6 +83,7 @@
 
 use crate::term::{Instance, Term};
 use crate::vm_dirs::VmName;
+use crate::vm_shape::{VmShape, MAX_ENCODED as MAX_SHAPE};
 use std::io::{self, Read, Write};
 
 /// Which VMM runs the VM a stream carries, named in HELLO: it says what
@@ -394,6 +395,10 @@ pub enum Msg {
         /// A protecting primary's fencing term (none for a migration, or
         /// from a hagctl before terms).
         term: Option<Term>,
+        /// A protecting QEMU primary's VM shape, which the backup's
+        /// standby must match (none for hag-vmm, a migration, or from a
+        /// hagctl before shapes; only with a term).
+        shape: Option<VmShape>,
     },
     /// Handshake accepted (the answer to HELLO and to JOIN).
     HelloOk {
@@ -636,6 +641,24 @@ impl<'a> Cursor<'a> {
             vm,
         }))
     }
+    /// An optional VM shape, after a HELLO's term: none if the message
+    /// ends there.
+    fn shape(&mut self) -> Result<Option<VmShape>, WireError> {
+        if self.b.is_empty() {
+            return Ok(None);
+        }
+        let len = self.u32("VM shape's length")? as usize;
+        if len > MAX_SHAPE {
+            return Err(WireError::Malformed {
+                ty: self.ty,
+                what: format!("a VM shape of {len} bytes, at most {MAX_SHAPE}"),
+            });
+        }
+        let bytes = self.take(len, "VM shape")?;
+        VmShape::decode(bytes)
+            .map(Some)
+            .map_err(|what| WireError::Malformed { ty: self.ty, what })
+    }
     fn end(&self) -> Result<(), WireError> {
         if self.b.is_empty() {
             Ok(())
@@ -685,6 +708,7 @@ impl Msg {
                 session,
                 vmm,
                 term,
+                shape,
             } => {
                 p.extend_from_slice(&MAGIC);
                 p.extend_from_slice(&min.to_le_bytes());
@@ -694,6 +718,11 @@ impl Msg {
                 p.extend_from_slice(&session.to_le_bytes());
                 p.push(*vmm as u8);
                 put_term(&mut p, term);
+                if let (Some(_), Some(shape)) = (term, shape) {
+                    let bytes = shape.encode();
+                    p.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+                    p.extend_from_slice(&bytes);
+                }
             }
             Msg::HelloOk {
                 version,
@@ -829,6 +858,7 @@ impl Msg {
                     session,
                     vmm,
                     term: c.term()?,
+                    shape: c.shape()?,
                 }
             }
             MsgType::HelloOk => Msg::HelloOk {
@@ -1456,6 +1486,7 @@ pub(crate) mod tests {
                 session: 7,
                 vmm: VmmKind::HagVmm,
                 term: None,
+                shape: None,
             },
             Msg::Pages {
                 round: 0,
@@ -1645,6 +1676,7 @@ pub(crate) mod tests {
             session: 1,
             vmm: VmmKind::Qemu,
             term: None,
+            shape: None,
         }
         .payload();
         hello[0] = b'X';
@@ -1669,6 +1701,34 @@ pub(crate) mod tests {
         assert!(e.to_string().contains("VM name"), "{e}");
         join[name - 1] = 200;
         assert!(read_msg(&mut &frame(MsgType::Join, &join)[..]).is_err());
+        // A VM shape over its cap (refused before it is read), or not one.
+        let shaped = |len: u32, body: &[u8]| {
+            let mut p = Msg::Hello {
+                min: 3,
+                max: 3,
+                ram_size: 4096,
+                session: 1,
+                vmm: VmmKind::Qemu,
+                term: Some(Term {
+                    generation: 0,
+                    instance: Instance {
+                        boot: 1,
+                        pid: 2,
+                        started: 3,
+                    },
+                    vm: None,
+                }),
+                shape: None,
+            }
+            .payload();
+            p.extend_from_slice(&len.to_le_bytes());
+            p.extend_from_slice(body);
+            read_msg(&mut &frame(MsgType::Hello, &p)[..])
+        };
+        let e = shaped(MAX_SHAPE as u32 + 1, b"").unwrap_err();
+        assert!(e.to_string().contains("at most 65536"), "{e}");
+        let e = shaped(5, b"hello").unwrap_err();
+        assert!(e.to_string().contains("not a VM shape"), "{e}");
         // Disks: too many, an id that is not one; disk data over the cap,
         // empty, of an unknown kind.
         let disks = |count: u32, id: &[u8]| {
@@ -1769,6 +1829,11 @@ pub(crate) mod tests {
                     },
                     vm: None,
                 }),
+                shape: Some(VmShape {
+                    machine: "pc-q35-10.0-machine".into(),
+                    cpus: 2,
+                    ..VmShape::default()
+                }),
             },
             Msg::HelloOk {
                 version: 5,
@@ -1846,6 +1911,7 @@ pub(crate) mod tests {
             session: 1,
             vmm: VmmKind::HagVmm,
             term: None,
+            shape: None,
         };
         let err = run(vec![hello(32 * PAGE as u64, 3, 3)], &mut ram()).unwrap_err();
         assert!(matches!(err, ReceiveError::Handshake(_)), "{err}");

@@ -38,6 +38,7 @@ use super::qemu::{self, Qemu};
 use super::qemu_disks::{DeltaStats, DiskEpochs};
 use super::shared_ram::Mapping;
 use super::{Feature, MigrationSettings, RunState, Vmm, VmmError};
+use crate::vm_shape::VmShape;
 use crate::wire::{DiskInfo, VmmKind, MAX_PAYLOAD};
 
 /// What a QEMU epoch's VM_STATE holds: QEMU's stream, and the id of the
@@ -164,6 +165,8 @@ pub struct Opened {
     pub ram: GuestRam,
     /// The mdev UUID of its hag vGPU (its vfio-pci device's `sysfsdev`).
     pub vgpu_uuid: String,
+    /// What its guest sees: the backup's standby must be the same.
+    pub shape: VmShape,
 }
 
 /// The shared memory backend among `query-memdev`'s answer: `(id, size)`.
@@ -292,6 +295,8 @@ impl QemuVm {
             ));
         }
         let vgpu_uuid = vgpu_of(&mut qemu)?;
+        let shape = VmShape::read(qemu.qmp())
+            .map_err(|e| protocol(&qemu, format!("cannot read the VM's devices: {e}")))?;
         // An epoch's save goes into a pipe: no return path there (a VM
         // that arrived by migration may have it set), nothing that needs
         // more channels.
@@ -319,6 +324,7 @@ impl QemuVm {
             },
             ram,
             vgpu_uuid,
+            shape,
         })
     }
 

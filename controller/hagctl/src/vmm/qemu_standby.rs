@@ -26,6 +26,7 @@ use serde_json::json;
 use super::qemu::Qemu;
 use super::qemu_copy::wait_state;
 use super::{MigrationSettings, RunKind, Vmm};
+use crate::vm_shape::VmShape;
 
 /// How long QEMU may take to start and answer QMP.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
@@ -142,19 +143,20 @@ pub fn start(
     }
 }
 
-/// Whether `command` can start a standby of `ram_size` bytes here: it
-/// is started on a scratch file of that size (never the image: nothing
-/// may touch it but epochs) and quit.
-pub fn dry_run(command: &[String], ram_size: u64, dir: &Path) -> Result<(), String> {
+/// Whether `command` can start a standby of `ram_size` bytes here, and
+/// the shape of the VM it starts: it is started on a scratch file of that
+/// size (never the image: nothing may touch it but epochs), read and quit.
+pub fn dry_run(command: &[String], ram_size: u64, dir: &Path) -> Result<VmShape, String> {
     use nix::sys::memfd::{memfd_create, MFdFlags};
     let fd = memfd_create(c"hag-dry-run-ram", MFdFlags::MFD_CLOEXEC).map_err(|e| e.to_string())?;
     let len = i64::try_from(ram_size).map_err(|_| format!("RAM size {ram_size}"))?;
     nix::unistd::ftruncate(&fd, len).map_err(|e| e.to_string())?;
     let path = proc_fd_path(fd.as_fd());
     let mut s = start(command, "hag-dry-run-ram", &path, ram_size, dir, "dry-run")?;
+    let shape = VmShape::read(s.qemu.qmp());
     let _ = s.qemu.quit();
     let _ = s.child.wait();
-    Ok(())
+    shape.map_err(|e| format!("cannot read the standby VM's devices: {e}"))
 }
 
 /// `/proc/PID/fd/N` of one of this process's fds: a path another process
