@@ -10,7 +10,9 @@
 # acknowledged. Shared by the qemu_checkpoint_* and qemu_failover_*
 # scenarios. Set by the caller:
 #   FAULT        gpu-hang | qemu-crash | host-loss | none (the guest finishes
-#                on host 0)
+#                on host 0) | chaos (before_fault plays a fault of
+#                qemu_chaos_trial.sh's; then host 0 waits for the guest's
+#                end or for protection's)
 #   GUEST_ARGS   hag-guest's arguments, commas for spaces
 #   CP_ARGS      more hagctl checkpoint arguments (optional)
 #   CP_INTERVAL  hagctl checkpoint's --interval (1s unless set)
@@ -39,7 +41,10 @@
 #   CONSOLE=1    the VM's console is a socket chardev that hagctl checkpoint
 #                holds too (--console), released to /tmp/vm.console.held;
 #                QEMU logs all of it, unheld, to /tmp/vm.console
-#   during_backup   if defined: run on host 1 alongside hagctl backup
+#   during_backup   if defined: run on host 1 alongside hagctl backup; it
+#                   may kill the backup to have it restarted: first
+#                   /tmp/backup.restarting, then the kill, then
+#                   /tmp/backup.restart when it should start again
 #   during_primary  if defined: run on host 0 alongside hagctl checkpoint
 #                   (its output in /tmp/during.out)
 #   before_fault    if defined: run on host 0 once epoch FAULT_EPOCH is
@@ -231,16 +236,30 @@ if [ "$HAG_HOST" = 1 ]; then
 			fail "cannot copy the template into the replica"
 		step "host 1: the replica starts as a copy of the template"
 	fi
-	# shellcheck disable=SC2086
-	hagctl backup --listen "$backup" --failover-timeout 3 --json --status-dir /tmp/hag-backup --state-dir /tmp/hag-backup ${BACKUP_ARGS:-} \
-		-- chroot "$HOST_ROOT" "$@" >/tmp/backup.out 2>/tmp/backup.err &
-	bk=$!
+	# (Appending: a restarted backup's account follows its predecessor's.)
+	backup_start() {
+		# shellcheck disable=SC2086
+		hagctl backup --listen "$backup" --failover-timeout 3 --json --status-dir /tmp/hag-backup --state-dir /tmp/hag-backup ${BACKUP_ARGS:-} \
+			-- chroot "$HOST_ROOT" "$@" >>/tmp/backup.out 2>>/tmp/backup.err &
+		bk=$!
+	}
+	: >/tmp/backup.out
+	backup_start
 	# The guest halts when its work ends (the test kernel cannot power
 	# off): then its QEMU is ended with SIGTERM, as an operator would, and
 	# the backup must end with it.
 	n=0 quiet=0 size=0 since= protected_at= taken_at=
-	while kill -0 "$bk" 2>/dev/null; do
+	while kill -0 "$bk" 2>/dev/null || [ -e /tmp/backup.restarting ]; do
 		n=$((n + 1))
+		# A backup killed to be restarted (during_backup made
+		# /tmp/backup.restarting, then /tmp/backup.restart): the same
+		# command line again, its state directory kept.
+		if [ -e /tmp/backup.restart ]; then
+			wait "$bk" 2>/dev/null || true
+			rm -f /tmp/backup.restart /tmp/backup.restarting
+			step "host 1: hagctl backup restarted"
+			backup_start
+		fi
 		# A taken-over guest that prints and reports nothing for 60 s (it
 		# does every second while it runs; one resumed from a broken image
 		# may hang) is ended too, as is one that never ends.
@@ -334,6 +353,15 @@ else
 		lose_this_host
 		;;
 	esac
+	if [ "$FAULT" = chaos ]; then
+		# before_fault played a fault (qemu_chaos_trial.sh): the guest
+		# halts at its end, or protection ended first (the primary fenced
+		# or stopped: its VM never goes on). A hagctl checkpoint that was
+		# killed ends nothing: its VM runs on muted to its end.
+		wait_for 900 sh -c "grep -q HAG-GUEST-EXIT /tmp/vm.console || grep -q '\"outcome\"' /tmp/cp.out" ||
+			echo "host 0: neither did the guest end nor hagctl checkpoint, in 900 s"
+		! grep -q HAG-GUEST-EXIT /tmp/vm.console || kill -TERM "$(cat /tmp/vm.pid)" 2>/dev/null || true
+	fi
 	if [ "$FAULT" = none ]; then
 		# The guest halts at its end; its QEMU is ended as an operator
 		# would, and protection ends with it.
