@@ -10,6 +10,10 @@ use kernel::time::Ktime;
 
 use crate::abi;
 use crate::glue::EventMessage;
+use crate::ratelimit::{AtomicLogBudget, LeftOut, Verdict};
+
+/// Events not sent, for every vGPU: the log line's budget.
+static NOT_SENT: AtomicLogBudget = AtomicLogBudget::new();
 
 /// An event about one vGPU, built then sent.
 pub(crate) struct Event<'a> {
@@ -38,12 +42,18 @@ impl<'a> Event<'a> {
     /// Multicasts the event; logs (and otherwise ignores) a failure.
     pub(crate) fn send(self) {
         if let Err(e) = self.try_send() {
-            pr_warn!(
-                "hag_mdev: event {} for vGPU {} not sent: error {}\n",
-                abi::event_name(self.kind),
-                self.vgpu_id,
-                e.to_errno()
-            );
+            // A slow listener fails every event: one line each would
+            // flood the log at the guest's pace.
+            let now = u64::try_from(Ktime::ktime_get().to_ns()).unwrap_or(0);
+            if let Verdict::Print { suppressed } = NOT_SENT.check(now) {
+                pr_warn!(
+                    "hag_mdev: event {} for vGPU {} not sent: error {}{}\n",
+                    abi::event_name(self.kind),
+                    self.vgpu_id,
+                    e.to_errno(),
+                    LeftOut(suppressed)
+                );
+            }
         }
     }
 

@@ -32,6 +32,8 @@ pub mod audit;
 pub mod handoff;
 #[path = "../hag_gvt/src/track.rs"]
 pub mod track;
+#[path = "../hag_ratelimit/src/budget.rs"]
+pub mod ratelimit;
 mod control;
 mod dirty;
 mod events;

@@ -23,6 +23,7 @@ use crate::audit::{self, AddressSpace, AuditConfig, AuditError, GfxMemory, Memor
 use crate::glue;
 use crate::dirty::DirtyLog;
 use crate::events::Event;
+use crate::ratelimit::{LeftOut, LogBudget, Verdict};
 use crate::glue::{EventFd, VgpuHandle};
 
 pub(crate) use engine::Submission;
@@ -132,6 +133,9 @@ pub(crate) struct Sim {
     /// When `RING_HEAD` last moved (or work started), for the watchdog.
     last_progress_ns: i64,
     pub(crate) stats: Stats,
+    /// What the guest can make the host's log print (rejections, hangs):
+    /// a burst per interval, the rest counted in `stats`.
+    log_budget: LogBudget,
 }
 
 impl Sim {
@@ -155,6 +159,7 @@ impl Sim {
             watchdog_ms: abi::WATCHDOG_DEFAULT_MS,
             last_progress_ns: 0,
             stats: Stats::default(),
+            log_budget: LogBudget::new(),
         };
         sim.reset_config();
         sim.reset_engine();
@@ -483,7 +488,9 @@ impl Sim {
 
     fn reject(&mut self, e: AuditError) {
         self.stats.rejected += 1;
-        pr_info!("hag_mdev: vGPU {}: submission rejected: {}\n", self.id, e);
+        if let Some(left_out) = self.may_log() {
+            pr_info!("hag_mdev: vGPU {}: submission rejected: {}{}\n", self.id, e, left_out);
+        }
         self.stop(r::ERROR_COMMAND_REJECTED, e.gfx_addr, e.header.unwrap_or(0), e.reason.code());
         Event::new(abi::EVENT_COMMAND_REJECTED, self.id, &self.uuid).send();
     }
@@ -554,6 +561,17 @@ impl Sim {
         Ok(())
     }
 
+    /// Whether a line the guest caused may go to the host's log now
+    /// ([`LogBudget`]): if so, what to append about lines left out.
+    fn may_log(&mut self) -> Option<LeftOut> {
+        // ktime_get() is monotonic and never negative.
+        let now = u64::try_from(Ktime::ktime_get().to_ns()).unwrap_or(0);
+        match self.log_budget.check(now) {
+            Verdict::Print { suppressed } => Some(LeftOut(suppressed)),
+            Verdict::Suppress => None,
+        }
+    }
+
     /// Declares the vGPU hung, as the watchdog does.
     pub(crate) fn hang(&mut self, why: &str) {
         self.run = None;
@@ -563,7 +581,9 @@ impl Sim {
         self.regs.error_status = r::ERROR_HANG;
         self.regs.error_addr = u64::from(self.regs.ring_start) + u64::from(self.regs.ring_head);
         self.raise(r::INT_HANG);
-        pr_info!("hag_mdev: vGPU {} hung: {}\n", self.id, why);
+        if let Some(left_out) = self.may_log() {
+            pr_info!("hag_mdev: vGPU {} hung: {}{}\n", self.id, why, left_out);
+        }
         Event::new(abi::EVENT_VGPU_HUNG, self.id, &self.uuid).message(why).send();
     }
 
