@@ -21,10 +21,12 @@
 # Each host prints what it saw for qemu-tests/chaos to judge with both
 # hosts' logs (the acknowledged epochs are host 0's "[checkpoint] epoch N:"
 # lines):
-#   CHAOS-PRIMARY fault=F rc=N outcome=O plug=gone|left
+#   CHAOS-PRIMARY fault=F rc=N outcome=O acked=EPOCH plug=gone|left
 #   CHAOS-FACTS fault=F takeover=EPOCH|none client=ok|broken pass=0|1|2 backup_rc=N refused=yes|no
 # and fails only if the trial could not run; the invariants are the judge's.
 FAULT=chaos
+# The console, for during_backup's account (its own output goes to a file).
+exec 3>&1
 GUEST_ARGS=${GUEST_ARGS:-"--seconds=40,--mib=8,--cpu-mib=8,--progress=1"}
 CHAOS_SECONDS=8
 
@@ -39,9 +41,10 @@ case $CHAOS_FAULT in
 backup-restart)
 	during_backup() {
 		chaos_wait_applied || return 0
-		echo "chaos: hagctl backup (pid $(pgrep -x hagctl)) killed, restarted in $CHAOS_SECONDS s"
+		pid=$(pidof hagctl)
+		step "host 1: chaos: hagctl backup (pid $pid) killed, restarted in $CHAOS_SECONDS s" >&3
 		touch /tmp/backup.restarting
-		kill -KILL "$(pgrep -x hagctl)"
+		kill -KILL "$pid"
 		sleep "$CHAOS_SECONDS"
 		touch /tmp/backup.restart
 	}
@@ -49,11 +52,12 @@ backup-restart)
 backup-stop)
 	during_backup() {
 		chaos_wait_applied || return 0
-		pid=$(pgrep -x hagctl)
-		echo "chaos: hagctl backup (pid $pid) stopped for $CHAOS_SECONDS s"
+		pid=$(pidof hagctl)
+		step "host 1: chaos: hagctl backup (pid $pid) stopped for $CHAOS_SECONDS s" >&3
 		kill -STOP "$pid"
 		sleep "$CHAOS_SECONDS"
 		kill -CONT "$pid"
+		step "host 1: chaos: hagctl backup (pid $pid) continued" >&3
 	}
 	;;
 flood | cut-all | kill-primary-hagctl)
@@ -91,7 +95,8 @@ check_primary() {
 	*plug*) plug=left ;;
 	esac
 	outcome=$(sed -n 's/.*"outcome":"\([a-z-]*\)".*/\1/p' /tmp/cp.out | tail -n 1)
-	echo "CHAOS-PRIMARY fault=$CHAOS_FAULT rc=$1 outcome=${outcome:-none} plug=$plug"
+	acked=$(sed -n 's/^epoch \([0-9]*\):.*/\1/p' /tmp/cp.err | tail -n 1)
+	echo "CHAOS-PRIMARY fault=$CHAOS_FAULT rc=$1 outcome=${outcome:-none} acked=${acked:-0} plug=$plug"
 }
 
 check_backup() {
