@@ -236,7 +236,8 @@ if [ "$HAG_HOST" = 1 ]; then
 			fail "cannot copy the template into the replica"
 		step "host 1: the replica starts as a copy of the template"
 	fi
-	# (Appending: a restarted backup's account follows its predecessor's.)
+	# backup_start QEMU-WORDS...: a restarted backup's account follows its
+	# predecessor's.
 	backup_start() {
 		# shellcheck disable=SC2086
 		hagctl backup --listen "$backup" --failover-timeout 3 --json --status-dir /tmp/hag-backup --state-dir /tmp/hag-backup ${BACKUP_ARGS:-} \
@@ -244,7 +245,7 @@ if [ "$HAG_HOST" = 1 ]; then
 		bk=$!
 	}
 	: >/tmp/backup.out
-	backup_start
+	backup_start "$@"
 	# The guest halts when its work ends (the test kernel cannot power
 	# off): then its QEMU is ended with SIGTERM, as an operator would, and
 	# the backup must end with it.
@@ -258,7 +259,7 @@ if [ "$HAG_HOST" = 1 ]; then
 			wait "$bk" 2>/dev/null || true
 			rm -f /tmp/backup.restart /tmp/backup.restarting
 			step "host 1: hagctl backup restarted"
-			backup_start
+			backup_start "$@"
 		fi
 		# A taken-over guest that prints and reports nothing for 60 s (it
 		# does every second while it runs; one resumed from a broken image
