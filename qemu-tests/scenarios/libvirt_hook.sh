@@ -6,9 +6,11 @@
 # No libvirt and no QEMU here: the "domain" is a real hag-vmm VM (its control
 # socket named by <hag:protect vm-socket=…>), protected by the
 # real hagctl checkpoint against a real hagctl backup on this same host.
-#   started  -> hagctl checkpoint runs (pidfile, process, `hagctl status`);
-#            first with its backup not yet listening: it fails, and the
-#            hook retries it (RETRY) until the backup is there
+#   started  -> hagctl checkpoint runs (pidfile, process, `hagctl status`)
+#            with the domain's own key (<hag:protect key=…>, which the
+#            backup holds and /etc/hag/pair.key is not); first with its
+#            backup not yet listening: it fails, and the hook retries it
+#            (RETRY) until the backup is there
 #   stopped, release (after the VM is gone) -> it ends, the backup ends
 #            without a takeover
 #   no mdev, no hag metadata, hag absent, migrate -> left alone, exit 0,
@@ -68,7 +70,9 @@ EOF
 EOF
 }
 
-PROTECT="<hag:protect xmlns:hag=\"https://hag.example/1\" backup=\"$BACKUP\" interval=\"1s\" failover-timeout=\"10\" vm-socket=\"$SOCK\"/>"
+# This pair's own key: with the fleet's (/etc/hag/pair.key) nothing pairs.
+hagctl keygen /tmp/dom.key >/dev/null || fail "hagctl keygen"
+PROTECT="<hag:protect xmlns:hag=\"https://hag.example/1\" backup=\"$BACKUP\" interval=\"1s\" failover-timeout=\"10\" vm-socket=\"$SOCK\" key=\"/tmp/dom.key\"/>"
 
 # hook NAME OP SUB XMLFILE: runs the hook as libvirt does; its stdout must
 # be empty and reach EOF promptly (nothing left holding it), and it must
@@ -157,13 +161,13 @@ wait_for 90 retrying || fail "no retry after the failed protection: $(cat "$LOG"
 
 step "backup on $BACKUP: the retry protects the domain"
 hagctl backup --listen "$BACKUP" --mdev "$backup_uuid" --control /tmp/backup-vm.sock \
-	--failover-timeout 10 >/tmp/backup.out 2>/tmp/backup.err &
+	--failover-timeout 10 --key /tmp/dom.key >/tmp/backup.out 2>/tmp/backup.err &
 backup_pid=$!
 protected() { hagctl status | grep -q "protected, last epoch"; }
 wait_for 90 protected || fail "the retried protection did not protect the VM: $(cat "$LOG")"
 cp_pid=$(cat "$PIDFILE")
 kill -0 "$cp_pid" || fail "hagctl checkpoint (pid $cp_pid) is not running"
-tr '\0' ' ' <"/proc/$cp_pid/cmdline" | grep -q "checkpoint --vm $SOCK --backup $BACKUP --interval 1s" ||
+tr '\0' ' ' <"/proc/$cp_pid/cmdline" | grep -q "checkpoint --vm $SOCK --backup $BACKUP --interval 1s .*--key /tmp/dom.key" ||
 	fail "pid $cp_pid is not the checkpoint: $(tr '\0' ' ' <"/proc/$cp_pid/cmdline")"
 if ! wait_for 90 protected; then
 	hagctl status
