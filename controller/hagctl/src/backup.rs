@@ -1290,6 +1290,18 @@ impl Live {
         self.hang = None;
     }
 
+    /// Whether a JOIN of `session` joins: the session in progress; or,
+    /// while this backup holds no checkpoint (no pairing yet, or one that
+    /// never completed, e.g. refused at its HELLO), a new one, which
+    /// replaces it, as a new pairing's HELLO does. Never another session
+    /// while taking over.
+    fn admits(&self, session: u128) -> bool {
+        if self.role.taking_over() {
+            return self.session == Some(session);
+        }
+        self.session.is_none_or(|s| s == session) || self.epoch == 0
+    }
+
     fn member_of(&self, conn: u64) -> bool {
         self.members.contains_key(&conn)
     }
@@ -1540,8 +1552,7 @@ fn control_session(
             out.send(&refusal);
             return;
         }
-        let ours = l.session.is_none_or(|s| s == session);
-        if !ours || l.role.taking_over() && l.session != Some(session) {
+        if !l.admits(session) {
             let why = format!(
                 "refused a control connection from {from}: session {} is not this backup's ({})",
                 session_name(session),
@@ -1551,9 +1562,7 @@ fn control_session(
             out.send(&Msg::Error { message: why });
             return;
         }
-        if l.session.is_none() {
-            l.adopt(session);
-        }
+        l.adopt(session);
         let ok = Msg::HelloOk {
             version: VERSION_MAX,
             generation: l.generation,
@@ -3353,6 +3362,26 @@ mod tests {
                 "an old pairing's connection stays open"
             );
         }
+    }
+
+    /// A pairing refused at its HELLO (its JOIN had made its session the
+    /// backup's) does not keep the next primary out while the backup holds
+    /// no checkpoint; one that holds a checkpoint, or takes over, admits
+    /// only its own session.
+    #[test]
+    fn only_a_checkpoint_or_a_takeover_keeps_a_session() {
+        let mut l = Live::new(0, Vec::new());
+        assert!(l.admits(SESSION));
+        l.adopt(SESSION);
+        assert!(l.admits(SESSION) && l.admits(99), "no checkpoint yet");
+        l.epoch = 4;
+        assert!(
+            l.admits(SESSION) && !l.admits(99),
+            "a checkpoint of SESSION"
+        );
+        l.epoch = 0;
+        assert!(l.role.take_over());
+        assert!(l.admits(SESSION) && !l.admits(99), "taking over");
     }
 
     /// Issue 12, item 9, and issue 20, item 3: the generation is stored
