@@ -27,7 +27,11 @@
 FAULT=chaos
 # The console, for during_backup's account (its own output goes to a file).
 exec 3>&1
-GUEST_ARGS=${GUEST_ARGS:-"--seconds=40,--mib=8,--cpu-mib=8,--progress=1"}
+# 40 s of work; 80 s where the backup restarts or stops, so that the primary's full
+# resynchronisation (about 20 s here) ends while the guest still runs.
+seconds=40
+case $CHAOS_FAULT in backup-restart | backup-stop) seconds=80 ;; esac
+GUEST_ARGS=${GUEST_ARGS:-"--seconds=$seconds,--mib=8,--cpu-mib=8,--progress=1"}
 CHAOS_SECONDS=8
 
 # chaos_wait_applied: on host 1, until epoch FAULT_EPOCH is applied, then
