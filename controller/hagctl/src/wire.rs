@@ -1682,17 +1682,18 @@ pub(crate) mod tests {
         hello[0] = b'X';
         assert!(read_msg(&mut &frame(MsgType::Hello, &hello)[..]).is_err());
         // A term's VM name that is not one, or runs past the payload.
+        let term = |vm: Option<VmName>| Term {
+            generation: 0,
+            instance: Instance {
+                boot: 1,
+                pid: 2,
+                started: 3,
+            },
+            vm,
+        };
         let mut join = Msg::Join {
             session: 1,
-            term: Some(Term {
-                generation: 0,
-                instance: Instance {
-                    boot: 1,
-                    pid: 2,
-                    started: 3,
-                },
-                vm: Some("web1".parse().unwrap()),
-            }),
+            term: Some(term(Some("web1".parse().unwrap()))),
         }
         .payload();
         let name = join.len() - 4;
@@ -1709,15 +1710,7 @@ pub(crate) mod tests {
                 ram_size: 4096,
                 session: 1,
                 vmm: VmmKind::Qemu,
-                term: Some(Term {
-                    generation: 0,
-                    instance: Instance {
-                        boot: 1,
-                        pid: 2,
-                        started: 3,
-                    },
-                    vm: None,
-                }),
+                term: Some(term(None)),
                 shape: None,
             }
             .payload();
