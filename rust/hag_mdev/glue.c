@@ -79,6 +79,11 @@ void hag_glue_msleep(u32 ms)
 	msleep(ms);
 }
 
+bool hag_glue_fatal_signal_pending(void)
+{
+	return fatal_signal_pending(current);
+}
+
 void hag_glue_cond_resched(void)
 {
 	might_sleep();

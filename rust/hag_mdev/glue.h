@@ -108,6 +108,7 @@ bool hag_glue_hang_injection_allowed(void);
 bool hag_glue_gpu_dirty_withheld(void);
 u32 hag_glue_test_hold_vgpu_ms(void);
 void hag_glue_msleep(u32 ms);
+bool hag_glue_fatal_signal_pending(void);
 void hag_glue_cond_resched(void);
 void hag_glue_iova_bitmap_set(void *dirty, u64 iova, u64 length);
 

@@ -231,6 +231,7 @@ extern "C" {
     fn hag_glue_gpu_dirty_withheld() -> bool;
     fn hag_glue_test_hold_vgpu_ms() -> u32;
     fn hag_glue_msleep(ms: u32);
+    fn hag_glue_fatal_signal_pending() -> bool;
     fn hag_glue_cond_resched();
     fn hag_glue_iova_bitmap_set(dirty: *mut c_void, iova: u64, length: u64);
     fn hag_glue_register(ctx: *const c_void, ops: *const RsOps, cfg: *const GlueConfig) -> c_int;
@@ -656,6 +657,14 @@ pub(crate) fn test_hold_vgpu_ms() -> u32 {
 pub(crate) fn msleep(ms: u32) {
     // SAFETY: the callers are ioctls, which run in process context.
     unsafe { hag_glue_msleep(ms) }
+}
+
+/// Whether the calling task was killed (SIGKILL, or a fatal signal): a
+/// wait in its syscall must end so that it can exit.
+pub(crate) fn fatal_signal_pending() -> bool {
+    // SAFETY: reads the current task's pending signals; the callers run
+    // in process context (an ioctl), so `current` is their task.
+    unsafe { hag_glue_fatal_signal_pending() }
 }
 
 /// Lets other tasks run if this one has run long (process context only;

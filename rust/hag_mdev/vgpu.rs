@@ -69,7 +69,8 @@ impl Vgpu {
     /// hold this call took is let go again and `ETIMEDOUT` returned: work
     /// in flight is never snapshotted. If the hold goes while it waits
     /// (the VMM closed the device, which resets it, or `IOC_RESUME`), it
-    /// fails with `ECANCELED`; once the vGPU is removed, with `ENODEV`. A
+    /// fails with `ECANCELED`; once the vGPU is removed, with `ENODEV`; if
+    /// the calling process is killed, with `EINTR` (its hold let go). A
     /// hold taken for a `/dev/hag` opener (`holder`) is that opener's: it
     /// goes when the opener's file is released.
     pub(crate) fn quiesce(&self, timeout_ms: u32, holder: Option<u64>) -> Result {
@@ -87,11 +88,15 @@ impl Vgpu {
                     }
                     return Ok(());
                 }
-                if Ktime::ktime_get().to_ns() >= deadline {
+                // Killed meanwhile (the VMM, or whoever asked): its
+                // process must be able to exit, not sleep out the timeout.
+                let killed = crate::glue::fatal_signal_pending();
+                if killed || Ktime::ktime_get().to_ns() >= deadline {
                     if !held_before {
                         sim.resume(&self.handle);
                     }
-                    return Err(crate::errno(kernel::bindings::ETIMEDOUT));
+                    let code = if killed { kernel::bindings::EINTR } else { kernel::bindings::ETIMEDOUT };
+                    return Err(crate::errno(code));
                 }
             }
             crate::glue::msleep(2);

@@ -173,6 +173,48 @@ pub fn context_check(mdev_a: &str, mdev_b: &str) -> anyhow::Result<()> {
 }
 
 /// `hag-vmm quiesce-check --mdev UUID --timeout-ms MS`.
+/// With work held in flight on vGPU `id`: an IOC_QUIESCE (30 s) in a
+/// process of its own waits, and ends once that process is killed
+/// (SIGKILL), letting its hold go: a VMM or migration stuck behind a
+/// wedged vGPU can always be killed.
+fn killed_quiesce<R: Registers>(id: u32, drv: &Driver<'_, R>) -> anyhow::Result<()> {
+    let mut waiter = std::process::Command::new(std::env::current_exe()?)
+        .args([
+            "quiesce-wait",
+            "--vgpu",
+            &id.to_string(),
+            "--timeout-ms",
+            "30000",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("starting a quiesce in another process")?;
+    std::thread::sleep(Duration::from_millis(500));
+    if let Some(status) = waiter.try_wait()? {
+        bail!("the other process's IOC_QUIESCE ended at once ({status}): it did not wait for the held work");
+    }
+    waiter.kill()?;
+    let killed = Instant::now();
+    while waiter.try_wait()?.is_none() {
+        ensure!(
+            killed.elapsed() < Duration::from_secs(10),
+            "IOC_QUIESCE still waits 10 s after its process was killed (SIGKILL): the wait cannot be killed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let engine = drv.regs().read(r::ENGINE_STATUS)?;
+    ensure!(
+        engine & r::ENGINE_QUIESCED == 0,
+        "after the killed quiesce the engine status is {engine:#x}: its hold stayed"
+    );
+    println!(
+        "ok: a quiesce in another process, waiting on the held work, ended {} ms after that process was killed; its hold went with it",
+        killed.elapsed().as_millis()
+    );
+    Ok(())
+}
+
 pub fn quiesce_check(mdev: &str, timeout_ms: u32) -> anyhow::Result<()> {
     let hag = Device::open()?;
     hag.version()?;
@@ -284,6 +326,7 @@ pub fn quiesce_check(mdev: &str, timeout_ms: u32) -> anyhow::Result<()> {
         engine & (r::ENGINE_QUIESCED | r::ENGINE_IDLE | r::ENGINE_HUNG) == 0,
         "after ETIMEDOUT the engine status is {engine:#x}: expected running, not quiesced"
     );
+    killed_quiesce(id, &drv)?;
     gate.open(&drv.mem())?;
     drv.wait(SUBMIT_TIMEOUT)
         .map_err(|f| anyhow::anyhow!("the held submission, its gate opened: {}", f.error))?;

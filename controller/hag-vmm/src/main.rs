@@ -81,8 +81,10 @@ with a 16000-command batch in flight (must succeed after all of the batch
 ran; the work completes after resume); quiesce with a
 self-chaining batch looping (must return ETIMEDOUT within about
 --timeout-ms and leave the engine running until the watchdog declares a
-hang); after a reset, work and quiesce succeed again. One 'ok:' line per
-step, then 'PASS quiesce-check: …'.")]
+hang); with work held in flight, a quiesce in another process ends when
+that process is killed (SIGKILL) and lets its hold go; after a reset, work
+and quiesce succeed again. One 'ok:' line per step, then 'PASS
+quiesce-check: …'.")]
     QuiesceCheck {
         /// UUID of the hag-sim mdev
         #[arg(long, value_name = "UUID")]
@@ -90,6 +92,17 @@ step, then 'PASS quiesce-check: …'.")]
         /// IOC_QUIESCE timeout in milliseconds
         #[arg(long, value_name = "MS", default_value_t = 500,
               value_parser = clap::value_parser!(u32).range(1..=10_000))]
+        timeout_ms: u32,
+    },
+    /// IOC_QUIESCE of vGPU --vgpu, nothing else (quiesce-check runs it in
+    /// a process of its own, to kill it while it waits)
+    #[command(hide = true)]
+    QuiesceWait {
+        /// The vGPU's id (`/dev/hag`)
+        #[arg(long)]
+        vgpu: u32,
+        /// IOC_QUIESCE timeout in milliseconds
+        #[arg(long, value_name = "MS")]
         timeout_ms: u32,
     },
     /// Check that calls still in flight when their vGPU is removed, and
@@ -487,12 +500,18 @@ fn run_serve(cfg: &hag_vmm::serve::ServeConfig) -> anyhow::Result<()> {
     }
 }
 
+fn quiesce_wait(vgpu: u32, timeout_ms: u32) -> anyhow::Result<()> {
+    Device::open()?.quiesce(vgpu, timeout_ms)?;
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::VfioMigrationCheck { mdev, mdev2 } => vfio_migration::run(&mdev, &mdev2),
         Command::ContextCheck { mdev, mdev2 } => ctx_check::context_check(&mdev, &mdev2),
         Command::QuiesceCheck { mdev, timeout_ms } => ctx_check::quiesce_check(&mdev, timeout_ms),
+        Command::QuiesceWait { vgpu, timeout_ms } => quiesce_wait(vgpu, timeout_ms),
         Command::RemoveCheck {
             mdev,
             held,
