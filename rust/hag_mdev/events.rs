@@ -47,7 +47,7 @@ impl<'a> Event<'a> {
             let now = u64::try_from(Ktime::ktime_get().to_ns()).unwrap_or(0);
             if let Verdict::Print { suppressed } = NOT_SENT.check(now) {
                 pr_warn!(
-                    "hag_mdev: event {} for vGPU {} not sent: error {}{}\n",
+                    "event {} for vGPU {} not sent: error {}{}\n",
                     abi::event_name(self.kind),
                     self.vgpu_id,
                     e.to_errno(),

@@ -489,7 +489,7 @@ impl Sim {
     fn reject(&mut self, e: AuditError) {
         self.stats.rejected += 1;
         if let Some(left_out) = self.may_log() {
-            pr_info!("hag_mdev: vGPU {}: submission rejected: {}{}\n", self.id, e, left_out);
+            pr_info!("vGPU {}: submission rejected: {}{}\n", self.id, e, left_out);
         }
         self.stop(r::ERROR_COMMAND_REJECTED, e.gfx_addr, e.header.unwrap_or(0), e.reason.code());
         Event::new(abi::EVENT_COMMAND_REJECTED, self.id, &self.uuid).send();
@@ -582,7 +582,7 @@ impl Sim {
         self.regs.error_addr = u64::from(self.regs.ring_start) + u64::from(self.regs.ring_head);
         self.raise(r::INT_HANG);
         if let Some(left_out) = self.may_log() {
-            pr_info!("hag_mdev: vGPU {} hung: {}{}\n", self.id, why, left_out);
+            pr_info!("vGPU {} hung: {}{}\n", self.id, why, left_out);
         }
         Event::new(abi::EVENT_VGPU_HUNG, self.id, &self.uuid).message(why).send();
     }
@@ -608,7 +608,7 @@ impl Sim {
                 return;
             }
             engine::Outcome::Broken(e) => {
-                pr_err!("hag_mdev: vGPU {}: the engine's walk disagrees with the audit ({:?}): a hag bug\n", self.id, e);
+                pr_err!("vGPU {}: the engine's walk disagrees with the audit ({:?}): a hag bug\n", self.id, e);
                 self.hang("the engine's walk disagrees with the audit");
                 return;
             }

@@ -132,12 +132,12 @@ impl Sim {
     /// (its version, checksum and layout, its source and graphics memory).
     pub(crate) fn parse_compatible<'a>(&self, bytes: &'a [u8]) -> Result<Snapshot<'a>> {
         let snap = Snapshot::parse(bytes).map_err(|e| {
-            pr_info!("hag_mdev: vGPU {}: restore refused: {}\n", self.id, e);
+            pr_info!("vGPU {}: restore refused: {}\n", self.id, e);
             errno(e)
         })?;
         if u32::from(snap.source) != abi::VGPU_SOURCE_SIM || snap.gfx_mem_size != abi::SIM_GFX_MEM_SIZE {
             pr_info!(
-                "hag_mdev: vGPU {}: restore refused: snapshot of a {} vGPU with {} bytes of graphics memory, this is a sim vGPU with {}\n",
+                "vGPU {}: restore refused: snapshot of a {} vGPU with {} bytes of graphics memory, this is a sim vGPU with {}\n",
                 self.id,
                 abi::source_name(u32::from(snap.source)),
                 snap.gfx_mem_size,
@@ -185,7 +185,7 @@ impl Sim {
             || !(abi::WATCHDOG_MIN_MS..=abi::WATCHDOG_MAX_MS).contains(&watchdog_ms)
             || config[..4] != self.config[..4]
         {
-            pr_info!("hag_mdev: vGPU {}: restore refused: register values out of range\n", self.id);
+            pr_info!("vGPU {}: restore refused: register values out of range\n", self.id);
             return Err(EINVAL);
         }
 
