@@ -166,7 +166,8 @@ ha_trial_primary() {
 		for _ in $(seq 24); do
 			sleep 5 | nc "$(host_ip 1)" "$ha_port" >/dev/null 2>&1 &
 		done
-		wait_for 30 sh -c "! pgrep -f 'nc $(host_ip 1) $ha_port' >/dev/null" || true
+		# (busybox has no pgrep: the flood's nc are the only ones on host 0.)
+		wait_for 30 sh -c '! pidof nc >/dev/null' || true
 		;;
 	kill-primary-hagctl) kill -9 "$ha_cp" ;;
 	stop-primary-hagctl)
