@@ -837,7 +837,7 @@ int hag_glue_register(const void *ctx, const struct hag_rs_ops *ops,
 	hag_genl_family.maxattr = cfg->genl_maxattr;
 	ret = genl_register_family(&hag_genl_family);
 	if (ret)
-		return ret;
+		goto err_ctx;
 
 	hag_misc.name = cfg->misc_name;
 	ret = misc_register(&hag_misc);
@@ -880,6 +880,10 @@ err_misc:
 	misc_deregister(&hag_misc);
 err_genl:
 	genl_unregister_family(&hag_genl_family);
+err_ctx:
+	/* The Rust state this pointed to is dropped when loading fails. */
+	hag_ctx = NULL;
+	hag_ops = NULL;
 	return ret;
 }
 
@@ -895,6 +899,8 @@ void hag_glue_unregister(void)
 	mdev_unregister_driver(&hag_mdev_driver);
 	misc_deregister(&hag_misc);
 	genl_unregister_family(&hag_genl_family);
+	hag_ctx = NULL;
+	hag_ops = NULL;
 }
 
 /* ---- GVT-g ------------------------------------------------------------ */
