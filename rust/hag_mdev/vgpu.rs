@@ -489,9 +489,18 @@ impl State {
             (STOP, RUNNING) => {
                 let mut sim = vgpu.lock()?;
                 sim.vfio_stopped = false;
-                sim.resume(&vgpu.handle);
+                // A /dev/hag opener's quiesce is its own to let go
+                // (IOC_RESUME, or closing /dev/hag).
+                let held = sim.held_by.is_some();
+                if !held {
+                    sim.resume(&vgpu.handle);
+                }
                 drop(sim);
-                vgpu.event("resumed by VFIO migration");
+                vgpu.event(if held {
+                    "VFIO migration ran again; still quiesced by a /dev/hag opener"
+                } else {
+                    "resumed by VFIO migration"
+                });
                 MigAction::None
             }
             (STOP, STOP_COPY) => MigAction::Save,

@@ -3,6 +3,7 @@
 //! does (`VFIO_DEVICE_FEATURE_MIGRATION`, `…_MIG_DEVICE_STATE`,
 //! `…_MIG_DATA_SIZE`, and the data fd), and checks what the module promises:
 //!
+//! * a quiesce a `/dev/hag` opener holds outlives STOP → RUNNING;
 //! * RUNNING → STOP with a submission in flight past the module's 2 s bound
 //!   (held at a semaphore) fails (`ETIMEDOUT`) and leaves the device
 //!   RUNNING, and the work completes; after a batch that loops until the
@@ -337,6 +338,27 @@ pub fn run(mdev_a: &str, mdev_b: &str) -> anyhow::Result<()> {
     };
     let mut drv =
         Driver::init(&regs, &ram, cfg).context("cannot set up the guest GPU driver on A")?;
+
+    // A quiesce a /dev/hag opener holds outlives the VMM's STOP ->
+    // RUNNING: VFIO's resume lets go only of what VFIO's stop took.
+    hag.quiesce(vgpu_a.id, 1000)
+        .context("IOC_QUIESCE of idle A")?;
+    go(&a, STATE_STOP)?;
+    go(&a, STATE_RUNNING)?;
+    let engine = drv.regs().read(r::ENGINE_STATUS)?;
+    ensure!(
+        engine & r::ENGINE_QUIESCED != 0,
+        "VFIO STOP -> RUNNING let go of a /dev/hag opener's quiesce (engine status {engine:#x})"
+    );
+    hag.resume(vgpu_a.id)?;
+    let engine = drv.regs().read(r::ENGINE_STATUS)?;
+    ensure!(
+        engine & r::ENGINE_QUIESCED == 0,
+        "IOC_RESUME left A quiesced (engine status {engine:#x})"
+    );
+    println!(
+        "ok: a /dev/hag opener's quiesce held across VFIO STOP -> RUNNING, until its IOC_RESUME"
+    );
 
     // Work in flight is never snapshotted: with a submission held at a
     // semaphore (busy, within every budget, for as long as the gate stays
