@@ -228,7 +228,7 @@ impl Policy {
 
     /// Whether what the output gates still hold may be dropped at exit:
     /// the VM was stopped for good (fenced, handed over, crashed, ended
-    /// unconfirmed) and no stop failed. Output of a VM that may still run
+    /// unconfirmed, gone while unprotected) and no stop failed. Output of a VM that may still run
     /// stays held.
     pub fn held_output_void(&self) -> bool {
         self.stop_confirmed && self.stop_failures == 0
@@ -405,9 +405,12 @@ impl Policy {
                 if self.final_state() {
                     return vec![];
                 }
-                // Its output since the last ack stays held (it never goes
-                // out): the backup may still resume from that epoch.
+                // Its output since the last ack never goes out (the backup
+                // may still resume from that epoch); with the VM gone for
+                // good it is dropped, and the gate with it.
                 self.state = State::Done;
+                self.vm_stopped = true;
+                self.stop_confirmed = true;
                 vec![Exit("vm-stopped", why)]
             }
             // Nothing can contradict the held output any more: it goes
@@ -823,10 +826,12 @@ mod tests {
         let a = p.on(Event::EndUnconfirmed);
         assert!(!a.iter().any(|x| matches!(x, StopVm(_))));
         assert!(matches!(a.last(), Some(Exit("finished-unconfirmed", _))));
-        // A VM gone by itself, unprotected: its held output stays held.
+        // A VM gone by itself, unprotected: its held output is never
+        // released, but dropped (no gate is left holding it).
         let mut q = protected();
         q.on(Event::LinkLost("x".into()));
         let a = q.on(Event::VmGone("the VM is gone".into()));
         assert!(!releases(&a));
+        assert!(q.held_output_void());
     }
 }
