@@ -17,7 +17,8 @@ What the client saw must be a prefix of one run of the guest:
 
 --require-result also fails a log without a result; --require-pass one
 whose result is not PASS. --host-lost: the primary's host was lost (a
-power cut). The datagrams of the epoch whose acknowledgement reached the
+power cut), or it was cut off (a partition, a killed hagctl) while the
+backup committed an epoch the primary never saw acknowledged. The datagrams of the epoch whose acknowledgement reached the
 primary in its last moments, or whose release had not yet left it
 (sch_plug lets a released epoch out asynchronously, as a NIC sends its
 queue), are lost with it while the backup resumes after them: as

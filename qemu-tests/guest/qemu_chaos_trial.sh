@@ -108,8 +108,14 @@ check_backup() {
 	# The takeover that happened is the last one begun: one given up
 	# (the primary heard again) is said so.
 	grep -q '"generation":1' /tmp/backup.out || tk=
+	# After a takeover, the output of the epoch the backup resumed but the
+	# primary never saw acknowledged (a partition, a killed hagctl) is
+	# lost, never released: the one gap client_check allows a lost host.
+	lost=
+	[ -z "$tk" ] || lost=--host-lost
 	client=ok
-	in_root python3 /hag/client_check.py /tmp/client.log || client=broken
+	# shellcheck disable=SC2086
+	in_root python3 /hag/client_check.py $lost /tmp/client.log || client=broken
 	pass=0
 	grep -q 'HAG-GUEST-RESULT PASS' /tmp/client.log && pass=1
 	grep -q 'HAG-GUEST-RESULT FAIL' /tmp/client.log && pass=2
