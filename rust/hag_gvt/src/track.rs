@@ -11,9 +11,12 @@
 //! it); while one is in flight, the reader marks that whole set again.
 //!
 //! The table has room for `N` workloads (GVT queues a few per engine).
-//! One more is counted in an overflow, which makes every read mark the
-//! reachable set until as many unknown workloads are done as overflowed;
-//! it never drops a workload.
+//! A workload that finds it full is remembered by its cookie alone, as one
+//! that may write anything reachable, until it is done; a done for a
+//! cookie the table never saw (scanned before hag registered) ends nothing.
+//! Past `N` such, the table can no longer tell when they end: every read
+//! marks the reachable set until the table is cleared. It never drops a
+//! workload.
 //!
 //! The table also counts how each workload was covered ([`Coverage`]):
 //! precisely, by its own audited write set, or by the fallback, the
@@ -55,8 +58,11 @@ pub struct Coverage {
 #[derive(Debug)]
 pub struct InFlight<P, const N: usize> {
     slots: [Option<(u64, Writes<P>)>; N],
-    /// Workloads that found the table full.
-    overflow: u32,
+    /// The cookies of workloads that found the table full.
+    spilled: [Option<u64>; N],
+    /// Workloads that found `spilled` full too: their ends cannot be
+    /// told apart, so they count until [`InFlight::clear`].
+    lost: u32,
     coverage: Coverage,
 }
 
@@ -81,7 +87,8 @@ impl<P, const N: usize> InFlight<P, N> {
     pub const fn new() -> Self {
         InFlight {
             slots: [const { None }; N],
-            overflow: 0,
+            spilled: [None; N],
+            lost: 0,
             coverage: Coverage {
                 precise: 0,
                 fallback: 0,
@@ -97,7 +104,9 @@ impl<P, const N: usize> InFlight<P, N> {
     /// Workloads in flight, overflowed ones included.
     pub fn len(&self) -> usize {
         let used = self.slots.iter().filter(|s| s.is_some()).count();
-        used.saturating_add(self.overflow as usize)
+        let spilled = self.spilled.iter().filter(|s| s.is_some()).count();
+        used.saturating_add(spilled)
+            .saturating_add(self.lost as usize)
     }
 
     /// Whether no workload is in flight.
@@ -118,7 +127,10 @@ impl<P, const N: usize> InFlight<P, N> {
                 None
             }
             None => {
-                self.overflow = self.overflow.saturating_add(1);
+                match self.spilled.iter_mut().find(|s| s.is_none()) {
+                    Some(spill) => *spill = Some(cookie),
+                    None => self.lost = self.lost.saturating_add(1),
+                }
                 Some(writes)
             }
         };
@@ -129,8 +141,8 @@ impl<P, const N: usize> InFlight<P, N> {
     }
 
     /// Workload `cookie` is done; returns what it recorded, for the
-    /// caller to free. A cookie not in the table ends one overflowed
-    /// workload, if there are any (one of them is the one that is done).
+    /// caller to free. An overflowed workload ends by its cookie; a cookie
+    /// the table never saw ends nothing.
     /// `changed`: GVT saw a PPGTT batch of it change after the scan (the
     /// caller marks the reachable set). A workload recorded with its
     /// pages counts now: precise, or a fallback if `changed`.
@@ -149,7 +161,9 @@ impl<P, const N: usize> InFlight<P, N> {
                 return writes;
             }
         }
-        self.overflow = self.overflow.saturating_sub(1);
+        if let Some(spill) = self.spilled.iter_mut().find(|s| **s == Some(cookie)) {
+            *spill = None;
+        }
         None
     }
 
@@ -161,7 +175,8 @@ impl<P, const N: usize> InFlight<P, N> {
                 free(writes);
             }
         }
-        self.overflow = 0;
+        self.spilled = [None; N];
+        self.lost = 0;
     }
 }
 
@@ -171,7 +186,7 @@ impl<P: core::ops::Deref<Target = [u64]>, const N: usize> InFlight<P, N> {
     /// be marked too (a workload in flight was not modelled, or
     /// overflowed).
     pub fn remark(&self, mut mark: impl FnMut(u64)) -> Remark {
-        let mut reachable = self.overflow > 0;
+        let mut reachable = self.lost > 0 || self.spilled.iter().any(Option::is_some);
         for (_, writes) in self.slots.iter().flatten() {
             match writes {
                 Writes::Pages(pages) => pages.iter().for_each(|&gfn| mark(gfn)),

@@ -93,6 +93,36 @@ fn overflow_is_reachable_until_done() {
     assert!(inflight.is_empty());
 }
 
+/// Issue 23, item 9: a done for a cookie the table never saw must not end
+/// an overflowed workload still in flight (its pages would no longer be
+/// marked); past the spill's room, the reachable set is marked until
+/// the table is cleared.
+#[test]
+fn an_unknown_done_never_ends_an_overflowed_workload() {
+    let mut inflight = InFlight::<Vec<u64>, 1>::new();
+    inflight.scanned(1, Writes::Pages(vec![1]));
+    assert!(inflight.scanned(2, Writes::Pages(vec![2])).is_some());
+    assert_eq!(inflight.done(77, false), None);
+    assert_eq!(inflight.remark(|_| {}), Remark::Reachable, "2 is in flight");
+    assert_eq!(inflight.done(2, false), None);
+    assert_eq!(inflight.remark(|_| {}), Remark::Pages);
+    // Table and spill full: a third extra workload cannot be told apart.
+    assert!(inflight.scanned(3, Writes::Reachable).is_some());
+    assert!(inflight.scanned(4, Writes::Reachable).is_some());
+    assert_eq!(inflight.len(), 3);
+    inflight.done(3, false);
+    inflight.done(4, false);
+    inflight.done(1, false);
+    assert_eq!(
+        inflight.remark(|_| {}),
+        Remark::Reachable,
+        "4 may still run"
+    );
+    inflight.clear(drop);
+    assert_eq!(inflight.remark(|_| {}), Remark::Pages);
+    assert!(inflight.is_empty());
+}
+
 #[test]
 fn clear_frees_everything() {
     let mut inflight = InFlight::<Vec<u64>, 2>::new();
