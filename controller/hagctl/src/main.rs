@@ -515,12 +515,14 @@ exits 4 on finished-unconfirmed, 3 on fenced and 5 on stop-failed.")]
         /// --qmp: hold the VM's network output on this interface (its packets
         /// leave this host by its egress: sch_plug, released per
         /// acknowledged epoch)
-        #[arg(long, value_name = "IFNAME", requires = "qmp")]
+        // (conflicts_with: clap did not enforce `requires = "qmp"` with
+        // --vm, a member of the same required group, given.)
+        #[arg(long, value_name = "IFNAME", requires = "qmp", conflicts_with = "vm")]
         plug: Option<String>,
         /// --qmp: hold the VM's serial console, a QEMU socket chardev
         /// (-chardev socket,id=con0,path=SOCKET,server=on,wait=off -serial
         /// chardev:con0), released per acknowledged epoch to --console-log
-        #[arg(long, value_name = "SOCKET", requires_all = ["qmp", "console_log"])]
+        #[arg(long, value_name = "SOCKET", requires_all = ["qmp", "console_log"], conflicts_with = "vm")]
         console: Option<std::path::PathBuf>,
         /// The file the console's released output is appended to
         #[arg(long, value_name = "FILE", requires = "console")]
@@ -1632,6 +1634,24 @@ mod tests {
         assert!(parse(&["hagctl", "receive", "--listen", "a:1"]).is_err());
         assert!(parse(&["hagctl", "receive", "--listen", "a:1", "--vm", "s", "--cont"]).is_err());
         assert!(parse(&["hagctl", "receive", "--listen", "a:1", "--vm", "s"]).is_ok());
+    }
+
+    /// Issue 22: `--plug` with `--vm` was accepted and did nothing (a
+    /// hag-vmm VM holds its own output).
+    #[test]
+    fn qemu_only_options_are_refused_with_a_hag_vmm_vm() {
+        let parse = |args: &[&str]| Cli::try_parse_from(args.iter().copied());
+        let base = ["hagctl", "checkpoint", "--backup", "b:7200"];
+        let plug = parse(&[&base[..], &["--vm", "/x", "--plug", "eth0"]].concat());
+        let e = plug.err().expect("--vm --plug accepted");
+        assert!(e.to_string().contains("--plug"), "{e}");
+        assert!(parse(&[&base[..], &["--qmp", "/x", "--plug", "eth0"]].concat()).is_ok());
+        let console = ["--console", "/c", "--console-log", "/l"];
+        let e = parse(&[&base[..], &["--vm", "/x"], &console[..]].concat()).err();
+        assert!(e
+            .expect("--vm --console accepted")
+            .to_string()
+            .contains("--console"));
     }
 
     #[test]
