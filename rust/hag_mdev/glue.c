@@ -658,30 +658,39 @@ static void hag_vfio_close_device(struct vfio_device *vdev)
  * only with CONFIG_IOMMUFD_DRIVER; without it the feature stays ENOTTY.
  */
 #if IS_ENABLED(CONFIG_IOMMUFD_DRIVER)
-/* Starts DMA logging of vGPU @id over the span of @ranges. */
-static int hag_log_start_id(u32 id, struct rb_root_cached *ranges,
+/*
+ * Starts DMA logging of vGPU @id over @ranges, at 4 KiB pages, one bitmap
+ * per range: not one over their span, which with OVMF's 64-bit PCI hole at
+ * the top of the address space would be terabytes. VFIO checked each range
+ * (aligned, non-empty, no overlap); dirty.rs caps what they cover in all.
+ */
+static int hag_log_start_id(u32 id, struct rb_root_cached *ranges, u32 nnodes,
 			    u64 *page_size)
 {
+	struct hag_log_range spans[HAG_LOG_MAX_RANGES];
 	struct interval_tree_node *node;
-	u64 first = U64_MAX, last = 0;
+	u32 n = 0;
 
-	/* hag logs one span at 4 KiB pages; VFIO checked the ranges. */
+	if (nnodes > HAG_LOG_MAX_RANGES)
+		vfio_combine_iova_ranges(ranges, nnodes, HAG_LOG_MAX_RANGES);
 	for (node = interval_tree_iter_first(ranges, 0, ULONG_MAX); node;
 	     node = interval_tree_iter_next(node, 0, ULONG_MAX)) {
-		first = min_t(u64, first, node->start);
-		last = max_t(u64, last, node->last);
+		if (n == HAG_LOG_MAX_RANGES)
+			return -E2BIG;
+		spans[n].iova = node->start;
+		spans[n].length = node->last - node->start + 1;
+		n++;
 	}
-	if (first > last)
-		return -EINVAL;
 	*page_size = SZ_4K;
-	return hag_ops->dma_log_start(hag_ctx, id, first, last - first + 1);
+	return hag_ops->dma_log_start(hag_ctx, id, spans, n);
 }
 
 static int hag_log_start(struct vfio_device *vdev,
 			 struct rb_root_cached *ranges, u32 nnodes,
 			 u64 *page_size)
 {
-	return hag_log_start_id(to_hag_vgpu(vdev)->id, ranges, page_size);
+	return hag_log_start_id(to_hag_vgpu(vdev)->id, ranges, nnodes,
+				page_size);
 }
 
 static int hag_log_stop(struct vfio_device *vdev)
@@ -1027,7 +1036,8 @@ static int hag_gvt_log_start(struct intel_vgpu *vgpu,
 {
 	struct hag_gvt_dev *dev = hag_gvt_dev_of(vgpu);
 
-	return dev ? hag_log_start_id(dev->mig.id, ranges, page_size) : -ENODEV;
+	return dev ? hag_log_start_id(dev->mig.id, ranges, nnodes, page_size) :
+		     -ENODEV;
 }
 
 static int hag_gvt_log_stop(struct intel_vgpu *vgpu)

@@ -39,6 +39,19 @@ enum hag_mig_action {
  * the registered context first. Mirrored by glue::RsOps.
  */
 struct hag_gvt_wl;
+
+/*
+ * One range of guest addresses to DMA-log. hag keeps a bitmap per range, at
+ * most HAG_LOG_MAX_RANGES of them (dirty.rs's MAX_SPANS): QEMU sends up to
+ * three (RAM below 4 GiB, above it, and the 64-bit PCI hole), and VFIO's
+ * helper merges more into that many.
+ */
+#define HAG_LOG_MAX_RANGES 4
+struct hag_log_range {
+	u64 iova;
+	u64 length;
+};
+
 struct hag_rs_ops {
 	long (*ioctl)(const void *ctx, u64 opener, unsigned int cmd,
 		      unsigned long arg);
@@ -52,7 +65,8 @@ struct hag_rs_ops {
 	long (*vfio_ioctl)(const void *ctx, u32 id, unsigned int cmd,
 			   unsigned long arg);
 	void (*vgpu_tick)(const void *ctx, u32 id);
-	int (*dma_log_start)(const void *ctx, u32 id, u64 iova, u64 length);
+	int (*dma_log_start)(const void *ctx, u32 id,
+			     const struct hag_log_range *ranges, u32 count);
 	int (*dma_log_stop)(const void *ctx, u32 id);
 	int (*dma_log_report)(const void *ctx, u32 id, u64 iova, u64 length,
 			      void *dirty);

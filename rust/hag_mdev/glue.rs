@@ -30,6 +30,7 @@ use kernel::{new_mutex, pin_init};
 
 use crate::abi;
 use crate::audit::AddressSpace;
+use crate::dirty;
 use crate::handoff;
 
 /// `/dev/hag`'s file operations, for the opener numbered `opener` (each
@@ -59,8 +60,8 @@ pub(crate) trait VfioDevice {
     fn device_ioctl(&self, id: u32, cmd: u32, arg: usize) -> Result<i64>;
     /// The vGPU's work item ran.
     fn tick(&self, id: u32);
-    /// DMA logging starts over `[iova, iova + length)`.
-    fn dma_log_start(&self, id: u32, iova: u64, length: u64) -> Result;
+    /// DMA logging starts over `ranges`.
+    fn dma_log_start(&self, id: u32, ranges: &[dirty::Range]) -> Result;
     /// DMA logging stops.
     fn dma_log_stop(&self, id: u32) -> Result;
     /// Hands out (to `report`) and clears the dirty pages of a range.
@@ -129,7 +130,7 @@ pub(crate) struct RsOps {
     vfio_rw: extern "C" fn(*const c_void, u32, *mut u8, usize, u64, bool) -> c_long,
     vfio_ioctl: extern "C" fn(*const c_void, u32, c_uint, c_ulong) -> c_long,
     vgpu_tick: extern "C" fn(*const c_void, u32),
-    dma_log_start: extern "C" fn(*const c_void, u32, u64, u64) -> c_int,
+    dma_log_start: extern "C" fn(*const c_void, u32, *const dirty::Range, u32) -> c_int,
     dma_log_stop: extern "C" fn(*const c_void, u32) -> c_int,
     dma_log_report: extern "C" fn(*const c_void, u32, u64, u64, *mut c_void) -> c_int,
     mig_step: extern "C" fn(*const c_void, u32, u32, u32) -> c_int,
@@ -411,12 +412,19 @@ extern "C" fn vgpu_tick<T: Driver>(ctx: *const c_void, id: u32) {
     unsafe { state::<T>(ctx) }.tick(id);
 }
 
-/// VFIO DMA logging started on the vGPU (glue.c passes the span of the
-/// VMM's ranges).
-extern "C" fn dma_log_start<T: Driver>(ctx: *const c_void, id: u32, iova: u64, length: u64) -> c_int {
+/// VFIO DMA logging started on the vGPU over the VMM's ranges (glue.c
+/// merged them to at most `HAG_LOG_MAX_RANGES`).
+extern "C" fn dma_log_start<T: Driver>(ctx: *const c_void, id: u32, ranges: *const dirty::Range, count: u32) -> c_int {
     // SAFETY: called by glue.c's VFIO log ops while registered.
     let state = unsafe { state::<T>(ctx) };
-    match state.dma_log_start(id, iova, length) {
+    if ranges.is_null() || count as usize > dirty::MAX_SPANS {
+        return EINVAL.to_errno();
+    }
+    // SAFETY: glue.c passes `count` initialised `struct hag_log_range`s
+    // (the layout of `dirty::Range`) in an array on its stack that outlives
+    // this call; `count` is capped just above.
+    let ranges = unsafe { core::slice::from_raw_parts(ranges, count as usize) };
+    match state.dma_log_start(id, ranges) {
         Ok(()) => 0,
         Err(e) => e.to_errno(),
     }

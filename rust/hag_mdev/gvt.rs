@@ -38,7 +38,7 @@ use kernel::sync::Mutex;
 use kernel::{new_mutex, pin_init};
 
 use crate::abi;
-use crate::dirty::DirtyLog;
+use crate::dirty::{self, DirtyLog};
 pub(crate) use crate::glue::GvtPart;
 use crate::glue::{self, GvtHandle, GvtTranslate, GvtVgpuPtr, GvtWorkload, MigAction};
 use crate::sim::vfio::mig_state;
@@ -185,10 +185,18 @@ impl GvtInner {
 
     /// Starts VFIO DMA logging. The VMM copies all memory after this, but
     /// a workload already running may write a page after its copy: what
-    /// the workloads in flight may write starts dirty.
-    pub(crate) fn start_vfio_log(&mut self, mut log: DirtyLog) -> Option<DirtyLog> {
+    /// the workloads in flight may write starts dirty. VFIO allows one
+    /// start until a stop (`include/uapi/linux/vfio.h`), as for a
+    /// simulated vGPU: a second is refused, not allowed to replace the log
+    /// and lose its bits; its log is handed back, to be freed without the
+    /// lock.
+    pub(crate) fn start_vfio_log(&mut self, mut log: DirtyLog) -> core::result::Result<(), DirtyLog> {
+        if self.logs.vfio.is_some() {
+            return Err(log);
+        }
         self.remark(&mut log);
-        self.logs.vfio.replace(log)
+        self.logs.vfio = Some(log);
+        Ok(())
     }
 
     /// Marks in `log` what the workloads in flight may still write.
@@ -601,12 +609,11 @@ impl GvtVgpu {
         self.inner.lock().vfio_stopped = false;
     }
 
-    /// VFIO DMA logging over `[iova, iova + length)` starts.
-    pub(crate) fn dma_log_start(&self, iova: u64, length: u64) -> Result {
-        let log = DirtyLog::new(iova, length)?;
-        let old = self.inner.lock().start_vfio_log(log);
-        drop(old);
-        Ok(())
+    /// VFIO DMA logging over `ranges` starts.
+    pub(crate) fn dma_log_start(&self, ranges: &[dirty::Range]) -> Result {
+        let log = DirtyLog::with_ranges(ranges)?;
+        let started = self.inner.lock().start_vfio_log(log);
+        started.map_err(|_refused| EINVAL)
     }
 
     /// VFIO DMA logging stops.

@@ -23,7 +23,7 @@ use kernel::uaccess::UserSlice;
 use kernel::{new_mutex, pin_init};
 
 use crate::abi;
-use crate::dirty::DirtyLog;
+use crate::dirty::{self, DirtyLog};
 use crate::events::Event;
 use crate::glue::{self, GvtHandle, MigAction, VgpuHandle};
 use crate::gvt::GvtVgpu;
@@ -417,12 +417,12 @@ impl State {
         vfio::vfio_ioctl(&mut sim, cmd, arg)
     }
 
-    /// VFIO DMA logging: start over `[iova, iova + length)`.
-    pub(crate) fn dma_log_start(&self, id: u32, iova: u64, length: u64) -> Result {
+    /// VFIO DMA logging: start over `ranges`.
+    pub(crate) fn dma_log_start(&self, id: u32, ranges: &[dirty::Range]) -> Result {
         if let Entry::Gvt(g) = self.entry(id)? {
-            return g.dma_log_start(iova, length);
+            return g.dma_log_start(ranges);
         }
-        let log = DirtyLog::new(iova, length)?;
+        let log = DirtyLog::with_ranges(ranges)?;
         self.vgpu(id)?.sim.lock().start_vfio_dirty_log(log)
     }
 
@@ -717,8 +717,8 @@ impl glue::VfioDevice for State {
         self.vgpu_tick(id)
     }
 
-    fn dma_log_start(&self, id: u32, iova: u64, length: u64) -> Result {
-        State::dma_log_start(self, id, iova, length)
+    fn dma_log_start(&self, id: u32, ranges: &[dirty::Range]) -> Result {
+        State::dma_log_start(self, id, ranges)
     }
 
     fn dma_log_stop(&self, id: u32) -> Result {

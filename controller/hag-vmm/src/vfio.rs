@@ -413,6 +413,12 @@ impl VfioDevice {
 /// Bytes per bit of VFIO's DMA log as hag-vmm asks for it.
 pub const DMA_LOG_PAGE_SIZE: u64 = 4096;
 
+/// Where hag-vmm puts the third range it asks VFIO to log: QEMU with OVMF
+/// logs a 64-bit PCI hole near the top of the address space beside RAM
+/// below and above 4 GiB, so a driver must take ranges whose span is far
+/// larger than what they cover.
+pub const DMA_LOG_PCI_HOLE: (u64, u64) = (1 << 40, 1 << 30);
+
 /// VFIO's standard DMA-logging interface (`VFIO_DEVICE_FEATURE_DMA_LOGGING_*`)
 /// on one attached device over one IOVA range, as a VMM without hag's own
 /// `/dev/hag` uses it for live migration. Dropping it stops the logging.
@@ -434,30 +440,50 @@ pub enum DmaLogStart<'d> {
 }
 
 impl<'d> VfioDmaLog<'d> {
-    /// `VFIO_DEVICE_FEATURE_DMA_LOGGING_START` over `[iova, iova + length)`
-    /// as one range at [`DMA_LOG_PAGE_SIZE`]. The device may choose another
-    /// page size; reports then still ask for 4 KiB bits.
+    /// `VFIO_DEVICE_FEATURE_DMA_LOGGING_START` at [`DMA_LOG_PAGE_SIZE`] over
+    /// `[iova, iova + length)`, asked for as QEMU with OVMF does: two
+    /// ranges (its halves, as RAM below and above 4 GiB) and
+    /// [`DMA_LOG_PCI_HOLE`], three ranges spanning over a TiB. The device
+    /// may choose another page size; reports then still ask for 4 KiB bits.
     pub fn start(
         device: &'d VfioDevice,
         iova: u64,
         length: u64,
     ) -> Result<DmaLogStart<'d>, VfioError> {
-        let range = [sys::VfioDmaLoggingRange { iova, length }];
-        let granted = match sys::dma_logging_start(device.device.as_fd(), &range, DMA_LOG_PAGE_SIZE)
-        {
-            Ok(granted) => granted,
-            Err(Errno::ENOTTY) => return Ok(DmaLogStart::Unsupported),
-            Err(e) => {
-                return Err(ioctl_err(
-                    "VFIO_DEVICE_FEATURE_DMA_LOGGING_START",
-                    format!(
-                        " of [{iova:#x}, {:#x}) at page size {DMA_LOG_PAGE_SIZE} on {}",
-                        iova.saturating_add(length),
-                        device.uuid
-                    ),
-                )(e))
-            }
-        };
+        let half = (length / 2).next_multiple_of(DMA_LOG_PAGE_SIZE).min(length);
+        let mut ranges = vec![sys::VfioDmaLoggingRange { iova, length: half }];
+        if half < length {
+            ranges.push(sys::VfioDmaLoggingRange {
+                iova: iova + half,
+                length: length - half,
+            });
+        }
+        let (hole, hole_length) = DMA_LOG_PCI_HOLE;
+        if iova.saturating_add(length) <= hole {
+            ranges.push(sys::VfioDmaLoggingRange {
+                iova: hole,
+                length: hole_length,
+            });
+        }
+        let granted =
+            match sys::dma_logging_start(device.device.as_fd(), &ranges, DMA_LOG_PAGE_SIZE) {
+                Ok(granted) => granted,
+                Err(Errno::ENOTTY) => return Ok(DmaLogStart::Unsupported),
+                Err(e) => {
+                    return Err(ioctl_err(
+                        "VFIO_DEVICE_FEATURE_DMA_LOGGING_START",
+                        format!(
+                            " of {} at page size {DMA_LOG_PAGE_SIZE} on {}",
+                            ranges
+                                .iter()
+                                .map(|r| format!("[{:#x}, {:#x})", r.iova, r.iova + r.length))
+                                .collect::<Vec<_>>()
+                                .join(", "),
+                            device.uuid
+                        ),
+                    )(e))
+                }
+            };
         let pages = length.div_ceil(DMA_LOG_PAGE_SIZE);
         Ok(DmaLogStart::Started(VfioDmaLog {
             device,
