@@ -15,7 +15,7 @@
 #   a pinned version is built from crates.io into $HAG_TOOLS.
 set -euo pipefail
 
-HAG_TOOLS=${HAG_TOOLS:-/var/cache/hag/tools}
+HAG_TOOLS=${HAG_TOOLS:-${HAG_CACHE:-/var/cache/hag}/tools}
 BINDGEN_VERSION=0.71.1
 
 packages=(
