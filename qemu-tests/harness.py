@@ -43,7 +43,10 @@ is hung: the harness records its vCPU's registers
 from its HMP monitor, sends it an NMI (the kernel panics with a backtrace:
 `unknown_nmi_panic`), and ends the run; the Result says it `hung`, as it
 does when a host's VM stalled (lib.sh prints HAG-NESTED-STALL when a VM's
-console stayed silent for 300 s).
+console stayed silent for 300 s). Once a host's script has failed, the
+others get FAILED_GRACE_SECONDS to finish, and the run ends: the scenario
+has failed, and a peer waiting for the failed host would otherwise wait
+out the timeout.
 
 Promises: every QEMU process a run starts is killed before the run returns,
 whatever happened; a scenario passes only if every host's script exited 0
@@ -275,6 +278,12 @@ HANG_SECONDS = float(os.environ.get("HAG_HANG_SECONDS", "240"))
 # commits 87511341c30d and 27e76d010104); a lost timer interrupt while a
 # nested guest spins without exits stops the host for good.
 POKE_SECONDS = 3.0
+# A host whose script failed fails its scenario whatever the others do:
+# they get this long to print their own account, then the run ends. A peer
+# waiting for the failed host would otherwise wait out the whole timeout
+# (up to 50 min of CI's 90).
+FAILED_GRACE_SECONDS = 30.0
+SCRIPT_END = re.compile(r"HAG-SCENARIO-END rc=(\d+)")
 
 
 @dataclass
@@ -294,6 +303,9 @@ class Host:
     # What the harness found when this host stopped beating, and the test
     # kernel's System.map to name where its vCPU was.
     hang: str = ""
+    # Why the run ended before this host's script did, if another host's
+    # script failed.
+    stopped_by: str = ""
     system_map: Path = None
 
     def text(self):
@@ -304,6 +316,11 @@ class Host:
 
     def finished(self):
         return self.killed or "HAG-TAINT" in self.text() or self.process.poll() is not None
+
+    def script_failed(self):
+        """Whether this host's script ended with a nonzero status."""
+        end = SCRIPT_END.search(self.text())
+        return end is not None and end.group(1) != "0"
 
     def kill_if_asked(self):
         """Pulls the plug on this host if its script asked to be lost."""
@@ -587,6 +604,8 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
                 on_output(h.index, text[shown[h.index]:])
                 shown[h.index] = len(text)
 
+        failed_at = None
+        next_failure_check = 0.0
         while time.monotonic() - start < timeout:
             if on_output:
                 show_new_output()
@@ -597,6 +616,17 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
             for h in hung:
                 h.diagnose_hang(h.silent_for())
             if hung or all(h.finished() for h in hosts):
+                break
+            # Every 2 s, not every tick: it reads each host's whole log.
+            now = time.monotonic()
+            if failed_at is None and now >= next_failure_check:
+                next_failure_check = now + 2
+                failed = [h for h in hosts if not h.killed and h.script_failed()]
+                if failed:
+                    failed_at = now
+                    for h in hosts:
+                        h.stopped_by = f"host{failed[0].index}'s scenario failed"
+            if failed_at is not None and now - failed_at > FAILED_GRACE_SECONDS:
                 break
             time.sleep(0.2)
         # Give a host that printed its result a moment to reboot (exit).
@@ -626,11 +656,13 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
 def judge_host(host, result, timeout):
     text = host.text()
     who = f"host{host.index}"
-    end = re.search(r"HAG-SCENARIO-END rc=(\d+)", text)
+    end = SCRIPT_END.search(text)
     if host.hang:
         result.reasons.append(f"{who}: {host.hang}")
     elif host.killed:
         pass  # lost on purpose: judged on its kernel log up to then
+    elif not end and host.stopped_by:
+        result.reasons.append(f"{who}: stopped {FAILED_GRACE_SECONDS:.0f} s after {host.stopped_by}")
     elif not end:
         result.reasons.append(f"{who}: scenario did not finish (timeout {timeout} s or crash)")
     elif end.group(1) != "0":
