@@ -145,6 +145,25 @@ impl DirtyLog {
         }
     }
 
+    /// Moves the dirty bits of `[gpa, gpa + len)` into a log of its own
+    /// (same ranges) and clears them here: VFIO's report sets them in the
+    /// VMM's bitmap, whose pages it pins on first touch and which may
+    /// fault, so that happens from the copy, without the vGPU's lock.
+    pub(crate) fn take_range(&mut self, gpa: u64, len: u64) -> Result<DirtyLog> {
+        let mut spans = KVec::with_capacity(self.spans.len(), GFP_KERNEL)?;
+        for span in self.spans.iter() {
+            spans.push(*span, GFP_KERNEL)?;
+        }
+        let mut taken = DirtyLog {
+            spans,
+            words: KVVec::from_elem(0u64, self.words.len(), GFP_KERNEL)?,
+        };
+        self.drain_range(gpa, len, &mut |page_gpa| {
+            taken.mark(page_gpa);
+        });
+        Ok(taken)
+    }
+
     /// ORs bits taken by [`Self::read_and_clear`] back in (when handing
     /// them out failed).
     pub(crate) fn merge(&mut self, words: &[u64]) {

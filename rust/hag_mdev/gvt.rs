@@ -229,14 +229,15 @@ impl GvtInner {
         read
     }
 
-    /// VFIO DMA logging: reports and clears the dirty pages of
-    /// `[iova, iova + length)`, then marks the workloads in flight again.
-    pub(crate) fn vfio_report(&mut self, iova: u64, length: u64, report: &mut dyn FnMut(u64)) -> Result {
+    /// Takes the VFIO log's dirty pages in `[iova, iova + length)`, to be
+    /// reported without the lock ([`DirtyLog::take_range`]); what the
+    /// workloads in flight may still write stays dirty.
+    pub(crate) fn vfio_take(&mut self, iova: u64, length: u64) -> Result<DirtyLog> {
         let mut log = self.logs.vfio.take().ok_or(EINVAL)?;
-        log.drain_range(iova, length, report);
+        let taken = log.take_range(iova, length);
         self.remark(&mut log);
         self.logs.vfio = Some(log);
-        Ok(())
+        taken
     }
 
     /// How many workloads were modelled precisely and how many took the
@@ -624,12 +625,13 @@ impl GvtVgpu {
 
     /// VFIO DMA logging: hands out and clears the dirty pages of a range.
     pub(crate) fn dma_log_report(&self, iova: u64, length: u64, report: &mut dyn FnMut(u64)) -> Result {
-        let mut inner = self.inner.lock();
+        let mut taken = self.inner.lock().vfio_take(iova, length)?;
         if glue::gpu_dirty_withheld() {
             // Tests only, as for a simulated vGPU.
-            return inner.vfio_report(iova, length, &mut |_| {});
+            return Ok(());
         }
-        inner.vfio_report(iova, length, report)
+        taken.drain_range(iova, length, report);
+        Ok(())
     }
 }
 

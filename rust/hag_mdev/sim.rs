@@ -15,7 +15,6 @@ pub(crate) mod vfio;
 
 use kernel::prelude::*;
 use kernel::time::Ktime;
-use kernel::uaccess::UserSlice;
 
 use crate::abi;
 use crate::sim_regs as r;
@@ -30,6 +29,9 @@ pub(crate) use engine::Submission;
 pub(crate) use snapshot::SNAPSHOT_BYTES;
 
 const PAGE: u64 = 4096;
+/// The most bytes one VFIO region access moves: all of config space (a
+/// BAR0 access is one 4-byte register).
+pub(crate) const REGION_ACCESS_MAX: usize = r::CONFIG_SIZE as usize;
 /// Graphics pages of one vGPU.
 const GTT_ENTRIES: usize = (abi::SIM_GFX_MEM_SIZE / PAGE) as usize;
 /// Memory one submission's validated commands may take: the auditor's
@@ -660,37 +662,35 @@ impl Sim {
     // ---- VFIO region access ------------------------------------------------
 
     /// `pread`/`pwrite` on the VFIO device fd: BAR0 (4-byte registers) or
-    /// config space (any bytes). Returns bytes transferred.
-    pub(crate) fn region_rw(&mut self, handle: &VgpuHandle, user: UserSlice, count: usize, pos: u64, write: bool) -> Result<usize> {
+    /// config space (any bytes, at most [`REGION_ACCESS_MAX`]). `buf` holds
+    /// the bytes to write, or receives those read: the caller moves them
+    /// from or to the VMM without the vGPU's lock.
+    pub(crate) fn region_rw(&mut self, handle: &VgpuHandle, buf: &mut [u8], pos: u64, write: bool) -> Result {
         let index = (pos >> r::REGION_SHIFT) as u32;
         let offset = pos & ((1u64 << r::REGION_SHIFT) - 1);
         match index {
             r::CONFIG_REGION => {
                 let offset = usize::try_from(offset).map_err(|_| EINVAL)?;
-                let mut buf = [0u8; r::CONFIG_SIZE as usize];
-                let buf = buf.get_mut(..count).ok_or(EINVAL)?;
                 if write {
-                    user.reader().read_slice(buf)?;
-                    self.config_write(offset, buf)?;
+                    self.config_write(offset, buf)
                 } else {
-                    self.config_read(offset, buf)?;
-                    user.writer().write_slice(buf)?;
+                    self.config_read(offset, buf)
                 }
-                Ok(count)
             }
             r::BAR0_REGION => {
-                if count != 4 || offset % 4 != 0 || offset + 4 > r::BAR0_SIZE {
+                let Ok(bytes) = <&mut [u8; 4]>::try_from(buf) else {
+                    return Err(EINVAL);
+                };
+                if offset % 4 != 0 || offset + 4 > r::BAR0_SIZE {
                     return Err(EINVAL);
                 }
                 let offset = offset as u32;
                 if write {
-                    let mut bytes = [0u8; 4];
-                    user.reader().read_slice(&mut bytes)?;
-                    self.bar0_write(offset, u32::from_le_bytes(bytes), handle);
+                    self.bar0_write(offset, u32::from_le_bytes(*bytes), handle);
                 } else {
-                    user.writer().write_slice(&self.bar0_read(offset).to_le_bytes())?;
+                    *bytes = self.bar0_read(offset).to_le_bytes();
                 }
-                Ok(4)
+                Ok(())
             }
             _ => Err(EINVAL),
         }

@@ -28,7 +28,7 @@ use crate::events::Event;
 use crate::glue::{self, GvtHandle, MigAction, VgpuHandle};
 use crate::gvt::GvtVgpu;
 use crate::sim::vfio::mig_state;
-use crate::sim::{vfio, Sim};
+use crate::sim::{self, vfio, Sim};
 
 /// Most vGPUs the module tracks at once (simulated and GVT-g together).
 pub(crate) const MAX_VGPUS: usize = 32;
@@ -403,18 +403,31 @@ impl State {
         Event::new(abi::EVENT_STATE_CHANGED, id, &vgpu.uuid).message(what).send();
     }
 
-    /// A VFIO region access.
+    /// A VFIO region access. The VMM's buffer is read before the vGPU's
+    /// lock is taken and written after it is let go: a fault on it that
+    /// never ends (a userfaultfd or FUSE mapping) stalls only this call,
+    /// never the vGPU, its work item or `/dev/hag`.
     pub(crate) fn vfio_rw(&self, id: u32, user: UserSlice, count: usize, pos: u64, write: bool) -> Result<usize> {
         let vgpu = self.vgpu(id)?;
-        let mut sim = vgpu.lock()?;
-        sim.region_rw(&vgpu.handle, user, count, pos, write)
+        let mut bytes = [0u8; sim::REGION_ACCESS_MAX];
+        let buf = bytes.get_mut(..count).ok_or(EINVAL)?;
+        if write {
+            user.reader().read_slice(buf)?;
+            vgpu.lock()?.region_rw(&vgpu.handle, buf, pos, true)?;
+        } else {
+            vgpu.lock()?.region_rw(&vgpu.handle, buf, pos, false)?;
+            user.writer().write_slice(buf)?;
+        }
+        Ok(count)
     }
 
-    /// A VFIO device ioctl.
+    /// A VFIO device ioctl: its argument read and its answer written
+    /// without the vGPU's lock, as for [`Self::vfio_rw`].
     pub(crate) fn vfio_ioctl(&self, id: u32, cmd: u32, arg: usize) -> Result<i64> {
         let vgpu = self.vgpu(id)?;
-        let mut sim = vgpu.lock()?;
-        vfio::vfio_ioctl(&mut sim, cmd, arg)
+        let ioctl = vfio::Ioctl::read(cmd, arg)?;
+        let reply = ioctl.apply(&mut *vgpu.lock()?);
+        reply.write(arg)
     }
 
     /// VFIO DMA logging: start over `ranges`.
@@ -443,17 +456,21 @@ impl State {
             return g.dma_log_report(iova, length, report);
         }
         let vgpu = self.vgpu(id)?;
-        let mut sim = vgpu.lock()?;
-        let log = sim.vfio_dirty.as_mut().ok_or(EINVAL)?;
+        let mut taken = {
+            let mut sim = vgpu.lock()?;
+            let taken = sim.vfio_dirty.as_mut().ok_or(EINVAL)?.take_range(iova, length)?;
+            // As for /dev/hag's log: a running submission's pages stay dirty.
+            sim.mark_running_write_set();
+            taken
+        };
         if glue::gpu_dirty_withheld() {
             // Tests only: the bits are taken and dropped, so the VMM sees a
             // GPU that never writes (qemu_migrate_no_gpu_dirty).
-            log.drain_range(iova, length, &mut |_| {});
-        } else {
-            log.drain_range(iova, length, report);
+            return Ok(());
         }
-        // As for /dev/hag's log: a running submission's pages stay dirty.
-        sim.mark_running_write_set();
+        // Without the lock: setting the VMM's bitmap may fault (see
+        // DirtyLog::take_range).
+        taken.drain_range(iova, length, report);
         Ok(())
     }
 

@@ -20,6 +20,7 @@
 //! line on stderr, `hag-vmm: <what>: <why>`.
 
 mod ctx_check;
+mod fault_check;
 mod remove_check;
 mod vfio_migration;
 
@@ -93,6 +94,24 @@ quiesce-check: …'.")]
         #[arg(long, value_name = "MS", default_value_t = 500,
               value_parser = clap::value_parser!(u32).range(1..=10_000))]
         timeout_ms: u32,
+    },
+    /// Check that a VFIO access whose buffer faults forever stalls only
+    /// itself, not its vGPU, another vGPU or /dev/hag
+    #[command(after_long_help = "\
+The buffer of a BAR0 write, a config read and VFIO_DEVICE_GET_INFO on
+--mdev is, in turn, a userfaultfd page left missing (the test kernel needs
+CONFIG_USERFAULTFD). While each call waits in its fault, --mdev's config
+space and BAR0, --mdev2's config space and /dev/hag's statistics of --mdev
+must answer within 10 s; then the fault is resolved with a zero page and
+the call must end as it would have. One 'ok:' line per call, then 'PASS
+fault-check: …'.")]
+    FaultCheck {
+        /// UUID of the hag-sim mdev whose calls fault
+        #[arg(long, value_name = "UUID")]
+        mdev: String,
+        /// UUID of another hag-sim mdev
+        #[arg(long, value_name = "UUID")]
+        mdev2: String,
     },
     /// IOC_QUIESCE of vGPU --vgpu, nothing else (quiesce-check runs it in
     /// a process of its own, to kill it while it waits)
@@ -512,6 +531,7 @@ fn main() -> ExitCode {
         Command::ContextCheck { mdev, mdev2 } => ctx_check::context_check(&mdev, &mdev2),
         Command::QuiesceCheck { mdev, timeout_ms } => ctx_check::quiesce_check(&mdev, timeout_ms),
         Command::QuiesceWait { vgpu, timeout_ms } => quiesce_wait(vgpu, timeout_ms),
+        Command::FaultCheck { mdev, mdev2 } => fault_check::fault_check(&mdev, &mdev2),
         Command::RemoveCheck {
             mdev,
             held,

@@ -4,7 +4,8 @@
 //! an eventfd, reset.
 //!
 //! Each ioctl reads the fixed part of its argument once, checks `argsz`
-//! and every field, then answers; nothing the VMM passes is trusted.
+//! and every field, then answers; nothing the VMM passes is trusted, and
+//! the VMM's memory is never touched with the vGPU's lock held ([`Ioctl`]).
 
 use kernel::prelude::*;
 use kernel::uaccess::UserSlice;
@@ -87,59 +88,112 @@ fn write_arg<T: kernel::types::AsBytes>(arg: usize, value: &T) -> Result<i64> {
     Ok(0)
 }
 
-/// Answers one VFIO device ioctl.
-pub(crate) fn vfio_ioctl(sim: &mut Sim, cmd: u32, arg: usize) -> Result<i64> {
-    match cmd {
-        VFIO_DEVICE_GET_INFO => {
-            let mut info: DeviceInfo = read_arg(arg, |i: &DeviceInfo| i.argsz)?;
-            info.flags = VFIO_DEVICE_FLAGS_PCI | VFIO_DEVICE_FLAGS_RESET;
-            info.num_regions = VFIO_PCI_NUM_REGIONS;
-            info.num_irqs = VFIO_PCI_NUM_IRQS;
-            write_arg(arg, &info)
-        }
-        VFIO_DEVICE_GET_REGION_INFO => {
-            let mut info: RegionInfo = read_arg(arg, |i: &RegionInfo| i.argsz)?;
-            if info.index >= VFIO_PCI_NUM_REGIONS {
-                return Err(EINVAL);
+/// A VFIO device ioctl with its argument read in: what it changes on the
+/// vGPU and what it answers. Reading the argument (and writing the answer)
+/// may fault on the VMM's memory, which a userfaultfd or FUSE mapping can
+/// make last forever, so both happen without the vGPU's lock: only
+/// [`Ioctl::apply`] takes it.
+pub(crate) struct Ioctl {
+    change: Change,
+    reply: Reply,
+}
+
+/// What an ioctl changes on the vGPU.
+enum Change {
+    Nothing,
+    Reset,
+    SetMsi(Option<EventFd>),
+}
+
+/// What an ioctl writes back into its argument.
+pub(crate) enum Reply {
+    Nothing,
+    Device(DeviceInfo),
+    Region(RegionInfo),
+    Irq(IrqInfo),
+}
+
+impl Ioctl {
+    /// Reads and checks the argument of `cmd` at `arg`.
+    pub(crate) fn read(cmd: u32, arg: usize) -> Result<Self> {
+        let answer = |reply| Ok(Self { change: Change::Nothing, reply });
+        match cmd {
+            VFIO_DEVICE_GET_INFO => {
+                let mut info: DeviceInfo = read_arg(arg, |i: &DeviceInfo| i.argsz)?;
+                info.flags = VFIO_DEVICE_FLAGS_PCI | VFIO_DEVICE_FLAGS_RESET;
+                info.num_regions = VFIO_PCI_NUM_REGIONS;
+                info.num_irqs = VFIO_PCI_NUM_IRQS;
+                answer(Reply::Device(info))
             }
-            let rw = VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE;
-            (info.size, info.flags) = match info.index {
-                r::BAR0_REGION => (r::BAR0_SIZE, rw),
-                r::CONFIG_REGION => (r::CONFIG_SIZE, rw),
-                _ => (0, 0),
-            };
-            info.offset = u64::from(info.index) << r::REGION_SHIFT;
-            info.cap_offset = 0;
-            write_arg(arg, &info)
-        }
-        VFIO_DEVICE_GET_IRQ_INFO => {
-            let mut info: IrqInfo = read_arg(arg, |i: &IrqInfo| i.argsz)?;
-            if info.index >= VFIO_PCI_NUM_IRQS {
-                return Err(EINVAL);
+            VFIO_DEVICE_GET_REGION_INFO => {
+                let mut info: RegionInfo = read_arg(arg, |i: &RegionInfo| i.argsz)?;
+                if info.index >= VFIO_PCI_NUM_REGIONS {
+                    return Err(EINVAL);
+                }
+                let rw = VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE;
+                (info.size, info.flags) = match info.index {
+                    r::BAR0_REGION => (r::BAR0_SIZE, rw),
+                    r::CONFIG_REGION => (r::CONFIG_SIZE, rw),
+                    _ => (0, 0),
+                };
+                info.offset = u64::from(info.index) << r::REGION_SHIFT;
+                info.cap_offset = 0;
+                answer(Reply::Region(info))
             }
-            (info.flags, info.count) = if info.index == VFIO_PCI_MSI_IRQ_INDEX {
-                (VFIO_IRQ_INFO_EVENTFD | VFIO_IRQ_INFO_NORESIZE, 1)
-            } else {
-                (0, 0)
-            };
-            write_arg(arg, &info)
+            VFIO_DEVICE_GET_IRQ_INFO => {
+                let mut info: IrqInfo = read_arg(arg, |i: &IrqInfo| i.argsz)?;
+                if info.index >= VFIO_PCI_NUM_IRQS {
+                    return Err(EINVAL);
+                }
+                (info.flags, info.count) = if info.index == VFIO_PCI_MSI_IRQ_INDEX {
+                    (VFIO_IRQ_INFO_EVENTFD | VFIO_IRQ_INFO_NORESIZE, 1)
+                } else {
+                    (0, 0)
+                };
+                answer(Reply::Irq(info))
+            }
+            VFIO_DEVICE_SET_IRQS => {
+                let set: IrqSet = read_arg(arg, |s: &IrqSet| s.argsz)?;
+                Ok(Self {
+                    change: read_set_irqs(arg, &set)?,
+                    reply: Reply::Nothing,
+                })
+            }
+            VFIO_DEVICE_RESET => Ok(Self {
+                change: Change::Reset,
+                reply: Reply::Nothing,
+            }),
+            _ => Err(ENOTTY),
         }
-        VFIO_DEVICE_SET_IRQS => {
-            let set: IrqSet = read_arg(arg, |s: &IrqSet| s.argsz)?;
-            set_irqs(sim, arg, &set)?;
-            Ok(0)
+    }
+
+    /// Carries the ioctl out on the vGPU (its lock held); returns the
+    /// answer, to be written once the lock is let go.
+    pub(crate) fn apply(self, sim: &mut Sim) -> Reply {
+        match self.change {
+            Change::Nothing => {}
+            Change::Reset => sim.reset_engine(),
+            Change::SetMsi(msi) => sim.set_msi(msi),
         }
-        VFIO_DEVICE_RESET => {
-            sim.reset_engine();
-            Ok(0)
+        self.reply
+    }
+}
+
+impl Reply {
+    /// Writes the answer into the ioctl's argument at `arg`.
+    pub(crate) fn write(self, arg: usize) -> Result<i64> {
+        match self {
+            Reply::Nothing => Ok(0),
+            Reply::Device(info) => write_arg(arg, &info),
+            Reply::Region(info) => write_arg(arg, &info),
+            Reply::Irq(info) => write_arg(arg, &info),
         }
-        _ => Err(ENOTTY),
     }
 }
 
 /// MSI only: trigger with an eventfd (fd -1 or DATA_NONE with count 0
 /// disables), or trigger now with DATA_NONE / DATA_BOOL (for testing).
-fn set_irqs(sim: &mut Sim, arg: usize, set: &IrqSet) -> Result {
+fn read_set_irqs(arg: usize, set: &IrqSet) -> Result<Change> {
     let data_type = set.flags & VFIO_IRQ_SET_DATA_TYPE_MASK;
     let action = set.flags & VFIO_IRQ_SET_ACTION_TYPE_MASK;
     if set.flags & !(VFIO_IRQ_SET_DATA_TYPE_MASK | VFIO_IRQ_SET_ACTION_TYPE_MASK) != 0
@@ -152,18 +206,17 @@ fn set_irqs(sim: &mut Sim, arg: usize, set: &IrqSet) -> Result {
         return Err(EINVAL);
     }
     match data_type {
-        VFIO_IRQ_SET_DATA_NONE if set.count == 0 => sim.set_msi(None),
-        VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_DATA_BOOL => {}
+        VFIO_IRQ_SET_DATA_NONE if set.count == 0 => Ok(Change::SetMsi(None)),
+        VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_DATA_BOOL => Ok(Change::Nothing),
         VFIO_IRQ_SET_DATA_EVENTFD if set.count == 1 => {
             if (set.argsz as usize) < core::mem::size_of::<IrqSet>() + 4 {
                 return Err(EINVAL);
             }
             let fd_addr = arg.checked_add(core::mem::size_of::<IrqSet>()).ok_or(EFAULT)?;
             let fd: i32 = UserSlice::new(fd_addr, 4).reader().read()?;
-            sim.set_msi(if fd < 0 { None } else { Some(EventFd::from_fd(fd)?) });
+            Ok(Change::SetMsi(if fd < 0 { None } else { Some(EventFd::from_fd(fd)?) }))
         }
-        VFIO_IRQ_SET_DATA_EVENTFD => sim.set_msi(None),
-        _ => return Err(EINVAL),
+        VFIO_IRQ_SET_DATA_EVENTFD => Ok(Change::SetMsi(None)),
+        _ => Err(EINVAL),
     }
-    Ok(())
 }
