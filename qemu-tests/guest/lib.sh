@@ -140,9 +140,12 @@ vm_initrd() { echo /tmp/hag-vm-initrd; }
 
 # The Debian guest's kernel command line words: its root disk (vm-init
 # switches to it), eth0 as the NIC's name (what its network config says),
-# and systemd's unit progress on the console although `quiet` is set, so
-# that a boot which never gets to hag-guest shows where it stopped.
-DEBIAN_BOOT_WORDS="hag_root=/dev/vda net.ifnames=0 systemd.show_status=1"
+# and systemd's failed units on the console although `quiet` is set, so
+# that a boot which never gets to hag-guest shows what failed. Not every
+# unit's progress (show_status=1): each console byte is an exit of the
+# nested guest, and printing them all took the boot to ready from 140 s
+# to 213 s here.
+DEBIAN_BOOT_WORDS="hag_root=/dev/vda net.ifnames=0 systemd.show_status=error"
 
 VM_MIB=256
 
