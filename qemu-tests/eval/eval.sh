@@ -106,7 +106,7 @@ run_backup() { # ID SECONDS
 	timeout "$(patience "$2")" hagctl backup --listen "$me:$(port "$1")" --mdev "$buuid" --control "/tmp/bk$1.sock" \
 		--failover-timeout "$FAILOVER" --status-dir "/tmp/bkstate$1" --state-dir "/tmp/bkstate$1" --json \
 		>"/tmp/backup$1.out" 2>"/tmp/backup$1.err" || rc=$?
-	grep '^hagctl: epoch [0-9]* applied' "/tmp/backup$1.err" | sed "s/^/EVAL-APPLIED $1 /"
+	grep 'hagctl: epoch [0-9]* applied' "/tmp/backup$1.err" | sed "s/^.*hagctl: /hagctl: /; s/^/EVAL-APPLIED $1 /"
 	if grep -q '^{"reason"' "/tmp/backup$1.out"; then
 		echo "EVAL-TAKEOVER $1 $(grep '^{"reason"' "/tmp/backup$1.out")"
 		grep -q '^PASS frames: ' "/tmp/backup$1.out" ||

@@ -1,13 +1,15 @@
 # hosts: 1
 # timeout: 300
-# The libvirt qemu hook (scripts/libvirt/qemu), installed by
-# scripts/libvirt/install.sh and run the way libvirt runs it: arguments
+# The libvirt qemu hook (scripts/libvirt/qemu, which runs `hagctl
+# libvirt-hook`), installed by scripts/libvirt/install.sh and run the way
+# libvirt runs it: arguments
 # DOMAIN OPERATION SUB-OP EXTRA, the domain XML on stdin, stdout read to EOF.
 # No libvirt and no QEMU here: the "domain" is a real hag-vmm VM (its control
 # socket named by <hag:protect vm-socket=…>), protected by the
 # real hagctl checkpoint against a real hagctl backup on this same host.
-#   started  -> hagctl checkpoint runs (pidfile, process, `hagctl status`)
-#            with the domain's own key (<hag:protect key=…>, which the
+#   started  -> hagctl checkpoint --name DOMAIN runs (pidfile, process,
+#            `hagctl status`) with the settings of <hag:protect> in
+#            /run/hag/DOMAIN/libvirt.conf, the domain's own key among them (<hag:protect key=…>, which the
 #            backup holds and /etc/hag/pair.key is not); first with its
 #            backup not yet listening: it fails, and the hook retries it
 #            (RETRY) until the backup is there
@@ -167,8 +169,13 @@ protected() { hagctl status | grep -q "protected, last epoch"; }
 wait_for 90 protected || fail "the retried protection did not protect the VM: $(cat "$LOG")"
 cp_pid=$(cat "$PIDFILE")
 kill -0 "$cp_pid" || fail "hagctl checkpoint (pid $cp_pid) is not running"
-tr '\0' ' ' <"/proc/$cp_pid/cmdline" | grep -q "checkpoint --vm $SOCK --backup $BACKUP --interval 1s .*--key /tmp/dom.key" ||
+tr '\0' ' ' <"/proc/$cp_pid/cmdline" | grep -q "checkpoint --name $DOM" ||
 	fail "pid $cp_pid is not the checkpoint: $(tr '\0' ' ' <"/proc/$cp_pid/cmdline")"
+# Its settings: the domain's <hag:protect>, as hagctl libvirt-hook wrote them.
+SETTINGS=/run/hag/$DOM/libvirt.conf
+for line in "vm = $SOCK" "backup = $BACKUP" "interval = 1s" "failover-timeout = 10" "key = /tmp/dom.key"; do
+	grep -qx "$line" "$SETTINGS" || fail "$SETTINGS has no line '$line': $(cat "$SETTINGS")"
+done
 if ! wait_for 90 protected; then
 	hagctl status
 	cat /var/log/hag/checkpoint-$DOM.log /tmp/backup.err
@@ -198,6 +205,7 @@ wait_for 10 test ! -e "/run/hag/libvirt-$DOM.supervisor" || fail "the supervisor
 for f in protect supervisor pid; do
 	[ ! -e "/run/hag/libvirt-$DOM.$f" ] || fail "/run/hag/libvirt-$DOM.$f left behind"
 done
+[ ! -e "$SETTINGS" ] || fail "$SETTINGS left behind"
 logged "$DOM supervise/-: hagctl checkpoint pid $cp_pid exited with status 0 after [0-9]*s: checkpoint to $BACKUP: vm-stopped"
 logged "$DOM supervise/-: protection ended"
 ! grep -q "after the stop: SIGTERM" "$LOG" || fail "the checkpoint had to be killed"
@@ -224,7 +232,7 @@ wait_for 30 retried || fail "no retry for the incoming domain: $(cat "$LOG")"
 hook "$IN" stopped end /tmp/in.xml
 hook "$IN" release end /tmp/in.xml
 wait_for 20 test ! -e "/run/hag/libvirt-$IN.supervisor" || fail "the incoming domain's supervisor did not end"
-logged "$IN supervise/-: hagctl checkpoint pid [0-9]* exited with status 1 after [0-9]*s: hagctl: .*incoming"
+logged "$IN supervise/-: hagctl checkpoint pid [0-9]* exited with status 1 after [0-9]*s: .*hagctl: .*incoming"
 logged "$IN supervise/-: protection ended"
 kill "$in_pid"
 wait "$in_pid" 2>/dev/null || :

@@ -22,6 +22,7 @@
 //! over) are pure and unit-tested; [`backup`] wires them to sockets, a
 //! clock and the VMM.
 
+use crate::log::{debug, info, warning};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::TcpListener;
@@ -1187,7 +1188,7 @@ fn read_test_fault(path: &std::path::Path) {
     };
     let old = TEST_FAULT.swap(mode, std::sync::atomic::Ordering::Relaxed);
     if old != mode {
-        eprintln!("hagctl: test fault now {mode} (0 none, 1 mute, 2 drop-acks, 3 hold-takeover)");
+        info!("test fault now {mode} (0 none, 1 mute, 2 drop-acks, 3 hold-takeover)");
     }
 }
 
@@ -1203,7 +1204,7 @@ fn test_hold_takeover(file: Option<&std::path::Path>) {
             return;
         }
         if !std::mem::replace(&mut said, true) {
-            eprintln!("hagctl: TEST: the takeover holds before the fence");
+            info!("TEST: the takeover holds before the fence");
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -1275,8 +1276,8 @@ impl Live {
             return;
         }
         if let Some(old) = self.session {
-            eprintln!(
-                "hagctl: session {} replaces session {}",
+            info!(
+                "session {} replaces session {}",
                 session_name(session),
                 session_name(old)
             );
@@ -1344,16 +1345,14 @@ impl Backup {
         drop(l);
         match answer {
             AbortAnswer::Refuse => {
-                eprintln!(
-                    "hagctl: the primary ended protection ({reason}) while this backup takes over: not confirmed"
+                info!(
+                    "the primary ended protection ({reason}) while this backup takes over: not confirmed"
                 );
                 return;
             }
             AbortAnswer::End => {
                 self.standby().discard();
-                eprintln!(
-                    "hagctl: the primary ended protection: {reason}; standby image discarded"
-                );
+                info!("the primary ended protection: {reason}; standby image discarded");
             }
             AbortAnswer::Confirm => {}
         }
@@ -1381,7 +1380,7 @@ fn data_session(
     from: &str,
     path: &str,
 ) {
-    eprintln!("hagctl: checkpoint stream from {from}");
+    info!("checkpoint stream from {from}");
     let (session, term) = match &first {
         Msg::Hello { session, term, .. } => (*session, term.clone()),
         _ => return,
@@ -1433,8 +1432,8 @@ fn data_session(
             };
             if let Ok(Some(Msg::EpochAck { epoch, .. })) = &r {
                 // Read by qemu-tests/eval: what each epoch really changed.
-                eprintln!(
-                    "hagctl: epoch {epoch} applied: {} pages, {} changed",
+                info!(
+                    "epoch {epoch} applied: {} pages, {} changed",
                     st.stats.last_epoch_pages, st.stats.last_epoch_changed
                 );
             }
@@ -1478,7 +1477,7 @@ fn data_session(
                 return;
             }
             Err(e) => {
-                eprintln!("hagctl: checkpoint stream from {from}: {e}");
+                info!("checkpoint stream from {from}: {e}");
                 out.send(&Msg::Error {
                     message: e.to_string(),
                 });
@@ -1496,7 +1495,7 @@ fn data_session(
             Ok((m, _)) => m,
             Err(e) => {
                 if b.live().member_of(conn) {
-                    eprintln!("hagctl: checkpoint stream from {from} ended: {e}");
+                    info!("checkpoint stream from {from} ended: {e}");
                 }
                 return;
             }
@@ -1510,15 +1509,15 @@ fn data_session(
 /// stops its VM) for an instance this backup took over from.
 fn refuse_term(b: &Backup, l: &Live, term: Option<&Term>, conn: &str) -> Option<Msg> {
     if let Some(why) = term::wrong_vm(b.opts.vm_name.as_ref(), term) {
-        eprintln!("hagctl: refused a {conn}: {why}");
+        info!("refused a {conn}: {why}");
         return Some(Msg::Error { message: why });
     }
     let t = term?;
     if term::judge(l.generation, &l.superseded, Some(t), t.generation) != Verdict::Superseded {
         return None;
     }
-    eprintln!(
-        "hagctl: {conn}: {} was taken over from (generation {}): told to stop",
+    info!(
+        "{conn}: {} was taken over from (generation {}): told to stop",
         t.instance, l.generation
     );
     Some(Msg::HelloOk {
@@ -1558,7 +1557,7 @@ fn control_session(
                 session_name(session),
                 l.session.map_or("none".into(), session_name)
             );
-            eprintln!("hagctl: {why}");
+            info!("{why}");
             out.send(&Msg::Error { message: why });
             return;
         }
@@ -1575,8 +1574,8 @@ fn control_session(
         l.members.insert(conn, Member { out });
         l.heard(path);
     }
-    eprintln!(
-        "hagctl: control connection from {from} (path {path}, session {})",
+    debug!(
+        "control connection from {from} (path {path}, session {})",
         session_name(session)
     );
     loop {
@@ -1587,8 +1586,8 @@ fn control_session(
         };
         let mut l = b.live();
         if !l.member_of(conn) {
-            eprintln!(
-                "hagctl: {} from {from} refused: its session {} is no longer this backup's",
+            info!(
+                "{} from {from} refused: its session {} is no longer this backup's",
                 msg.ty().name(),
                 session_name(session)
             );
@@ -1599,8 +1598,8 @@ fn control_session(
                 if generation < l.generation {
                     // A stale primary: it is not the one protected; it
                     // hears the fence in every heartbeat it gets.
-                    eprintln!(
-                        "hagctl: heartbeat from {from} at generation {generation}, this backup is at {}: not counted",
+                    info!(
+                        "heartbeat from {from} at generation {generation}, this backup is at {}: not counted",
                         l.generation
                     );
                 } else {
@@ -1617,8 +1616,8 @@ fn control_session(
                 break;
             }
             other => {
-                eprintln!(
-                    "hagctl: control connection from {from}: unexpected {}",
+                info!(
+                    "control connection from {from}: unexpected {}",
                     other.ty().name()
                 );
                 break;
@@ -1644,7 +1643,7 @@ fn accept_loop(b: Arc<Backup>, listener: TcpListener, path: String) {
         let handshake = match b.admission.handshake(peer.ip()) {
             Ok(h) => h,
             Err(e) => {
-                eprintln!("hagctl: refused a connection from {from}: {e}");
+                info!("refused a connection from {from}: {e}");
                 continue;
             }
         };
@@ -1660,14 +1659,14 @@ fn accept_loop(b: Arc<Backup>, listener: TcpListener, path: String) {
             ) {
                 Ok(rw) => rw,
                 Err(e) => {
-                    eprintln!("hagctl: refused a connection from {from}: {e}");
+                    info!("refused a connection from {from}: {e}");
                     return;
                 }
             };
             let _slot = match handshake.authenticated() {
                 Ok(slot) => slot,
                 Err(e) => {
-                    eprintln!("hagctl: refused a connection from {from}: {e}");
+                    info!("refused a connection from {from}: {e}");
                     return;
                 }
             };
@@ -1684,15 +1683,15 @@ fn accept_loop(b: Arc<Backup>, listener: TcpListener, path: String) {
                     control_session(&b, r, out, conn, (session, term), &from, &path)
                 }
                 Ok((m, _)) => {
-                    eprintln!(
-                        "hagctl: refused a connection from {from}: it opened with {}",
+                    info!(
+                        "refused a connection from {from}: it opened with {}",
                         m.ty().name()
                     );
                     out.send(&Msg::Error {
                         message: format!("unexpected {} to open a connection", m.ty().name()),
                     });
                 }
-                Err(e) => eprintln!("hagctl: connection from {from}: {e}"),
+                Err(e) => info!("connection from {from}: {e}"),
             }
         });
     }
@@ -1749,9 +1748,9 @@ fn take_request(dir: &std::path::Path) -> bool {
 
 /// Says why a requested takeover did not happen, for `hagctl takeover`.
 fn refuse_request(dir: &std::path::Path, why: &str) {
-    eprintln!("hagctl: the requested takeover did not happen: {why}");
+    info!("the requested takeover did not happen: {why}");
     if let Err(e) = std::fs::write(refusal_path(dir), format!("{why}\n")) {
-        eprintln!("hagctl: warning: {}: {e}", refusal_path(dir).display());
+        warning!("{}: {e}", refusal_path(dir).display());
     }
 }
 
@@ -2033,8 +2032,8 @@ fn fence_primary(
         epoch: cp.epoch,
         reason: reason.to_owned(),
     };
-    eprintln!(
-        "hagctl: takeover: fencing the primary {} with --fence-peer",
+    info!(
+        "takeover: fencing the primary {} with --fence-peer",
         if facts.peer.is_empty() {
             "(never heard)"
         } else {
@@ -2081,8 +2080,8 @@ impl TakeoverSteps for QemuTakeover<'_> {
         )?;
         let standby = self.standby.insert(standby);
         self.report.start_vm_ms = self.detected.elapsed().as_secs_f64() * 1e3;
-        eprintln!(
-            "hagctl: takeover: QEMU (pid {}) waits for epoch {} ({:.0} ms)",
+        info!(
+            "takeover: QEMU (pid {}) waits for epoch {} ({:.0} ms)",
             standby.child.id(),
             self.cp.epoch,
             self.report.start_vm_ms
@@ -2092,8 +2091,8 @@ impl TakeoverSteps for QemuTakeover<'_> {
             .load(state.stream)
             .map_err(|e| format!("restoring epoch {}: {e}", self.cp.epoch))?;
         self.report.restore_ms = t.elapsed().as_secs_f64() * 1e3;
-        eprintln!(
-            "hagctl: takeover: epoch {} loaded ({} bytes of device state, {:.0} ms), the VM paused",
+        info!(
+            "takeover: epoch {} loaded ({} bytes of device state, {:.0} ms), the VM paused",
             self.cp.epoch,
             state.stream.len(),
             self.report.restore_ms
@@ -2262,8 +2261,8 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
         let b = b.clone();
         std::thread::spawn(move || heartbeat_loop(b));
     }
-    eprintln!(
-        "hagctl: backup listening on {}{} ({}, failover timeout {:.1} s, generation {})",
+    info!(
+        "backup listening on {}{} ({}, failover timeout {:.1} s, generation {})",
         opts.listen,
         opts.heartbeat_listen
             .iter()
@@ -2298,7 +2297,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
             // connections have written what they hold; until then nothing
             // is decided.
             if !has_checkpoint && l.end_confirmed {
-                eprintln!("hagctl: backup done: {reason}");
+                info!("backup done: {reason}");
                 let outboxes: Vec<Outbox> = l.members.values().map(|m| m.out.clone()).collect();
                 drop(l);
                 for out in outboxes {
@@ -2320,7 +2319,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
             if let Err(e) =
                 crate::vm_dirs::write_json(&status_path(&opts.status_dir), &state, false)
             {
-                eprintln!("hagctl: warning: {e}");
+                warning!("{e}");
             }
         }
         let paths: Vec<(&str, Option<Duration>)> = std::iter::once(&opts.listen)
@@ -2355,11 +2354,11 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
             Decision::Wait => holding = false,
             Decision::Hold(why) => {
                 if !std::mem::replace(&mut holding, true) {
-                    eprintln!("hagctl: {why}");
+                    info!("{why}");
                 }
             }
             Decision::Forget(why) => {
-                eprintln!("hagctl: {why}");
+                info!("{why}");
                 l.hang = None;
                 l.heard.clear();
                 drop(l);
@@ -2394,8 +2393,8 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                     }
                     continue;
                 };
-                eprintln!(
-                    "hagctl: taking over from epoch {} (generation {} → {}): {reason}",
+                info!(
+                    "taking over from epoch {} (generation {} → {}): {reason}",
                     cp.epoch,
                     cp.generation,
                     cp.generation.max(generation) + 1
@@ -2450,8 +2449,8 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                     Err(e) => {
                         // The backup stands on with its checkpoint: a
                         // transient failure must not end protection.
-                        eprintln!(
-                            "hagctl: takeover failed: {e}; standing by with epoch {}, trying again in {} s",
+                        info!(
+                            "takeover failed: {e}; standing by with epoch {}, trying again in {} s",
                             cp.epoch,
                             TAKEOVER_RETRY.as_secs()
                         );

@@ -33,6 +33,7 @@
 //! The protection state goes to `STATUS_DIR/checkpoint-vgpuN.json`, which
 //! `hagctl status` shows.
 
+use crate::log::{info, progress, warning};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Shutdown, TcpStream};
 use std::path::{Path, PathBuf};
@@ -431,11 +432,9 @@ impl Link {
                         .count();
                     drop(g);
                     if sent > 0 {
-                        eprintln!(
-                            "hagctl: told the backup to take over (HANG, {sent} connection(s))"
-                        );
+                        info!("told the backup to take over (HANG, {sent} connection(s))");
                     } else {
-                        eprintln!("hagctl: cannot reach the backup to report the hang; it takes over when the failover timeout passes");
+                        info!("cannot reach the backup to report the hang; it takes over when the failover timeout passes");
                     }
                 }
                 Action::SendAbort(reason) => {
@@ -462,14 +461,14 @@ impl Link {
     /// Stops the VM on its own connection; a failure goes back to the
     /// policy (which retries, output held).
     fn stop_vm(&self, why: &str) {
-        eprintln!("hagctl: stopping the VM: {why}");
+        info!("stopping the VM: {why}");
         match self.stopper.stop() {
             Ok(()) => {
-                eprintln!("hagctl: the VM is stopped");
+                info!("the VM is stopped");
                 self.lock().policy.on(Event::Stopped);
             }
             Err(e) => {
-                eprintln!("hagctl: stopping the VM failed: {e}");
+                info!("stopping the VM failed: {e}");
                 std::thread::sleep(Duration::from_millis(200));
                 self.event(Event::StopFailed(e.to_string()));
             }
@@ -511,7 +510,7 @@ impl Link {
             return;
         }
         if let Event::Hung(why) | Event::Crashed(why) = &ev {
-            eprintln!("hagctl: {why}");
+            info!("{why}");
         }
         self.event(ev);
         if let Some(d) = self.lock().data.take() {
@@ -574,7 +573,7 @@ fn events_thread(link: Arc<Link>, vgpu_id: u32) {
     let mut socket = match crate::events::EventSocket::subscribe() {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("hagctl: warning: no hang events ({e}); hangs are seen at the next epoch");
+            warning!("no hang events ({e}); hangs are seen at the next epoch");
             return;
         }
     };
@@ -583,7 +582,7 @@ fn events_thread(link: Arc<Link>, vgpu_id: u32) {
             Ok(Some(ev)) => ev,
             Ok(None) => continue,
             Err(e) => {
-                eprintln!("hagctl: warning: hang events: {e}");
+                warning!("hang events: {e}");
                 continue;
             }
         };
@@ -658,8 +657,8 @@ fn control_reader(link: Arc<Link>, mut r: secure::Reader, name: String, data_lin
             }
             Ok((Msg::Ok { phase: ENDED_PHASE }, _)) => link.lock().end_confirmed = true,
             Ok((m, _)) => {
-                eprintln!(
-                    "hagctl: control connection {name}: unexpected {} from the backup: closed",
+                info!(
+                    "control connection {name}: unexpected {} from the backup: closed",
                     m.ty().name()
                 );
                 break;
@@ -683,17 +682,17 @@ fn heartbeat_path(link: Arc<Link>, addr: String) {
         let present = link.lock().outs.contains_key(&addr);
         if !present {
             if up {
-                eprintln!("hagctl: heartbeat path to {addr} down, reconnecting");
+                info!("heartbeat path to {addr} down, reconnecting");
                 up = false;
             }
             match link.join(&addr, &addr, false) {
                 Ok(()) => {
-                    eprintln!("hagctl: heartbeat path to {addr} up");
+                    info!("heartbeat path to {addr} up");
                     up = true;
                 }
                 Err(e) if e.contains("refused:") || e.contains("authenticated") => {
                     if e != last_refusal {
-                        eprintln!("hagctl: heartbeat path to {addr}: {e}");
+                        info!("heartbeat path to {addr}: {e}");
                         last_refusal = e;
                     }
                 }
@@ -1056,8 +1055,8 @@ impl Primary {
         }
         self.save_status("syncing", "");
         self.src.vm.hold_output(true).map_err(EpochError::Vm)?;
-        eprintln!(
-            "hagctl: synchronising with the backup {} (session {}, pre-copy while the VM runs)",
+        info!(
+            "synchronising with the backup {} (session {}, pre-copy while the VM runs)",
             self.opts.backup,
             session_name(self.link.session)
         );
@@ -1084,8 +1083,8 @@ impl Primary {
         }
         let generation = self.link.lock().policy.generation();
         if generation != self.status.generation {
-            eprintln!(
-                "hagctl: the backup is at generation {generation}, from a takeover of another instance of this VM: this one ({}) adopts it",
+            info!(
+                "the backup is at generation {generation}, from a takeover of another instance of this VM: this one ({}) adopts it",
                 self.link.instance
             );
             self.status.generation = generation;
@@ -1141,8 +1140,8 @@ impl Primary {
         let (_, disk) = self.send_disks()?;
         if disk.data_bytes + disk.zero_bytes > 0 {
             let mib = |b: u64| b as f64 / f64::from(1 << 20);
-            eprintln!(
-                "hagctl: disks copied: {:.1} MiB of data sent, {:.1} MiB of zeroes, {:.1} MiB already on the backup",
+            info!(
+                "disks copied: {:.1} MiB of data sent, {:.1} MiB of zeroes, {:.1} MiB already on the backup",
                 mib(disk.data_bytes),
                 mib(disk.zero_bytes),
                 mib(disk.held_bytes)
@@ -1526,7 +1525,7 @@ impl Primary {
         } else {
             String::new()
         };
-        eprintln!(
+        progress!(
             "epoch {}: pause {:.1} ms (quiesce {:.1}), {} pages (cpu {}, gpu {}){disk}, {:.2} MiB (VM state {} B{}), acked in {:.1} ms, period {:.0} ms{late}{}",
             r.epoch,
             r.pause_ms,
@@ -1561,8 +1560,8 @@ impl Primary {
 
     fn unprotected(&mut self, why: &str) -> Result<(), EpochError> {
         if self.status.state != "unprotected" {
-            eprintln!(
-                "hagctl: unprotected: backup {} unreachable ({why}); the VM keeps running, its output held since epoch {}, retrying every {:.1} s",
+            info!(
+                "unprotected: backup {} unreachable ({why}); the VM keeps running, its output held since epoch {}, retrying every {:.1} s",
                 self.opts.backup,
                 self.link.lock().policy.acked(),
                 self.opts.interval.as_secs_f64()
@@ -1581,7 +1580,7 @@ impl Primary {
     }
 
     fn end(&mut self, outcome: &str, detail: String) -> CheckpointReport {
-        eprintln!("hagctl: {outcome}: {detail}");
+        info!("{outcome}: {detail}");
         self.report.outcome = outcome.to_owned();
         self.report.detail = detail.clone();
         self.report.generation = {
@@ -1594,7 +1593,7 @@ impl Primary {
         self.report.finish();
         if self.link.lock().policy.held_output_void() {
             if let Err(e) = self.src.vm.discard_output() {
-                eprintln!("hagctl: dropping the stopped VM's held output: {e}");
+                info!("dropping the stopped VM's held output: {e}");
             }
         }
         self.save_status(outcome, &detail);
@@ -1713,7 +1712,17 @@ impl Primary {
             } else {
                 Instant::now() + self.opts.interval
             };
-            while Instant::now() < next {
+            // Stopped while it waited (SIGSTOP, a frozen host), this
+            // primary starts nothing until what queued meanwhile (a
+            // signal, a fence, a hang) has been handled: an epoch started
+            // at once on waking could lose the link to a backup that is
+            // taking over, and with it the ABORT of a pending SIGTERM.
+            let mut stalls = StallGuard::new(Instant::now());
+            loop {
+                let now = Instant::now();
+                if stalls.may_decide(now) && now >= next {
+                    break;
+                }
                 if self.stop.load(Ordering::SeqCst) {
                     return Ok(self.end_protection("a signal"));
                 }
@@ -1751,7 +1760,7 @@ impl Primary {
         let (request, refused) = backup_down_paths(&self.opts.status_dir, self.src.vgpu_id);
         std::fs::remove_file(&request).ok()?;
         let who = "the operator confirmed the backup down (hagctl confirm-backup-down)";
-        eprintln!("hagctl: {who}");
+        info!("{who}");
         if let Err(EpochError::Exit(outcome, detail)) = self.event(Event::BackupDown(who.into())) {
             return Some(self.end(outcome, detail));
         }
@@ -1759,9 +1768,9 @@ impl Primary {
             State::Protected => "the backup acknowledges epochs: it is not down".to_owned(),
             ref s => format!("not while {s:?}"),
         };
-        eprintln!("hagctl: not confirmed: {why}");
+        info!("not confirmed: {why}");
         if let Err(e) = std::fs::write(&refused, why + "\n") {
-            eprintln!("hagctl: warning: {}: {e}", refused.display());
+            warning!("{}: {e}", refused.display());
         }
         None
     }
@@ -1805,7 +1814,7 @@ impl Primary {
                 }
             }
             EpochError::Retry(why) => {
-                eprintln!("hagctl: epoch skipped: {why}");
+                info!("epoch skipped: {why}");
                 self.status.skipped += 1;
                 self.status.skipped_why = why;
                 let state = self.status.state.clone();
@@ -1910,16 +1919,16 @@ fn open_vm(at: &VmAt) -> anyhow::Result<OpenedVm> {
             }
             let mut opened = QemuVm::open(qemu, gates, delta_dir)?;
             if *withhold_cpu_dirty {
-                eprintln!("hagctl: TEST: the CPU dirty log is withheld");
+                info!("TEST: the CPU dirty log is withheld");
                 opened.vm.withhold_cpu_dirty();
             }
             if *withhold_disk_delta {
-                eprintln!("hagctl: TEST: the epochs' disk deltas are withheld");
+                info!("TEST: the epochs' disk deltas are withheld");
                 opened.vm.withhold_disk_delta();
             }
             for d in opened.vm.disks() {
-                eprintln!(
-                    "hagctl: disk {}: {} MiB, replicated with the VM's memory",
+                info!(
+                    "disk {}: {} MiB, replicated with the VM's memory",
                     d.id,
                     d.size >> 20
                 );
@@ -1928,8 +1937,8 @@ fn open_vm(at: &VmAt) -> anyhow::Result<OpenedVm> {
             let dev = Device::open()?;
             dev.version()?;
             let vgpu_id = dev.find_vgpu(&opened.vgpu_uuid)?.id;
-            eprintln!(
-                "hagctl: QEMU VM: {} MiB of guest RAM in {} (pid {pid}), vGPU {vgpu_id} (mdev {})",
+            info!(
+                "QEMU VM: {} MiB of guest RAM in {} (pid {pid}), vGPU {vgpu_id} (mdev {})",
                 opened.ram.size() >> 20,
                 opened.vm.mapping().name,
                 opened.vgpu_uuid

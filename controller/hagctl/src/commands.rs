@@ -1,6 +1,7 @@
 //! The subcommands: glue between the device, the event socket and the
 //! output formats.
 
+use crate::log::info;
 use std::io::{self, Write};
 use std::time::{Duration, Instant};
 
@@ -131,7 +132,7 @@ pub enum EventsError {
 /// reader of a redirected stdout sees it immediately.
 pub fn events(options: &EventsOptions) -> Result<(), EventsError> {
     let mut socket = EventSocket::subscribe()?;
-    eprintln!("hagctl: listening for hag events");
+    info!("listening for hag events");
     let deadline = options.timeout.map(|t| Instant::now() + t);
     let mut seen = 0u64;
     let mut stdout = io::stdout().lock();

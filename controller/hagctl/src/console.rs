@@ -21,6 +21,7 @@
 //! reading, the socket fills and QEMU's serial port makes the guest wait,
 //! as a slow serial line would; nothing is dropped.
 
+use crate::log::info;
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{Read, Write};
@@ -188,7 +189,7 @@ fn read_console(mut from: UnixStream, shared: &Shared) {
         if shared.write(&out).is_err() {
             // Released output that cannot be logged: say it once, go on
             // draining so the guest is not blocked.
-            eprintln!("hagctl: cannot write the VM's console log; its output from now on is lost");
+            info!("cannot write the VM's console log; its output from now on is lost");
         }
     }
 }

@@ -11,6 +11,7 @@
 //! environment ([`FenceFacts::env`]), its output forwarded to hagctl's
 //! stderr line by line.
 
+use crate::log::info;
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -75,7 +76,7 @@ impl FencePeer {
             pipe.map(|p| {
                 std::thread::spawn(move || {
                     for line in BufReader::new(p).lines().map_while(Result::ok) {
-                        eprintln!("hagctl: fence-peer: {line}");
+                        info!("fence-peer: {line}");
                     }
                 })
             })
@@ -122,8 +123,8 @@ impl FencePeer {
         }
         let status = status?;
         if status.success() {
-            eprintln!(
-                "hagctl: fence-peer succeeded in {:.0} ms: the primary {} is fenced",
+            info!(
+                "fence-peer succeeded in {:.0} ms: the primary {} is fenced",
                 t.elapsed().as_secs_f64() * 1e3,
                 if facts.peer.is_empty() {
                     "(never heard)"

@@ -13,7 +13,8 @@
 //!   malformed message is an error that says what was wrong, never a panic.
 //! - Output is stable for scripts: `--json` gives one JSON object per line,
 //!   and `events` flushes every line as it is printed.
-//! - Any failure is one line on stderr, `hagctl: <what>: <why>` (with
+//! - Any failure is one line on stderr, `hagctl: <what>: <why>` (stamped
+//!   with the time when stderr is not a terminal, [`log`]; with
 //!   `--json`, also one object on stdout), and an exit status that tells
 //!   the outcomes a script must tell apart ([`exit`]: 1 for any other
 //!   failure, 2 for a usage error).
@@ -45,6 +46,9 @@ mod events;
 mod exit;
 mod fence;
 mod jobs;
+mod libvirt_domain;
+mod libvirt_hook;
+mod log;
 mod migrate;
 mod output;
 mod pagehash;
@@ -70,6 +74,7 @@ mod vmm;
 mod vmm_migrate;
 mod wire;
 
+use crate::log::info;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -296,6 +301,12 @@ vm_state_bytes, bytes, resumed}.";
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Print errors and warnings only (no progress lines)
+    #[arg(short, long, global = true, conflicts_with = "verbose")]
+    quiet: bool,
+    /// Print debug lines too
+    #[arg(short, long, global = true)]
+    verbose: bool,
 }
 
 #[derive(Subcommand)]
@@ -573,8 +584,8 @@ exits 4 on finished-unconfirmed, 3 on fenced and 5 on stop-failed.")]
         connect_timeout: Duration,
         #[command(flatten)]
         dirs: vm_dirs::VmDirArgs,
-        /// Do not read /etc/hag/VM.conf for --name VM (the libvirt hook
-        /// passes it: its settings come from the domain XML)
+        /// Do not read /etc/hag/VM.conf or the libvirt domain's
+        /// /run/hag/VM/libvirt.conf for --name VM
         #[arg(long)]
         no_config: bool,
         /// The pre-shared key file this host and the backup hold
@@ -635,8 +646,8 @@ VM, STATE_DIR is /var/lib/hag/VM and STATUS_DIR /run/hag/VM.")]
         /// or rebooted backup never goes below a takeover
         #[command(flatten)]
         dirs: vm_dirs::VmDirArgs,
-        /// Do not read /etc/hag/VM.conf for --name VM (the libvirt hook
-        /// passes it: its settings come from the domain XML)
+        /// Do not read /etc/hag/VM.conf or the libvirt domain's
+        /// /run/hag/VM/libvirt.conf for --name VM
         #[arg(long)]
         no_config: bool,
         /// Where the replicas of a QEMU VM's writable disks are kept, one
@@ -797,6 +808,40 @@ if no hagctl checkpoint runs for the VM, or one still runs after --timeout.")]
         #[arg(long, value_name = "DURATION", default_value = "60", value_parser = units::seconds)]
         timeout: Duration,
     },
+    /// libvirt's qemu hook: protect a domain with a <hag:protect> element
+    /// while it runs (/etc/libvirt/hooks/qemu runs this)
+    #[command(after_long_help = "\
+libvirt runs its hook as `qemu DOMAIN OPERATION SUB-OP EXTRA` with the domain
+XML on stdin. For a domain with a hag vGPU (an mdev hostdev) and
+<hag:protect xmlns:hag='https://hag.example/1' backup='HOST:PORT' .../> in its
+<metadata>: at started and reconnect, the element's settings go to
+/run/hag/VM/libvirt.conf and `hagctl checkpoint --name VM` protects the domain
+(under systemd: hag-checkpoint@VM.service; otherwise a supervisor that
+retries every RETRY seconds while the backup is unreachable); at stopped and
+release protection ends; migrate and restore mark the domain incoming. It
+writes nothing to stdout, always exits 0, and logs one line per action to
+LOG_DIR/libvirt-hook.log (/var/log/hag). Host defaults: /etc/hag/hag.conf
+($HAG_CONF). VM is the domain's name, characters other than A-Z a-z 0-9 _ . -
+as _. docs/libvirt.md has the attributes.")]
+    LibvirtHook {
+        /// The domain's name
+        #[arg(value_name = "DOMAIN")]
+        domain: String,
+        /// libvirt's operation (prepare, start, started, stopped, release,
+        /// migrate, restore, reconnect, attach)
+        #[arg(value_name = "OPERATION", required_unless_present = "supervise")]
+        operation: Option<String>,
+        /// Its sub-operation (begin, end)
+        #[arg(value_name = "SUB-OP")]
+        sub_op: Option<String>,
+        /// libvirt's extra argument (unused)
+        #[arg(value_name = "EXTRA")]
+        extra: Option<String>,
+        /// Run the supervisor of DOMAIN's protection (started by the hook
+        /// itself where systemd does not run)
+        #[arg(long, hide = true, conflicts_with = "operation")]
+        supervise: bool,
+    },
     /// Print a completion script for SHELL (bash: save it as
     /// /usr/share/bash-completion/completions/hagctl)
     Completions {
@@ -906,9 +951,10 @@ fn cli() -> Cli {
     let args = service::with_config(
         std::env::args_os().collect(),
         std::path::Path::new(service::CONFIG_DIR),
+        std::path::Path::new(vm_dirs::RUN_ROOT),
     )
     .unwrap_or_else(|e| {
-        eprintln!("hagctl: {e}");
+        info!("{e}");
         // A usage error, as clap's own (its exit status 2).
         std::process::exit(2)
     });
@@ -1143,8 +1189,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     let argv = standby_argv::standby_argv(&argv, &replica_dir).map_err(|e| {
                         anyhow::anyhow!("the standby's command line from {}: {e}", xml.display())
                     })?;
-                    eprintln!(
-                        "hagctl: the standby's QEMU command line: {}",
+                    info!(
+                        "the standby's QEMU command line: {}",
                         shell_words::join(&argv)
                     );
                     argv
@@ -1212,6 +1258,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let argv = standby_argv::standby_argv(&qemu, &replica_dir)?;
             println!("{}", shell_words::join(&argv));
         }
+        Command::LibvirtHook {
+            domain,
+            supervise: true,
+            ..
+        } => libvirt_hook::supervise(&domain),
+        Command::LibvirtHook {
+            domain,
+            operation,
+            sub_op,
+            ..
+        } => libvirt_hook::run(
+            &domain,
+            operation.as_deref().unwrap_or_default(),
+            sub_op.as_deref().unwrap_or("-"),
+        ),
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut command(), "hagctl", &mut std::io::stdout());
         }
@@ -1221,7 +1282,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 .map_err(|e| {
                     anyhow::anyhow!("cannot write the man pages into {}: {e}", dir.display())
                 })?;
-            eprintln!("hagctl: wrote the man pages into {}", dir.display());
+            info!("wrote the man pages into {}", dir.display());
         }
         Command::Keygen { file } if file.as_os_str() == "-" => {
             println!("{}", secure::Key::generate()?.to_hex());
@@ -1230,7 +1291,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             secure::Key::generate()
                 .and_then(|k| k.write_new(&file))
                 .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", file.display()))?;
-            eprintln!("hagctl: wrote a new key to {}", file.display());
+            info!("wrote a new key to {}", file.display());
         }
         Command::InjectHang { vgpu, mdev } => {
             let dev = hag_dev::Device::open()?;
@@ -1241,7 +1302,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 (None, None) => anyhow::bail!("--vgpu or --mdev is needed"),
             };
             dev.inject_hang(id)?;
-            eprintln!("hagctl: vGPU {id} declared hung");
+            info!("vGPU {id} declared hung");
         }
         Command::Receive {
             listen,
@@ -1289,12 +1350,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 
 fn main() -> ExitCode {
     let cli = cli();
+    log::init(cli.quiet, cli.verbose);
     let json = cli.command.json();
     match run(cli) {
         Ok(()) => ExitCode::from(exit::Status::Success as u8),
         Err(err) => {
             let status = exit::status_of(&err);
-            eprintln!("hagctl: {err:#}");
+            log::error!("{err:#}");
             if json {
                 // A script reading --json output gets the failure there too.
                 println!("{}", error_json(&err, status));

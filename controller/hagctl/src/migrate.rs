@@ -20,6 +20,7 @@
 //! audited log, or one of the baselines it is measured against (a full copy
 //! of every page the vGPU's GTT maps, or page hashing, [`crate::pagehash`]).
 
+use crate::log::{info, progress, warning};
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::PathBuf;
@@ -692,7 +693,7 @@ impl Source {
                 if let Some(b) = frame.last_mut() {
                     *b ^= 0x5a;
                 }
-                eprintln!("hagctl: injecting a fault: one byte of the last PAGES frame of round 0 flipped");
+                info!("injecting a fault: one byte of the last PAGES frame of round 0 flipped");
                 report.wire_bytes += self.send_raw(&frame, "round 0 (corrupt-page)")?;
                 continue;
             }
@@ -718,7 +719,7 @@ impl Source {
     }
 
     pub(crate) fn progress(r: &RoundReport) {
-        eprintln!(
+        progress!(
             "round {}: {} pages, {} → {} compressed",
             r.round,
             r.pages,
@@ -944,8 +945,8 @@ impl Source {
         if self.opts.inject_fault == Some(Fault::TruncateContext) {
             let frame = wire::encode_frame(&Msg::Context(context));
             let half = frame.len() / 2;
-            eprintln!(
-                "hagctl: injecting a fault: CONTEXT frame cut after {half} of {} bytes",
+            info!(
+                "injecting a fault: CONTEXT frame cut after {half} of {} bytes",
                 frame.len()
             );
             self.send_raw(&frame[..half], "stop-and-copy (truncate-context)")?;
@@ -1187,7 +1188,7 @@ pub fn receive(opts: &ReceiveOptions) -> anyhow::Result<ReceiveReport> {
     let key = Key::load(&opts.key)?;
     let listener = TcpListener::bind(&opts.listen)
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
-    eprintln!("hagctl: waiting for a migration on {}", opts.listen);
+    info!("waiting for a migration on {}", opts.listen);
     // The first peer that authenticates: a port scan or a peer without
     // the key is refused and logged, and the wait goes on.
     let (mut stream, from) = loop {
@@ -1197,12 +1198,12 @@ pub fn receive(opts: &ReceiveOptions) -> anyhow::Result<ReceiveReport> {
         tune(&tcp);
         match secure::handshake(tcp, &key, false) {
             Ok((r, w)) => break (secure::Conn { r, w }, from),
-            Err(e) => eprintln!("hagctl: refused a connection from {from}: {e}"),
+            Err(e) => info!("refused a connection from {from}: {e}"),
         }
     };
     // A whole message must arrive within this, however it trickles.
     stream.r.set_idle_timeout(Some(Duration::from_secs(60)));
-    eprintln!("hagctl: migration from {from}");
+    info!("migration from {from}");
     let mut report = ReceiveReport {
         from: from.to_string(),
         ..ReceiveReport::default()
@@ -1234,9 +1235,7 @@ pub fn receive(opts: &ReceiveOptions) -> anyhow::Result<ReceiveReport> {
                         if matches!(state, Receiver::Done) {
                             // The VM runs here already; the source will
                             // not see the OK and resumes its own copy.
-                            eprintln!(
-                                "hagctl: warning: the commit's OK did not reach the source: {e}"
-                            );
+                            warning!("the commit's OK did not reach the source: {e}");
                         } else {
                             break Err(format!("sending {}: {e}", reply.ty().name()));
                         }

@@ -2,22 +2,25 @@
 //! readiness protocol.
 //!
 //! **Configuration.** `hagctl checkpoint --name VM` and `hagctl backup
-//! --name VM` first read `/etc/hag/VM.conf`, if it exists (and
-//! `--no-config` is not given: the libvirt hook, which has its settings
-//! from the domain XML, passes it): its
-//! `[checkpoint]` or `[backup]` section holds that command's long flags, one
-//! per line, as `flag = value` (`interval = 2s`; a repeatable flag on
-//! several lines; `json = true` for a flag without a value). They go before
-//! the command line's own arguments, so an argument given there wins (the
-//! command's flags override themselves). This is what the units
-//! `hag-checkpoint@VM.service` and `hag-backup@VM.service` run: everything
-//! about a VM is in its one file.
+//! --name VM` first read `/etc/hag/VM.conf`, then `/run/hag/VM/libvirt.conf`
+//! (the settings of a libvirt domain's `<hag:protect>`, written by the
+//! libvirt hook when the domain starts), those that exist, unless
+//! `--no-config` is given. A file's `[checkpoint]` or `[backup]` section
+//! holds that command's long flags, one per line, as `flag = value`
+//! (`interval = 2s`; a repeatable flag on several lines; `json = true` for a
+//! flag without a value). They go before the command line's own arguments,
+//! in that order, so the domain's XML wins over the host's file and an
+//! argument on the command line over both (the command's flags override
+//! themselves). This is what the units `hag-checkpoint@VM.service` and
+//! `hag-backup@VM.service` run: everything about a VM is in its one file,
+//! or in its domain XML.
 //!
 //! **Readiness.** Under systemd (`Type=notify`), hagctl says READY=1 once
 //! it does its job (a checkpoint: the first epoch acknowledged; a backup:
 //! listening) and STATUS= on every change of state, as `systemctl status`
 //! shows. Outside systemd ($NOTIFY_SOCKET unset) this does nothing.
 
+use crate::log::warning;
 use std::ffi::OsString;
 use std::path::Path;
 
@@ -27,10 +30,20 @@ pub const CONFIG_DIR: &str = "/etc/hag";
 /// The subcommands that read a VM's configuration file.
 const CONFIGURED: [&str; 2] = ["checkpoint", "backup"];
 
+/// Where the libvirt hook puts a domain's `<hag:protect>` settings.
+pub fn libvirt_settings(vm: &str) -> std::path::PathBuf {
+    Path::new(crate::vm_dirs::RUN_ROOT)
+        .join(vm)
+        .join(LIBVIRT_SETTINGS)
+}
+
+const LIBVIRT_SETTINGS: &str = "libvirt.conf";
+
 /// `args` (hagctl's, program name first) with the flags of `DIR/VM.conf`'s
-/// section for the subcommand inserted after it, if the command line names
-/// a VM with `--name` and that file exists. Errors name the file and line.
-pub fn with_config(args: Vec<OsString>, dir: &Path) -> Result<Vec<OsString>, String> {
+/// and then `RUN/VM/libvirt.conf`'s section for the subcommand inserted
+/// after it, if the command line names a VM with `--name` and those files
+/// exist. Errors name the file and line.
+pub fn with_config(args: Vec<OsString>, dir: &Path, run: &Path) -> Result<Vec<OsString>, String> {
     let Some(sub) = args.get(1).and_then(|a| a.to_str()) else {
         return Ok(args);
     };
@@ -44,15 +57,19 @@ pub fn with_config(args: Vec<OsString>, dir: &Path) -> Result<Vec<OsString>, Str
     if name.parse::<crate::vm_dirs::VmName>().is_err() {
         return Ok(args);
     }
-    let path = dir.join(format!("{name}.conf"));
-    let text = match std::fs::read_to_string(&path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(args),
-        Err(e) => return Err(format!("{}: {e}", path.display())),
-    };
-    let flags = section_flags(&text, sub).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut out = args[..2].to_vec();
-    out.extend(flags.into_iter().map(OsString::from));
+    for path in [
+        dir.join(format!("{name}.conf")),
+        run.join(&name).join(LIBVIRT_SETTINGS),
+    ] {
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+        };
+        let flags = section_flags(&text, sub).map_err(|e| format!("{}: {e}", path.display()))?;
+        out.extend(flags.into_iter().map(OsString::from));
+    }
     out.extend_from_slice(&args[2..]);
     Ok(out)
 }
@@ -151,7 +168,7 @@ pub fn notify(ready: bool, status: &str) {
     };
     // Lost readiness is systemd's timeout to report; it never stops hagctl.
     if let Err(e) = result {
-        eprintln!("hagctl: warning: telling systemd: {e}");
+        warning!("telling systemd: {e}");
     }
 }
 
@@ -189,6 +206,7 @@ listen = 0.0.0.0:7200
         let got = with_config(
             args(&["hagctl", "checkpoint", "--name", "web1", "--interval", "1s"]),
             &dir,
+            &dir,
         )
         .unwrap();
         assert_eq!(
@@ -213,7 +231,7 @@ listen = 0.0.0.0:7200
                 "1s"
             ])
         );
-        let got = with_config(args(&["hagctl", "backup", "--name=web1"]), &dir).unwrap();
+        let got = with_config(args(&["hagctl", "backup", "--name=web1"]), &dir, &dir).unwrap();
         assert_eq!(
             got,
             args(&[
@@ -226,7 +244,7 @@ listen = 0.0.0.0:7200
         );
         // The last --name is the one the parser keeps.
         let two = args(&["hagctl", "backup", "--name", "x", "--name", "web1"]);
-        let got = with_config(two, &dir).unwrap();
+        let got = with_config(two, &dir, &dir).unwrap();
         assert_eq!(got[2..4], args(&["--listen", "0.0.0.0:7200"])[..]);
         // No name, another command, no file, a name after --, --no-config:
         // unchanged.
@@ -239,7 +257,7 @@ listen = 0.0.0.0:7200
                 "hagctl", "backup", "--listen", "a:1", "--", "qemu", "--name", "web1",
             ][..],
         ] {
-            assert_eq!(with_config(args(words), &dir).unwrap(), args(words));
+            assert_eq!(with_config(args(words), &dir, &dir).unwrap(), args(words));
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -267,8 +285,8 @@ listen = 0.0.0.0:7200
             ),
         ] {
             let dir = dir_with("bad", text);
-            let e =
-                with_config(args(&["hagctl", "checkpoint", "--name", "bad"]), &dir).unwrap_err();
+            let e = with_config(args(&["hagctl", "checkpoint", "--name", "bad"]), &dir, &dir)
+                .unwrap_err();
             assert!(e.contains(want) && e.contains("bad.conf"), "{text:?}: {e}");
             std::fs::remove_dir_all(&dir).unwrap();
         }
@@ -313,6 +331,7 @@ listen = 0.0.0.0:7200
                 "--interval",
                 "500ms",
             ]),
+            &dir,
             &dir,
         )
         .unwrap();

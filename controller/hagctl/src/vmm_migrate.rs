@@ -26,6 +26,7 @@
 //! resume the VM. Before completion, any failure cancels the mirrors: the
 //! source VM runs on, on its own disks.
 
+use crate::log::{info, progress, warning};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -425,10 +426,10 @@ pub fn watch_stop_signals_for(what: &'static str) -> anyhow::Result<Arc<AtomicBo
         .spawn(move || loop {
             if let Ok(sig) = set.wait() {
                 if raised.swap(true, Ordering::SeqCst) {
-                    eprintln!("hagctl: {sig} again: leaving; {what} was already under way");
+                    info!("{sig} again: leaving; {what} was already under way");
                     std::process::exit(130);
                 }
-                eprintln!("hagctl: {sig}: {what}");
+                info!("{sig}: {what}");
             }
         })
         .map_err(|e| anyhow!("cannot start the signal thread: {e}"))?;
@@ -535,8 +536,8 @@ pub fn migrate(
                         opts.to
                     )
                 })?;
-                eprintln!(
-                    "hagctl: every mirror completed (block-job-cancel: the source stays on its \
+                info!(
+                    "every mirror completed (block-job-cancel: the source stays on its \
                      own disks) and the NBD nodes are deleted: the target may resume the VM"
                 );
             }
@@ -544,8 +545,8 @@ pub fn migrate(
             report.attempts = attempts;
             report.disks = disks;
             report.source = Some(if !return_path {
-                eprintln!(
-                    "hagctl: warning: return-path is off: QEMU cannot know whether the target \
+                warning!(
+                    "return-path is off: QEMU cannot know whether the target \
                      loaded the state, so the source VM stays paused; end it once the target runs"
                 );
                 SourceOutcome::PausedNoReturnPath
@@ -632,7 +633,7 @@ fn run_migration(
             }
         }
         if attempts == 1 {
-            eprintln!("hagctl: {name} migrates to {} (state {state})", opts.to);
+            info!("{name} migrates to {} (state {state})", opts.to);
         }
         let end = watch(vm, opts, stop, start)?;
         match &end {
@@ -664,11 +665,11 @@ fn mirror_disks(
         .start_disk_copy(nbd, opts.connect_timeout)
         .map_err(|e| anyhow!("{e}; nothing is mirrored: the source VM runs on its own disks"))?;
     if disks.is_empty() {
-        eprintln!("hagctl: {name} has no writable disk: nothing to mirror");
+        info!("{name} has no writable disk: nothing to mirror");
         return Ok(Vec::new());
     }
-    eprintln!(
-        "hagctl: {name} mirrors disk {} to the NBD exports at {nbd}",
+    info!(
+        "{name} mirrors disk {} to the NBD exports at {nbd}",
         disks.join(", ")
     );
     let mut last_progress = Instant::now();
@@ -690,10 +691,10 @@ fn mirror_disks(
                     let ready = p.mirror.iter().all(DiskCopy::is_ready);
                     if ready || last_progress.elapsed() >= opts.progress_every {
                         last_progress = Instant::now();
-                        eprintln!("{}", if opts.json { p.json() } else { p.text() });
+                        progress!("{}", if opts.json { p.json() } else { p.text() });
                     }
                     if ready {
-                        eprintln!("hagctl: every mirror is ready: starting the migration");
+                        info!("every mirror is ready: starting the migration");
                         return Ok(p.mirror);
                     }
                     None
@@ -747,11 +748,11 @@ fn watch(
         let timed_out = opts.timeout.is_some_and(|t| start.elapsed() >= t);
         if !cancelled && (stop.load(Ordering::SeqCst) || timed_out) {
             if timed_out {
-                eprintln!("hagctl: --timeout passed: cancelling the migration (migrate_cancel)");
+                info!("--timeout passed: cancelling the migration (migrate_cancel)");
             }
             cancelled = true;
             if let Err(e) = vm.cancel_migration() {
-                eprintln!("hagctl: migrate_cancel: {e}");
+                info!("migrate_cancel: {e}");
             }
         }
         let info = vm
@@ -766,7 +767,7 @@ fn watch(
         if last_progress.elapsed() >= opts.progress_every {
             last_progress = Instant::now();
             let p = Progress::new(&info, start.elapsed());
-            eprintln!("{}", if opts.json { p.json() } else { p.text() });
+            progress!("{}", if opts.json { p.json() } else { p.text() });
         }
         std::thread::sleep(POLL);
     }
@@ -891,7 +892,7 @@ pub fn receive(vm: &mut dyn Vmm, opts: &VmmReceiveOptions) -> anyhow::Result<Vmm
         .first()
         .cloned()
         .unwrap_or_else(|| opts.listen.to_string());
-    eprintln!("hagctl: {name} waits for a migration on {listen}");
+    info!("{name} waits for a migration on {listen}");
     let left = |start: Instant| opts.timeout.map(|t| t.saturating_sub(start.elapsed()));
     let mut active_at = None;
     let gone = |e: crate::vmm::VmmError| {
@@ -960,7 +961,7 @@ pub fn receive(vm: &mut dyn Vmm, opts: &VmmReceiveOptions) -> anyhow::Result<Vmm
             std::thread::sleep(POLL);
         }
         if !disks.is_empty() {
-            eprintln!("hagctl: the source let go of every NBD export; the NBD server is stopped");
+            info!("the source let go of every NBD export; the NBD server is stopped");
         }
     }
     let mut resumed = false;
@@ -1015,10 +1016,10 @@ fn export_disks(vm: &mut dyn Vmm, nbd: &MigrationAddress) -> anyhow::Result<Vec<
         anyhow!("{e}; nothing is exported and no migration is awaited: QEMU is left as it is")
     })?;
     if disks.is_empty() {
-        eprintln!("hagctl: {name} has no writable disk: nothing to receive over NBD");
+        info!("{name} has no writable disk: nothing to receive over NBD");
     } else {
-        eprintln!(
-            "hagctl: {name} serves disk {} as NBD exports on {nbd}",
+        info!(
+            "{name} serves disk {} as NBD exports on {nbd}",
             disks.join(", ")
         );
     }

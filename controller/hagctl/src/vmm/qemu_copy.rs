@@ -25,6 +25,7 @@
 //! must carry its RAM, and a hagctl killed between epochs leaves nothing
 //! behind that would make it leave RAM out.
 
+use crate::log::info;
 use std::io::Read;
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
@@ -525,7 +526,7 @@ impl CopyVm for QemuVm {
                     // would be skipped on it.
                     None => {
                         qmp.reconnect()?;
-                        eprintln!("hagctl: {}: reconnected after: {e}", qmp.path().display());
+                        info!("{}: reconnected after: {e}", qmp.path().display());
                         self.qemu.run_state()?
                     }
                 }

@@ -22,6 +22,7 @@
 //! Before the migration completed, any failure cancels the mirrors and
 //! deletes the NBD nodes: the source VM runs on, on its own disks.
 
+use crate::log::info;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -272,8 +273,8 @@ impl Mirrors {
                 {
                     if !said {
                         said = true;
-                        eprintln!(
-                            "hagctl: waiting for the target's NBD export '{}' at {} ({})",
+                        info!(
+                            "waiting for the target's NBD export '{}' at {} ({})",
                             d.id,
                             self.nbd,
                             e.desc().unwrap_or_default()
