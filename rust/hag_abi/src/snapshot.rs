@@ -102,17 +102,61 @@ impl core::fmt::Display for SnapshotError {
     }
 }
 
-/// CRC-32 (IEEE 802.3, reflected), bitwise: snapshots are small and rare.
+/// CRC-32 (IEEE 802.3, reflected).
 pub fn crc32(bytes: &[u8]) -> u32 {
     !crc32_update(!0, bytes)
 }
 
-fn crc32_update(mut crc: u32, bytes: &[u8]) -> u32 {
-    for &b in bytes {
-        crc ^= u32::from(b);
-        for _ in 0..8 {
+/// Slicing-by-8 tables, built at compile time: `CRC32_TABLES[0][b]` is the
+/// CRC of byte `b`, and `CRC32_TABLES[k][b]` that of `b` followed by `k`
+/// zero bytes, so eight bytes fold into the CRC with eight lookups. A
+/// snapshot is checksummed in every epoch's pause (about 10 MiB for a
+/// GVT-g vGPU): 10 MiB took 58 ms bit by bit and 6.4 ms so, natively
+/// (`cargo test --release -p hag_abi crc32_speed -- --ignored --nocapture`).
+const CRC32_TABLES: [[u32; 256]; 8] = {
+    let mut tables = [[0u32; 256]; 8];
+    let mut i = 0;
+    while i < 256 {
+        let mut crc = i as u32;
+        let mut bit = 0;
+        while bit < 8 {
             crc = (crc >> 1) ^ (0xEDB8_8320 & (crc & 1).wrapping_neg());
+            bit += 1;
         }
+        tables[0][i] = crc;
+        i += 1;
+    }
+    let mut k = 1;
+    while k < 8 {
+        let mut i = 0;
+        while i < 256 {
+            let prev = tables[k - 1][i];
+            tables[k][i] = (prev >> 8) ^ tables[0][(prev & 0xff) as usize];
+            i += 1;
+        }
+        k += 1;
+    }
+    tables
+};
+
+fn crc32_update(mut crc: u32, bytes: &[u8]) -> u32 {
+    let t = &CRC32_TABLES;
+    let byte = |word: u32, n: u32| ((word >> (8 * n)) & 0xff) as usize;
+    let mut words = bytes.chunks_exact(8);
+    for w in &mut words {
+        let lo = u32::from_le_bytes([w[0], w[1], w[2], w[3]]) ^ crc;
+        let hi = u32::from_le_bytes([w[4], w[5], w[6], w[7]]);
+        crc = t[7][byte(lo, 0)]
+            ^ t[6][byte(lo, 1)]
+            ^ t[5][byte(lo, 2)]
+            ^ t[4][byte(lo, 3)]
+            ^ t[3][byte(hi, 0)]
+            ^ t[2][byte(hi, 1)]
+            ^ t[1][byte(hi, 2)]
+            ^ t[0][byte(hi, 3)];
+    }
+    for &b in words.remainder() {
+        crc = t[0][((crc ^ u32::from(b)) & 0xff) as usize] ^ (crc >> 8);
     }
     crc
 }
@@ -369,6 +413,59 @@ mod tests {
     #[test]
     fn crc32_matches_the_standard_check_value() {
         assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+        assert_eq!(crc32(b""), 0);
+    }
+
+    /// Not a check: prints what slicing-by-8 costs against bit by bit.
+    #[test]
+    #[ignore]
+    fn crc32_speed() {
+        extern crate std;
+        let mut data = std::vec![0u8; 10 << 20];
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = ((i as u32).wrapping_mul(2_654_435_761) >> 13) as u8;
+        }
+        let t0 = std::time::Instant::now();
+        let fast = core::hint::black_box(crc32(core::hint::black_box(&data)));
+        let d_fast = t0.elapsed();
+        let t1 = std::time::Instant::now();
+        let slow = core::hint::black_box(crc32_by_bits(core::hint::black_box(&data)));
+        let d_slow = t1.elapsed();
+        assert_eq!(fast, slow);
+        std::println!(
+            "10 MiB: slicing-by-8 {:.1} ms, bit by bit {:.1} ms ({:.1}x)",
+            d_fast.as_secs_f64() * 1e3,
+            d_slow.as_secs_f64() * 1e3,
+            d_slow.as_secs_f64() / d_fast.as_secs_f64()
+        );
+    }
+
+    fn crc32_by_bits(bytes: &[u8]) -> u32 {
+        let mut crc = !0u32;
+        for &b in bytes {
+            crc ^= u32::from(b);
+            for _ in 0..8 {
+                crc = (crc >> 1) ^ (0xEDB8_8320 & (crc & 1).wrapping_neg());
+            }
+        }
+        !crc
+    }
+
+    /// The table gives what the polynomial gives bit by bit, for every
+    /// byte value in every position of the running CRC.
+    #[test]
+    fn crc32_by_table_is_crc32_by_bits() {
+        let mut bytes = [0u8; 4096];
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = ((i as u32).wrapping_mul(2_654_435_761) >> 13) as u8;
+        }
+        for len in [0, 1, 7, 255, 256, 1000, 4096] {
+            assert_eq!(
+                crc32(&bytes[..len]),
+                crc32_by_bits(&bytes[..len]),
+                "{len} bytes"
+            );
+        }
     }
 
     #[test]
