@@ -8,8 +8,9 @@
 #     VM, and host 0's VM must run on (resumed after the stop-and-copy) and
 #     finish with PASS there.
 # (b) on host 1, IOC_RESTORE_CONTEXT refuses a snapshot with a flipped byte
-#     or truncated (EINVAL), of an unknown version (EPROTO) and of another
-#     vGPU (EXDEV), leaving the target vGPU as it was (hag-vmm
+#     or truncated (EINVAL), of an unknown version (EPROTO), of another
+#     vGPU (EXDEV), and with config space changed where a guest cannot
+#     write (EINVAL), leaving the target vGPU as it was (hag-vmm
 #     context-check).
 ITERATIONS=20000
 load_hag
@@ -56,6 +57,8 @@ if [ "$HAG_HOST" = 1 ]; then
 	dmesg | grep 'restore refused' || fail "the module did not log its refusals"
 	dmesg | grep -q 'restore refused: snapshot version' || fail "no message for the unknown version"
 	dmesg | grep -q 'restore refused: snapshot of a gvt vGPU' || fail "no message for the mismatched vGPU"
+	dmesg | grep -q 'restore refused: config space byte 0xb is read-only and differs' ||
+		fail "no message for the snapshot's read-only config byte"
 	mdev_remove "$a"
 	mdev_remove "$b"
 else

@@ -245,7 +245,7 @@ fn resume(state: &State, arg: usize) -> Result {
         if sim.vfio_stopped {
             return Err(EBUSY);
         }
-        sim.resume(&vgpu.handle);
+        sim.resume();
     }
     Event::new(abi::EVENT_STATE_CHANGED, vgpu.id, &vgpu.uuid).message("resumed").send();
     Ok(())

@@ -607,16 +607,35 @@ impl VgpuHandle {
     pub(crate) fn forget(&self) {
         self.vgpu.store(ptr::null_mut(), Ordering::Release);
     }
+}
+
+/// What a simulated vGPU's device model reaches outside itself: its VM's
+/// memory (VFIO DMA) and its work item. Only the vGPU's lock
+/// ([`crate::vgpu::Vgpu::lock`]) makes one, for a use under the mutex it
+/// holds, the mutex [`VgpuHandle::forget`] also holds: so a use either runs
+/// before a remove finishes with the C object or finds it gone (`ENODEV`).
+/// (`Vgpu`'s handle is private to the vGPU table's module, so nothing else
+/// can make one.)
+pub(crate) struct VgpuIo<'a> {
+    handle: &'a VgpuHandle,
+}
+
+impl<'a> VgpuIo<'a> {
+    /// For `handle`'s vGPU, whose mutex the caller holds for as long as
+    /// this lives.
+    pub(crate) fn new(handle: &'a VgpuHandle) -> Self {
+        Self { handle }
+    }
 
     /// Reads guest memory at guest physical `gpa` through the VM's VFIO
     /// DMA mappings. Fails (`EINVAL`, `EFAULT`) if the range is not mapped,
-    /// `ENODEV` once removed. Only while the VFIO device is open, with the
-    /// vGPU's mutex held: the caller checks and holds.
+    /// `ENODEV` once removed. Only while the VFIO device is open: the device
+    /// model checks.
     pub(crate) fn dma_read(&self, gpa: u64, out: &mut [u8]) -> Result {
-        let vgpu = self.live()?;
-        // SAFETY: `vgpu` is live (see the type's docs: not yet forgotten,
-        // and the caller's mutex keeps it so for the call); `out` is valid
-        // for writes of its length for the duration of the call.
+        let vgpu = self.handle.live()?;
+        // SAFETY: `vgpu` is live (not yet forgotten, and the mutex held
+        // while `self` lives keeps it so for the call); `out` is valid for
+        // writes of its length for the duration of the call.
         let ret =
             unsafe { hag_glue_dma_rw(vgpu, gpa, out.as_mut_ptr().cast(), out.len() as u64, false) };
         check(ret)
@@ -624,7 +643,7 @@ impl VgpuHandle {
 
     /// Writes guest memory; as [`Self::dma_read`].
     pub(crate) fn dma_write(&self, gpa: u64, data: &[u8]) -> Result {
-        let vgpu = self.live()?;
+        let vgpu = self.handle.live()?;
         // SAFETY: as in `dma_read`; with `write` set, vfio_dma_rw only reads
         // `data`.
         let ret = unsafe {
@@ -636,7 +655,7 @@ impl VgpuHandle {
     /// Schedules the vGPU's tick in `delay_ms` (now, if 0); an already
     /// scheduled tick is moved. Nothing once removed.
     pub(crate) fn kick(&self, delay_ms: u32) {
-        let Ok(vgpu) = self.live() else { return };
+        let Ok(vgpu) = self.handle.live() else { return };
         // SAFETY: `vgpu` is live (as in `dma_read`) and its work was
         // initialised at probe.
         unsafe { hag_glue_kick(vgpu, delay_ms) };

@@ -23,7 +23,7 @@ use crate::glue;
 use crate::dirty::DirtyLog;
 use crate::events::Event;
 use crate::ratelimit::{LeftOut, LogBudget, Verdict};
-use crate::glue::{EventFd, VgpuHandle};
+use crate::glue::{EventFd, VgpuIo};
 
 pub(crate) use engine::Submission;
 pub(crate) use snapshot::SNAPSHOT_BYTES;
@@ -226,6 +226,13 @@ impl Sim {
         Ok(())
     }
 
+    /// Whether config space byte `at` takes writes: the command register
+    /// and BAR0. The rest (ids, class, header, capabilities) is read-only,
+    /// for a guest's writes and for a snapshot's restore alike.
+    fn config_writable(at: usize) -> bool {
+        (0x04..0x06).contains(&at) || (0x10..0x14).contains(&at)
+    }
+
     /// Writes the command register and BAR0 (with BAR sizing); the rest of
     /// config space is read-only.
     fn config_write(&mut self, offset: usize, data: &[u8]) -> Result {
@@ -234,11 +241,8 @@ impl Sim {
             return Err(EINVAL);
         }
         for (i, byte) in data.iter().enumerate() {
-            let at = offset + i;
-            if (0x04..0x06).contains(&at) {
-                self.config[at] = *byte;
-            } else if (0x10..0x14).contains(&at) {
-                self.config[at] = *byte;
+            if Self::config_writable(offset + i) {
+                self.config[offset + i] = *byte;
             }
         }
         // BAR0 is 2 MiB, 32-bit memory: the low 21 bits read as zero, which
@@ -291,7 +295,7 @@ impl Sim {
         }
     }
 
-    fn bar0_write(&mut self, offset: u32, value: u32, handle: &VgpuHandle) {
+    fn bar0_write(&mut self, offset: u32, value: u32, handle: &VgpuIo<'_>) {
         if let Some(entry) = self.gtt_entry_index(offset) {
             self.gtt_write(entry, value, handle);
             return;
@@ -333,7 +337,7 @@ impl Sim {
         (rel < GTT_ENTRIES * 2).then_some(rel)
     }
 
-    fn gtt_write(&mut self, half: usize, value: u32, handle: &VgpuHandle) {
+    fn gtt_write(&mut self, half: usize, value: u32, handle: &VgpuIo<'_>) {
         let Some(entry) = self.gtt.get_mut(half / 2) else { return };
         *entry = if half % 2 == 0 {
             (*entry & !0xffff_ffff) | u64::from(value)
@@ -365,7 +369,7 @@ impl Sim {
     }
 
     /// Reads or writes graphics memory through the GTT, page by page.
-    fn gfx_access(&self, handle: &VgpuHandle, mut gfx: u64, buf: &mut [u8], write: bool) -> core::result::Result<(), u64> {
+    fn gfx_access(&self, handle: &VgpuIo<'_>, mut gfx: u64, buf: &mut [u8], write: bool) -> core::result::Result<(), u64> {
         let mut done = 0;
         while done < buf.len() {
             let in_page = (PAGE - gfx % PAGE) as usize;
@@ -409,7 +413,7 @@ impl Sim {
         (((self.regs.ring_ctl >> r::RING_CTL_PAGES_SHIFT) & r::RING_CTL_PAGES_MASK) + 1) * PAGE as u32
     }
 
-    fn doorbell(&mut self, tail: u32, handle: &VgpuHandle) {
+    fn doorbell(&mut self, tail: u32, handle: &VgpuIo<'_>) {
         let tail = tail & !7;
         if tail >= self.ring_bytes() {
             self.stop(r::ERROR_COMMAND_REJECTED, u64::from(self.regs.ring_start) + u64::from(tail), 0, 0);
@@ -425,7 +429,7 @@ impl Sim {
 
     /// Audits the ring from head to tail and, if it passes, marks its write
     /// set dirty and starts the engine.
-    fn start_submission(&mut self, handle: &VgpuHandle) {
+    fn start_submission(&mut self, handle: &VgpuIo<'_>) {
         let (head, tail) = (self.regs.ring_head, self.regs.ring_tail);
         if head == tail || self.regs.ring_ctl & r::RING_CTL_ENABLE == 0 || !self.open {
             return;
@@ -465,7 +469,7 @@ impl Sim {
         handle.kick(0);
     }
 
-    fn audit_part(&self, handle: &VgpuHandle, gfx: u64, bytes: usize, cmds: &mut KVVec<ValidatedCommand>) -> core::result::Result<(), AuditError> {
+    fn audit_part(&self, handle: &VgpuIo<'_>, gfx: u64, bytes: usize, cmds: &mut KVVec<ValidatedCommand>) -> core::result::Result<(), AuditError> {
         let ggtt = AddressSpace::Ggtt;
         let fault = |gfx_addr| AuditError { space: ggtt, gfx_addr, header: None, reason: audit::Reason::MemoryFault { space: ggtt, addr: gfx_addr } };
         let mut raw = KVVec::from_elem(0u8, bytes, GFP_KERNEL).map_err(|_| out_of_memory(gfx))?;
@@ -590,7 +594,7 @@ impl Sim {
     }
 
     /// One tick of the work item: a slice of the engine, then the watchdog.
-    pub(crate) fn tick(&mut self, handle: &VgpuHandle) {
+    pub(crate) fn tick(&mut self, handle: &VgpuIo<'_>) {
         if !self.open || self.run.is_none() {
             return;
         }
@@ -637,7 +641,7 @@ impl Sim {
     }
 
     /// Starts the submission a doorbell queued, unless held or halted.
-    fn start_queued(&mut self, handle: &VgpuHandle) {
+    fn start_queued(&mut self, handle: &VgpuIo<'_>) {
         if self.quiesced || self.run.is_some() || self.halt != Halt::Idle {
             return;
         }
@@ -648,7 +652,7 @@ impl Sim {
     }
 
     /// `IOC_RESUME`: submissions held while quiesced start now.
-    pub(crate) fn resume(&mut self, handle: &VgpuHandle) {
+    pub(crate) fn resume(&mut self, handle: &VgpuIo<'_>) {
         self.quiesced = false;
         self.held_by = None;
         self.start_queued(handle);
@@ -665,7 +669,7 @@ impl Sim {
     /// config space (any bytes, at most [`REGION_ACCESS_MAX`]). `buf` holds
     /// the bytes to write, or receives those read: the caller moves them
     /// from or to the VMM without the vGPU's lock.
-    pub(crate) fn region_rw(&mut self, handle: &VgpuHandle, buf: &mut [u8], pos: u64, write: bool) -> Result {
+    pub(crate) fn region_rw(&mut self, handle: &VgpuIo<'_>, buf: &mut [u8], pos: u64, write: bool) -> Result {
         let index = (pos >> r::REGION_SHIFT) as u32;
         let offset = pos & ((1u64 << r::REGION_SHIFT) - 1);
         match index {
@@ -703,7 +707,7 @@ impl Sim {
 /// command (a batch of register loads reads its pairs one by one).
 struct GttMemory<'a> {
     sim: &'a Sim,
-    handle: &'a VgpuHandle,
+    handle: &'a VgpuIo<'a>,
     /// One graphics page's bytes,
     page: KVVec<u8>,
     /// ...of this graphics page number.

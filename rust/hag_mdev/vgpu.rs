@@ -25,7 +25,7 @@ use kernel::{new_mutex, pin_init};
 use crate::abi;
 use crate::dirty::{self, DirtyLog};
 use crate::events::Event;
-use crate::glue::{self, GvtHandle, MigAction, VgpuHandle};
+use crate::glue::{self, GvtHandle, MigAction, VgpuHandle, VgpuIo};
 use crate::gvt::GvtVgpu;
 use crate::sim::vfio::mig_state;
 use crate::sim::{self, vfio, Sim};
@@ -47,21 +47,60 @@ const MIG_QUIESCE_MS: u32 = 2000;
 pub(crate) struct Vgpu {
     pub(crate) id: u32,
     pub(crate) uuid: [u8; 16],
-    pub(crate) handle: VgpuHandle,
+    /// Private to this module: the device model's DMA and tick
+    /// ([`VgpuIo`]) are made from it only by [`Locked`], under the mutex.
+    handle: VgpuHandle,
     #[pin]
     sim: Mutex<Sim>,
+}
+
+/// A locked simulated device: the device model, and what it reaches
+/// outside itself (guest memory, its tick) for as long as the lock is held.
+pub(crate) struct Locked<'a> {
+    sim: Guard<'a, Sim, MutexBackend>,
+    handle: &'a VgpuHandle,
+}
+
+impl core::ops::Deref for Locked<'_> {
+    type Target = Sim;
+    fn deref(&self) -> &Sim {
+        &self.sim
+    }
+}
+
+impl core::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Sim {
+        &mut self.sim
+    }
+}
+
+impl Locked<'_> {
+    /// See [`Sim::resume`].
+    pub(crate) fn resume(&mut self) {
+        self.sim.resume(&VgpuIo::new(self.handle));
+    }
+
+    /// See [`Sim::tick`].
+    pub(crate) fn tick(&mut self) {
+        self.sim.tick(&VgpuIo::new(self.handle));
+    }
+
+    /// See [`Sim::region_rw`].
+    pub(crate) fn region_rw(&mut self, buf: &mut [u8], pos: u64, write: bool) -> Result {
+        self.sim.region_rw(&VgpuIo::new(self.handle), buf, pos, write)
+    }
 }
 
 impl Vgpu {
     /// Locks the simulated device; `ENODEV` once the vGPU was removed
     /// (its handle forgotten, which happens under this mutex, so the
     /// answer holds for as long as the guard lives).
-    pub(crate) fn lock(&self) -> Result<Guard<'_, Sim, MutexBackend>> {
+    pub(crate) fn lock(&self) -> Result<Locked<'_>> {
         let sim = self.sim.lock();
         if !self.handle.is_live() {
             return Err(ENODEV);
         }
-        Ok(sim)
+        Ok(Locked { sim, handle: &self.handle })
     }
 
     /// Holds new submissions and waits up to `timeout_ms` for the one in
@@ -93,7 +132,7 @@ impl Vgpu {
                 let killed = crate::glue::fatal_signal_pending();
                 if killed || Ktime::ktime_get().to_ns() >= deadline {
                     if !held_before {
-                        sim.resume(&self.handle);
+                        sim.resume();
                     }
                     let code = if killed { kernel::bindings::EINTR } else { kernel::bindings::ETIMEDOUT };
                     return Err(crate::errno(code));
@@ -383,7 +422,7 @@ impl State {
                 let Ok(mut sim) = vgpu.lock() else { continue };
                 let held = sim.quiesced && sim.held_by == Some(opener) && !sim.vfio_stopped;
                 if held {
-                    sim.resume(&vgpu.handle);
+                    sim.resume();
                 }
                 held
             };
@@ -413,9 +452,9 @@ impl State {
         let buf = bytes.get_mut(..count).ok_or(EINVAL)?;
         if write {
             user.reader().read_slice(buf)?;
-            vgpu.lock()?.region_rw(&vgpu.handle, buf, pos, true)?;
+            vgpu.lock()?.region_rw(buf, pos, true)?;
         } else {
-            vgpu.lock()?.region_rw(&vgpu.handle, buf, pos, false)?;
+            vgpu.lock()?.region_rw(buf, pos, false)?;
             user.writer().write_slice(buf)?;
         }
         Ok(count)
@@ -510,7 +549,7 @@ impl State {
                 // (IOC_RESUME, or closing /dev/hag).
                 let held = sim.held_by.is_some();
                 if !held {
-                    sim.resume(&vgpu.handle);
+                    sim.resume();
                 }
                 drop(sim);
                 vgpu.event(if held {
@@ -642,7 +681,7 @@ impl State {
         let Ok(mut sim) = vgpu.lock() else { return };
         if sim.vfio_stopped {
             sim.vfio_stopped = false;
-            sim.resume(&vgpu.handle);
+            sim.resume();
         }
     }
 
@@ -650,7 +689,7 @@ impl State {
     pub(crate) fn vgpu_tick(&self, id: u32) {
         let Ok(vgpu) = self.vgpu(id) else { return };
         let Ok(mut sim) = vgpu.lock() else { return };
-        sim.tick(&vgpu.handle);
+        sim.tick();
     }
 
     /// Every vGPU now, in slot order: clones, so callers may lock the vGPUs

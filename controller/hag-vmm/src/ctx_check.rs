@@ -6,7 +6,9 @@
 //!   context, then restores into --mdev2 (quiesced, not opened) a snapshot
 //!   with a flipped byte and truncated ones (`EINVAL`), one with an unknown
 //!   version (`EPROTO`), and ones that describe another vGPU (other
-//!   graphics memory size, other source; checksums recomputed) (`EXDEV`).
+//!   graphics memory size, other source; checksums recomputed) (`EXDEV`),
+//!   and ones whose config space differs where a guest cannot write (the
+//!   class code, the capabilities pointer; checksums recomputed) (`EINVAL`).
 //!   After every refusal --mdev2's context is unchanged; the intact snapshot
 //!   is then accepted and reads back byte for byte.
 //! * quiesce-check: with a submission held at a semaphore past the
@@ -113,6 +115,17 @@ pub fn context_check(mdev_a: &str, mdev_b: &str) -> anyhow::Result<()> {
     gfx[16..24].copy_from_slice(&(abi::SIM_GFX_MEM_SIZE * 2).to_le_bytes());
     let mut gvt = ctx.clone();
     gvt[6..8].copy_from_slice(&(abi::VGPU_SOURCE_GVT as u16).to_le_bytes());
+    // Config space bytes a guest cannot write: the class code, and the
+    // capabilities pointer (a restore replays config space through the
+    // guest's write path, so these must be the vGPU's own).
+    let config = parsed
+        .section(snapshot::TAG_CONFIG, r::CONFIG_SIZE as usize)
+        .map_err(|e| anyhow::anyhow!("the saved context has no config space: {e}"))?;
+    let config_at = config.as_ptr() as usize - ctx.as_ptr() as usize;
+    let mut class = ctx.clone();
+    class[config_at + 0x0b] ^= 0xff;
+    let mut caps = ctx.clone();
+    caps[config_at + 0x34] = 0x40;
     let cases: Vec<(&str, Vec<u8>, Errno)> = vec![
         ("a flipped byte in the body", flipped, Errno::EINVAL),
         (
@@ -137,6 +150,16 @@ pub fn context_check(mdev_a: &str, mdev_b: &str) -> anyhow::Result<()> {
             Errno::EXDEV,
         ),
         ("a GVT-g vGPU's (checksum valid)", reseal(gvt), Errno::EXDEV),
+        (
+            "another PCI class code (checksum valid)",
+            reseal(class),
+            Errno::EINVAL,
+        ),
+        (
+            "a capabilities pointer (checksum valid)",
+            reseal(caps),
+            Errno::EINVAL,
+        ),
     ];
     for (what, bytes, want) in &cases {
         let got = errno_of(hag.restore_context(b, bytes));

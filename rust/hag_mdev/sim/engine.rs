@@ -35,7 +35,7 @@ use kernel::time::Ktime;
 use super::Sim;
 use crate::audit::flow::{Exec, FlowError};
 use crate::audit::{Command, PostSync, ValidatedCommand, PAGE_SIZE};
-use crate::glue::VgpuHandle;
+use crate::glue::VgpuIo;
 use crate::sim_regs as r;
 
 /// Operations per slice: the vGPU's lock is held for one slice at most.
@@ -127,7 +127,7 @@ enum Step {
     Yield,
 }
 
-pub(super) fn run_slice(sim: &mut Sim, handle: &VgpuHandle) -> Outcome {
+pub(super) fn run_slice(sim: &mut Sim, handle: &VgpuIo<'_>) -> Outcome {
     let Some(mut run) = sim.run.take() else { return Outcome::Finished };
     let head_before = sim.regs.ring_head;
     let mut budget = Budget { ops: SLICE_OPS, bytes: SLICE_BYTES };
@@ -179,7 +179,7 @@ pub(super) fn run_slice(sim: &mut Sim, handle: &VgpuHandle) -> Outcome {
 
 fn execute(
     sim: &mut Sim,
-    handle: &VgpuHandle,
+    handle: &VgpuIo<'_>,
     at: &mut BlitAt,
     cmd: &ValidatedCommand,
     budget: &mut Budget,
@@ -291,7 +291,7 @@ fn set_gpr(sim: &mut Sim, reg: u32, value: u32) {
     }
 }
 
-fn read_u32(sim: &Sim, handle: &VgpuHandle, budget: &mut Budget, addr: u64) -> core::result::Result<u32, u64> {
+fn read_u32(sim: &Sim, handle: &VgpuIo<'_>, budget: &mut Budget, addr: u64) -> core::result::Result<u32, u64> {
     let mut b = [0u8; 4];
     budget.transfer(addr, b.len());
     sim.gfx_access(handle, addr, &mut b, false)?;
@@ -301,27 +301,27 @@ fn read_u32(sim: &Sim, handle: &VgpuHandle, budget: &mut Budget, addr: u64) -> c
 /// Every engine write to guest memory goes through here, so the
 /// `bytes_written` counter is what the GPU really wrote: the measure the
 /// audit's (page-granular, superset) write sets are compared with.
-fn write_gfx(sim: &mut Sim, handle: &VgpuHandle, budget: &mut Budget, addr: u64, buf: &mut [u8]) -> core::result::Result<(), u64> {
+fn write_gfx(sim: &mut Sim, handle: &VgpuIo<'_>, budget: &mut Budget, addr: u64, buf: &mut [u8]) -> core::result::Result<(), u64> {
     budget.transfer(addr, buf.len());
     sim.gfx_access(handle, addr, buf, true)?;
     sim.stats.bytes_written = sim.stats.bytes_written.wrapping_add(buf.len() as u64);
     Ok(())
 }
 
-fn write_bytes(sim: &mut Sim, handle: &VgpuHandle, budget: &mut Budget, addr: u64, bytes: &[u8]) -> core::result::Result<(), u64> {
+fn write_bytes(sim: &mut Sim, handle: &VgpuIo<'_>, budget: &mut Budget, addr: u64, bytes: &[u8]) -> core::result::Result<(), u64> {
     let mut buf = [0u8; 8];
     let buf = &mut buf[..bytes.len()];
     buf.copy_from_slice(bytes);
     write_gfx(sim, handle, budget, addr, buf)
 }
 
-fn write_data(sim: &mut Sim, handle: &VgpuHandle, budget: &mut Budget, addr: u64, data: [u32; 2], qword: bool) -> core::result::Result<(), u64> {
+fn write_data(sim: &mut Sim, handle: &VgpuIo<'_>, budget: &mut Budget, addr: u64, data: [u32; 2], qword: bool) -> core::result::Result<(), u64> {
     let value = u64::from(data[0]) | (u64::from(data[1]) << 32);
     let bytes = value.to_le_bytes();
     write_bytes(sim, handle, budget, addr, if qword { &bytes } else { &bytes[..4] })
 }
 
-fn post_sync_write(sim: &mut Sim, handle: &VgpuHandle, budget: &mut Budget, post_sync: PostSync, qword: bool) -> core::result::Result<(), u64> {
+fn post_sync_write(sim: &mut Sim, handle: &VgpuIo<'_>, budget: &mut Budget, post_sync: PostSync, qword: bool) -> core::result::Result<(), u64> {
     match post_sync {
         PostSync::None => Ok(()),
         // MI_FLUSH_DW's short form stores a dword; both forms carry the
@@ -338,7 +338,7 @@ fn post_sync_write(sim: &mut Sim, handle: &VgpuHandle, budget: &mut Budget, post
 /// MI_ATOMIC on a dword or qword: AND, OR, XOR, MOVE, INC, DEC, ADD, SUB
 /// (the low nibble of the opcode); other operations leave memory as it is
 /// (the audit still counted the bytes as written).
-fn atomic(sim: &mut Sim, handle: &VgpuHandle, budget: &mut Budget, addr: u64, len: u8, opcode: u8, operand: [u32; 2]) -> core::result::Result<(), u64> {
+fn atomic(sim: &mut Sim, handle: &VgpuIo<'_>, budget: &mut Budget, addr: u64, len: u8, opcode: u8, operand: [u32; 2]) -> core::result::Result<(), u64> {
     let width = if len >= 8 { 8 } else { 4 };
     let mut b = [0u8; 8];
     budget.transfer(addr, width);

@@ -183,13 +183,20 @@ impl Sim {
             || !in_ring(regs.ring_tail)
             || !queued_tail.map_or(true, in_ring)
             || !(abi::WATCHDOG_MIN_MS..=abi::WATCHDOG_MAX_MS).contains(&watchdog_ms)
-            || config[..4] != self.config[..4]
         {
             pr_info!("vGPU {}: restore refused: register values out of range\n", self.id);
             return Err(EINVAL);
         }
+        // Config space goes through the guest's write path: only what a
+        // guest may write is taken, and a snapshot that differs from this
+        // vGPU anywhere else (ids, class, capabilities) is damaged or not
+        // this kind of device's.
+        if let Some(at) = (0..CONFIG_BYTES).find(|&at| !Self::config_writable(at) && config[at] != self.config[at]) {
+            pr_info!("vGPU {}: restore refused: config space byte {:#x} is read-only and differs\n", self.id, at);
+            return Err(EINVAL);
+        }
 
-        self.config.copy_from_slice(config);
+        self.config_write(0, config)?;
         self.regs = regs;
         for (i, pte) in self.gtt.iter_mut().enumerate() {
             *pte = gtt.get(i * 8..i * 8 + 8).map_or(0, |b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]));
