@@ -254,8 +254,11 @@ pub fn run(domain: &str, op: &str, sub: &str) {
         ));
     }
     let paths = Paths::new(domain, &conf);
+    // Read whatever the operation: libvirt writes the XML to every hook
+    // call, and a hook that left it unread could fail libvirt's write.
+    let xml = read_domain_xml();
     match op {
-        "started" | "reconnect" => protect(domain, &conf, &paths, &mut log),
+        "started" | "reconnect" => protect(domain, xml, &conf, &paths, &mut log),
         "stopped" | "release" => unprotect(&paths, &mut log),
         "migrate" | "restore" => {
             let marked = fs::create_dir_all(RUN_ROOT)
@@ -357,8 +360,14 @@ fn settings_for(
     Ok((settings, hag))
 }
 
-fn protect(domain: &str, conf: &HookConf, paths: &Paths, log: &mut Log) {
-    let xml = match read_domain_xml().and_then(|x| libvirt_domain::parse(&x)) {
+fn protect(
+    domain: &str,
+    xml: Result<String, String>,
+    conf: &HookConf,
+    paths: &Paths,
+    log: &mut Log,
+) {
+    let xml = match xml.and_then(|x| libvirt_domain::parse(&x)) {
         Ok(xml) => xml,
         Err(e) => return log.line(&format!("not protected: {e}")),
     };
@@ -380,22 +389,8 @@ fn protect(domain: &str, conf: &HookConf, paths: &Paths, log: &mut Log) {
     }
     let systemd = systemd_runs();
     if !systemd {
-        if alive(Paths::read_pid(&paths.supervisor)) {
-            let sup = Paths::read_pid(&paths.supervisor).unwrap_or(0);
-            if paths.token.exists() {
-                let cp = Paths::read_pid(&paths.pid).map_or("none".into(), |p| p.to_string());
-                return log.line(&format!(
-                    "already protected: supervisor pid {sup}, hagctl checkpoint pid {cp}: nothing started"
-                ));
-            }
-            return log.line(&format!(
-                "not started: the previous protection (supervisor pid {sup}) is still ending; try again once it has (see the log)"
-            ));
-        }
-        if let Some(cp) = Paths::read_pid(&paths.pid).filter(|p| alive(Some(*p))) {
-            return log.line(&format!(
-                "already protected: hagctl checkpoint pid {cp} runs without its supervisor: nothing started"
-            ));
+        if let Err(line) = may_start(Found::read(paths)) {
+            return log.line(&line);
         }
         let _ = fs::remove_file(&paths.pid);
     }
@@ -472,14 +467,18 @@ fn spawn_supervisor(domain: &str, paths: &Paths) -> std::io::Result<u32> {
         .append(true)
         .open(&paths.checkpoint_log)?;
     let err = out.try_clone()?;
+    // Wanted before the supervisor starts: it runs while the token is there.
+    fs::write(&paths.token, "wanted\n")?;
     let child = Command::new(std::env::current_exe()?)
         .args(["libvirt-hook", "--supervise", "--", domain])
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err)
-        .spawn()?;
+        .spawn()
+        .inspect_err(|_| {
+            let _ = fs::remove_file(&paths.token);
+        })?;
     let pid = child.id();
-    fs::write(&paths.token, format!("{pid}\n"))?;
     fs::write(&paths.supervisor, format!("{pid}\n"))?;
     Ok(pid)
 }
@@ -501,35 +500,159 @@ fn unprotect(paths: &Paths, log: &mut Log) {
         let _ = fs::remove_file(&paths.settings);
         return;
     }
-    let sup = Paths::read_pid(&paths.supervisor);
-    let cp = Paths::read_pid(&paths.pid);
-    let cp_text = cp.map_or("none".into(), |p| p.to_string());
-    let wanted = paths.token.exists();
+    let found = Found::read(paths);
     let _ = fs::remove_file(&paths.token);
     let _ = fs::remove_file(&paths.incoming);
-    if alive(sup) && wanted {
-        log.line(&format!(
-            "ending protection: supervisor pid {} lets hagctl checkpoint pid {cp_text} see the VM gone and end protection with its backup (SIGTERM after the stop timeout)",
-            sup.unwrap_or(0)
-        ));
-    } else if alive(sup) {
-        log.line(&format!(
-            "protection already ending: supervisor pid {} waits for hagctl checkpoint pid {cp_text}",
-            sup.unwrap_or(0)
-        ));
-    } else if alive(cp) {
-        log.line(&format!(
-            "ending protection: hagctl checkpoint pid {cp_text} runs without its supervisor: SIGTERM (its backup may take over)"
-        ));
-        let _ = kill(Pid::from_raw(cp.unwrap_or(0)), Signal::SIGTERM);
-        let _ = fs::remove_file(&paths.pid);
-    } else if sup.is_some() || cp.is_some() || had_settings {
-        log.line("protection had already ended: nothing to stop");
-        let _ = fs::remove_file(&paths.pid);
-        let _ = fs::remove_file(&paths.supervisor);
-        let _ = fs::remove_file(&paths.settings);
-    } else {
-        log.line("not protected by this hook: nothing to stop");
+    let stop = at_stop(found);
+    log.line(&stop.to_string());
+    match stop {
+        Stop::Asked { .. } | Stop::AlreadyEnding { .. } | Stop::NotOurs => {}
+        Stop::Orphan { checkpoint } => {
+            let _ = kill(Pid::from_raw(checkpoint), Signal::SIGTERM);
+            let _ = fs::remove_file(&paths.pid);
+        }
+        Stop::Ended => {
+            for f in [&paths.pid, &paths.supervisor, &paths.settings] {
+                let _ = fs::remove_file(f);
+            }
+        }
+    }
+}
+
+/// What the hook finds of a domain's protection by its own supervisor
+/// (without systemd): the processes that still run, and the files.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Found {
+    /// The supervisor's pid, if it runs.
+    supervisor: Option<i32>,
+    /// The running `hagctl checkpoint`'s pid, if it runs.
+    checkpoint: Option<i32>,
+    /// Protection is wanted (the token is there).
+    wanted: bool,
+    /// A pid file of a process that is gone, or the settings, is left.
+    leftovers: bool,
+}
+
+impl Found {
+    fn read(paths: &Paths) -> Found {
+        let sup = Paths::read_pid(&paths.supervisor);
+        let cp = Paths::read_pid(&paths.pid);
+        Found {
+            supervisor: sup.filter(|&p| alive(Some(p))),
+            checkpoint: cp.filter(|&p| alive(Some(p))),
+            wanted: paths.token.exists(),
+            leftovers: sup.is_some() || cp.is_some() || paths.settings.exists(),
+        }
+    }
+}
+
+fn pid_text(pid: Option<i32>) -> String {
+    pid.map_or("none".into(), |p| p.to_string())
+}
+
+/// At `started`: whether protection may start, or the log line saying
+/// why not (it runs already, or the last one is still ending).
+fn may_start(found: Found) -> Result<(), String> {
+    match found {
+        Found {
+            supervisor: Some(sup),
+            wanted: true,
+            checkpoint,
+            ..
+        } => Err(format!(
+            "already protected: supervisor pid {sup}, hagctl checkpoint pid {}: nothing started",
+            pid_text(checkpoint)
+        )),
+        Found {
+            supervisor: Some(sup),
+            ..
+        } => Err(format!(
+            "not started: the previous protection (supervisor pid {sup}) is still ending; try again once it has (see the log)"
+        )),
+        Found {
+            checkpoint: Some(cp),
+            ..
+        } => Err(format!(
+            "already protected: hagctl checkpoint pid {cp} runs without its supervisor: nothing started"
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// At `stopped` or `release`: what ending the protection takes.
+#[derive(Debug, PartialEq, Eq)]
+enum Stop {
+    /// The supervisor lets hagctl see the VM gone (SIGTERM after the stop
+    /// timeout).
+    Asked {
+        supervisor: i32,
+        checkpoint: Option<i32>,
+    },
+    /// Asked already (`release` after `stopped`).
+    AlreadyEnding {
+        supervisor: i32,
+        checkpoint: Option<i32>,
+    },
+    /// hagctl runs without its supervisor: SIGTERM now.
+    Orphan {
+        checkpoint: i32,
+    },
+    /// Nothing runs any more: files to clear.
+    Ended,
+    NotOurs,
+}
+
+fn at_stop(found: Found) -> Stop {
+    match found {
+        Found {
+            supervisor: Some(supervisor),
+            checkpoint,
+            wanted,
+            ..
+        } => {
+            if wanted {
+                Stop::Asked {
+                    supervisor,
+                    checkpoint,
+                }
+            } else {
+                Stop::AlreadyEnding {
+                    supervisor,
+                    checkpoint,
+                }
+            }
+        }
+        Found {
+            checkpoint: Some(checkpoint),
+            ..
+        } => Stop::Orphan { checkpoint },
+        Found {
+            leftovers: true, ..
+        } => Stop::Ended,
+        _ => Stop::NotOurs,
+    }
+}
+
+impl std::fmt::Display for Stop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Stop::Asked { supervisor, checkpoint } => write!(
+                f,
+                "ending protection: supervisor pid {supervisor} lets hagctl checkpoint pid {} see the VM gone and end protection with its backup (SIGTERM after the stop timeout)",
+                pid_text(checkpoint)
+            ),
+            Stop::AlreadyEnding { supervisor, checkpoint } => write!(
+                f,
+                "protection already ending: supervisor pid {supervisor} waits for hagctl checkpoint pid {}",
+                pid_text(checkpoint)
+            ),
+            Stop::Orphan { checkpoint } => write!(
+                f,
+                "ending protection: hagctl checkpoint pid {checkpoint} runs without its supervisor: SIGTERM (its backup may take over)"
+            ),
+            Stop::Ended => f.write_str("protection had already ended: nothing to stop"),
+            Stop::NotOurs => f.write_str("not protected by this hook: nothing to stop"),
+        }
     }
 }
 
@@ -748,6 +871,64 @@ mod tests {
         }
         assert_eq!(after_exit(Some(1), true, true, 0), Next::RetryIncoming);
         assert_eq!(after_exit(None, true, false, 30), Next::End);
+    }
+
+    #[test]
+    fn a_start_never_runs_a_second_protection() {
+        let found = |supervisor, checkpoint, wanted| Found {
+            supervisor,
+            checkpoint,
+            wanted,
+            leftovers: false,
+        };
+        assert_eq!(may_start(Found::default()), Ok(()));
+        assert!(may_start(found(Some(9), Some(10), true))
+            .unwrap_err()
+            .starts_with("already protected: supervisor pid 9, hagctl checkpoint pid 10"));
+        assert!(may_start(found(Some(9), None, false))
+            .unwrap_err()
+            .contains("is still ending"));
+        assert!(may_start(found(None, Some(10), false))
+            .unwrap_err()
+            .contains("runs without its supervisor"));
+        // Files of processes that are gone do not stop a start.
+        assert_eq!(
+            may_start(Found {
+                leftovers: true,
+                ..Found::default()
+            }),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn a_stop_ends_what_runs_and_clears_what_is_left() {
+        let found = |supervisor, checkpoint, wanted, leftovers| Found {
+            supervisor,
+            checkpoint,
+            wanted,
+            leftovers,
+        };
+        assert_eq!(
+            at_stop(found(Some(9), Some(10), true, true)),
+            Stop::Asked {
+                supervisor: 9,
+                checkpoint: Some(10)
+            }
+        );
+        assert_eq!(
+            at_stop(found(Some(9), None, false, true)),
+            Stop::AlreadyEnding {
+                supervisor: 9,
+                checkpoint: None
+            }
+        );
+        assert_eq!(
+            at_stop(found(None, Some(10), true, true)),
+            Stop::Orphan { checkpoint: 10 }
+        );
+        assert_eq!(at_stop(found(None, None, true, true)), Stop::Ended);
+        assert_eq!(at_stop(found(None, None, false, false)), Stop::NotOurs);
     }
 
     #[test]
