@@ -298,6 +298,9 @@ if [ "$HAG_HOST" = 1 ]; then
 	wait "$bk" || rc=$?
 	# shellcheck disable=SC2086
 	kill $live 2>/dev/null || true
+	# The live copy above may miss the last lines (tail -f is killed).
+	echo "--- hagctl backup's last stderr lines:"
+	tail -n 12 /tmp/backup.err
 	cat /tmp/backup.out
 	for f in /tmp/hag-backup/*.log; do
 		[ -s "$f" ] && { echo "--- $f:"; cat "$f"; }
@@ -380,6 +383,8 @@ else
 	wait "$cp" || rc=$?
 	[ -z "${during:-}" ] || kill "$during" 2>/dev/null || true
 	kill "$live" 2>/dev/null || true
+	echo "--- hagctl checkpoint's last stderr lines:"
+	tail -n 12 /tmp/cp.err
 	cat /tmp/cp.out
 	vm_show vm
 	check_primary "$rc"

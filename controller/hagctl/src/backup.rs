@@ -1343,26 +1343,27 @@ impl Backup {
         let answer = l.role.abort(reason.clone());
         l.end_refused |= answer == AbortAnswer::Refuse;
         drop(l);
-        match answer {
-            AbortAnswer::Refuse => {
-                info!(
-                    "the primary ended protection ({reason}) while this backup takes over: not confirmed"
-                );
-                return;
-            }
-            AbortAnswer::End => {
-                self.standby().discard();
-                info!("the primary ended protection: {reason}; standby image discarded");
-            }
-            AbortAnswer::Confirm => {}
+        if answer == AbortAnswer::Refuse {
+            info!(
+                "the primary ended protection ({reason}) while this backup takes over: not confirmed"
+            );
+            return;
         }
+        // Confirmed at once: the role has ended, which already rules out a
+        // takeover. Freeing the image comes after, as it may take longer
+        // (a large guest's RAM, on a loaded host) than the primary waits
+        // for the confirmation before it stops its VM.
         let mut l = self.live();
         l.broadcast(&Msg::Ok { phase: ENDED_PHASE });
         if answer == AbortAnswer::End {
             l.heard.clear();
             l.hang = None;
-            // Only now may the backup finish: the confirmation is queued.
-            l.end_confirmed = true;
+            drop(l);
+            self.standby().discard();
+            info!("the primary ended protection: {reason}; standby image discarded");
+            // Only now may the backup finish: the confirmation is queued
+            // and the image gone.
+            self.live().end_confirmed = true;
         }
     }
 }

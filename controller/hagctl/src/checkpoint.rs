@@ -1636,6 +1636,9 @@ impl Primary {
                 }
             }
         }
+        // A control connection's answer counts as much as the data
+        // link's, also when waiting on the data link took all the time.
+        confirmed |= self.link.lock().end_confirmed;
         while !confirmed && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
             confirmed = self.link.lock().end_confirmed;
