@@ -5,7 +5,8 @@
 #                                hagctl (a production build: no test
 #       switches), its man pages and bash completion, the systemd units
 #       hag-checkpoint@.service and hag-backup@.service (not enabled: a VM
-#       needs its /etc/hag/VM.conf first), the libvirt hook with
+#       needs its /etc/hag/VM.conf first) and hag-witness.service (for a
+#       third host: its /etc/hag/witness.env first), the libvirt hook with
 #       its installer and sample hag.conf (in /usr/share/hag/libvirt; the
 #       package does not replace a host's hook: run its install.sh), and
 #       the docs. `make install` installs the same files (PREFIX, DESTDIR).

@@ -26,7 +26,7 @@ for f in ./usr/bin/hagctl ./usr/share/man/man1/hagctl.1.gz ./usr/share/man/man1/
 	./usr/share/bash-completion/completions/hagctl ./usr/share/hag/libvirt/qemu \
 	./usr/share/hag/libvirt/install.sh ./usr/share/hag/libvirt/hag.conf ./usr/share/doc/hag/ha.md \
 	./usr/lib/systemd/system/hag-checkpoint@.service ./usr/lib/systemd/system/hag-backup@.service \
-	./usr/share/doc/hag/example.conf; do
+	./usr/lib/systemd/system/hag-witness.service ./usr/share/doc/hag/example.conf; do
 	grep -qx -- "$f" <<<"$contents" || fail "$hag lacks $f"
 done
 dpkg-deb -x "$hag" "$work/hag"
@@ -41,10 +41,12 @@ for u in "$work"/hag/usr/lib/systemd/system/hag-*@.service; do
 	name=${u##*/}
 	sed "s|/usr/bin/hagctl|$work/hag/usr/bin/hagctl|" "$u" >"$work/units/${name%@.service}@web1.service"
 done
+sed "s|/usr/bin/hagctl|$work/hag/usr/bin/hagctl|" "$work/hag/usr/lib/systemd/system/hag-witness.service" \
+	>"$work/units/hag-witness.service"
 ls "$work"/units/*.service >/dev/null 2>&1 || fail "$hag has no systemd units"
 verify=$(systemd-analyze verify --man=no "$work"/units/*.service 2>&1) ||
 	fail "systemd-analyze verify: $verify"
-if grep -q "hag-[a-z]*@web1.service" <<<"$verify"; then
+if grep -q "hag-[a-z]*@web1.service\|hag-witness.service" <<<"$verify"; then
 	fail "systemd-analyze verify warns about hag's units: $verify"
 fi
 echo "check-debs: $(basename "$hag"): $version, $(wc -l <<<"$contents") paths"

@@ -94,6 +94,29 @@ ha_pair() {
 	wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
 }
 
+# ha_trio: the three hosts of a witness scenario (hosts 0 and 1 a pair,
+# host 2 its witness, at $witness): the module loaded, the pair's key in
+# place, every host reachable.
+ha_trio() {
+	witness=$(host_ip 2):7300
+	load_hag
+	ha_key
+	for h in 0 1 2; do
+		[ "$h" = "$HAG_HOST" ] || wait_for 60 ping -c 1 -W 1 "$(host_ip $h)" || fail "host $h unreachable"
+	done
+}
+
+# witness_host: host 2's part of a witness scenario: hagctl witness on
+# $witness until host 0 says it is done (connecting to port 7301), then its
+# log.
+witness_host() {
+	step "host 2: witness on $witness"
+	hagctl witness --listen "$witness" --key /etc/hag/pair.key --state-dir /tmp/witness \
+		>/tmp/witness.out 2>/tmp/witness.err &
+	signal_ready 7301
+	cat /tmp/witness.err
+}
+
 # ---- Real VMs (scenarios with `# vms: yes`) -------------------------------
 # The runner's root, read-only over 9p, under a tmpfs overlay: QEMU 10,
 # libvirt and their libraries come from there. Commands run in it with

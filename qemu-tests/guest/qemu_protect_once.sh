@@ -363,9 +363,20 @@ else
 		# before_fault played a fault (qemu_chaos_trial.sh): the guest
 		# halts at its end, or protection ended first (the primary fenced
 		# or stopped: its VM never goes on). A hagctl checkpoint that was
-		# killed ends nothing: its VM runs on muted to its end.
-		wait_for 900 sh -c "grep -q HAG-GUEST-EXIT /tmp/vm.console || grep -q '\"outcome\"' /tmp/cp.out" ||
+		# killed ends nothing: its VM runs on muted to its end, or stays
+		# paused for good if it was killed during an epoch's pause.
+		# (A killed hagctl is a zombie until waited for.)
+		cp_gone() { [ ! -e "/proc/$cp" ] || grep -q ') Z' "/proc/$cp/stat"; }
+		chaos_primary_done() {
+			grep -q HAG-GUEST-EXIT /tmp/vm.console || grep -q '"outcome"' /tmp/cp.out && return 0
+			cp_gone && [ "$(qmp_status vm)" = paused ]
+		}
+		wait_for 900 chaos_primary_done ||
 			echo "host 0: neither did the guest end nor hagctl checkpoint, in 900 s"
+		if cp_gone && [ "$(qmp_status vm)" = paused ]; then
+			echo "host 0: the VM stays paused (hagctl checkpoint was killed during an epoch's pause)"
+			kill -TERM "$(cat /tmp/vm.pid)" 2>/dev/null || true
+		fi
 		! grep -q HAG-GUEST-EXIT /tmp/vm.console || kill -TERM "$(cat /tmp/vm.pid)" 2>/dev/null || true
 	fi
 	if [ "$FAULT" = none ]; then

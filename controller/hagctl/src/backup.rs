@@ -53,6 +53,7 @@ use crate::wire::{
     check_context, check_hello, read_msg, session_name, DiskInfo, Msg, Round, Sides, VmmKind,
     ENDED_PHASE, PAGE, VERSION_MAX,
 };
+use crate::witness::{self, WitnessAt};
 
 /// `hagctl checkpoint` → `hagctl backup`.
 const CHECKPOINT: Sides = Sides {
@@ -984,6 +985,8 @@ pub struct BackupOptions {
     pub fence_peer: Option<FencePeer>,
     /// Whether the primary's silence alone makes a takeover.
     pub on_silence: OnSilence,
+    /// The witness (`--witness`), and its key file if not the pair's.
+    pub witness: Option<(String, Option<PathBuf>)>,
 }
 
 /// What the primary's silence past the failover timeout does
@@ -1049,6 +1052,11 @@ pub trait TakeoverSteps {
     /// meanwhile; or the primary came back while the VM was prepared).
     /// `Err` says what was heard.
     fn recheck(&mut self) -> Result<(), String>;
+    /// The witness's grant of the VM instance at `generation`, the
+    /// checkpoint's (no witness: `Ok`). [`TakeoverError::NotGranted`] if
+    /// it did not answer; [`TakeoverError::Void`] if it gave the VM to
+    /// the primary, which ran on past the checkpoint.
+    fn claim(&mut self, generation: u64) -> Result<(), TakeoverError>;
     /// The operator's fencing of the primary (`--fence-peer`), for the
     /// takeover to `generation`: `Err` if it did not succeed (nothing to
     /// run: `Ok`).
@@ -1075,6 +1083,13 @@ pub enum TakeoverError {
     /// The primary was heard after a decision on its silence: not fenced.
     #[error("{0}; the primary was not fenced")]
     PrimaryAlive(String),
+    /// The witness did not answer: no takeover (tried again).
+    #[error("the witness did not answer ({0}); the primary was not fenced, no takeover")]
+    NotGranted(String),
+    /// The witness gave the VM to the primary: this checkpoint can never
+    /// be resumed.
+    #[error("the witness refused the takeover: {0}")]
+    Void(String),
     /// The operator's fence command did not succeed: no takeover.
     #[error("{0}; the primary was not fenced, no takeover")]
     PeerNotFenced(String),
@@ -1087,9 +1102,10 @@ pub enum TakeoverError {
 }
 
 /// A takeover from generation `generation`: the primary is fenced only
-/// once this host is known able to run the VM, the operator's fence
-/// command (if any) succeeded, and the new generation is durable (issue
-/// 12, items 3 and 9; issue 21, item 2). Returns the new generation.
+/// once this host is known able to run the VM, the witness (if any)
+/// granted it, the operator's fence command (if any) succeeded, and the
+/// new generation is durable (issue 12, items 3 and 9; issue 21, items 1
+/// and 2). Returns the new generation.
 pub fn take_over(steps: &mut impl TakeoverSteps, generation: u64) -> Result<u64, TakeoverError> {
     let next = generation
         .checked_add(1)
@@ -1101,6 +1117,10 @@ pub fn take_over(steps: &mut impl TakeoverSteps, generation: u64) -> Result<u64,
     if let Err(e) = steps.recheck() {
         steps.abandon();
         return Err(TakeoverError::PrimaryAlive(e));
+    }
+    if let Err(e) = steps.claim(generation) {
+        steps.abandon();
+        return Err(e);
     }
     if let Err(e) = steps.fence_peer(next) {
         steps.abandon();
@@ -1323,6 +1343,8 @@ struct Backup {
     key: Key,
     admission: Arc<Admission>,
     timeout: Duration,
+    /// The witness whose grant a takeover needs, if there is one.
+    witness: Option<WitnessAt>,
 }
 
 impl Backup {
@@ -2044,6 +2066,34 @@ fn fence_primary(
     fence.run(&facts)
 }
 
+/// The witness's grant of the instance `cp` was taken from, at
+/// `generation` (its own: [`TakeoverSteps::claim`]).
+fn claim_from_witness(b: &Backup, cp: &Checkpoint, generation: u64) -> Result<(), TakeoverError> {
+    let Some(witness) = &b.witness else {
+        return Ok(());
+    };
+    let instance = cp.instance.ok_or_else(|| {
+        TakeoverError::NotGranted("the checkpoint names no VM instance to claim".into())
+    })?;
+    info!(
+        "takeover: claiming {instance} at generation {generation} from the witness {}",
+        witness.addr
+    );
+    let answer = witness
+        .ask(&witness::Request::Claim {
+            side: witness::Side::Backup,
+            instance: instance.into(),
+            generation,
+            vm: b.opts.vm_name.as_ref().map(|n| n.to_string()),
+        })
+        .map_err(TakeoverError::NotGranted)?;
+    if !answer.granted {
+        return Err(TakeoverError::Void(answer.why));
+    }
+    info!("the witness: {}", answer.why);
+    Ok(())
+}
+
 /// Tells every connection of the session, the data link's too, the new
 /// generation.
 fn fence(b: &Backup, generation: u64, epoch: u64) {
@@ -2103,6 +2153,9 @@ impl TakeoverSteps for QemuTakeover<'_> {
     }
     fn recheck(&mut self) -> Result<(), String> {
         still_silent(self.b, self.silent_since)
+    }
+    fn claim(&mut self, generation: u64) -> Result<(), TakeoverError> {
+        claim_from_witness(self.b, self.cp, generation)
     }
     fn fence_peer(&mut self, generation: u64) -> Result<(), String> {
         fence_primary(self.opts, self.b, self.cp, &self.report.reason, generation)
@@ -2184,6 +2237,9 @@ impl TakeoverSteps for Takeover<'_> {
     fn recheck(&mut self) -> Result<(), String> {
         still_silent(self.b, self.silent_since)
     }
+    fn claim(&mut self, generation: u64) -> Result<(), TakeoverError> {
+        claim_from_witness(self.b, self.cp, generation)
+    }
     fn fence_peer(&mut self, generation: u64) -> Result<(), String> {
         fence_primary(self.opts, self.b, self.cp, &self.report.reason, generation)
     }
@@ -2216,6 +2272,7 @@ impl TakeoverSteps for Takeover<'_> {
 /// takeover, or `None` when the primary ended protection.
 pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
     let key = Key::load(&opts.key)?;
+    let witness = witness::configured(&opts.witness, &key)?;
     feasible(opts).map_err(|e| anyhow::anyhow!("cannot stand by: {e}"))?;
     // The takeover's VM puts its sockets there: a named VM's directory is
     // new on a fresh host.
@@ -2253,6 +2310,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
             opts.max_connections,
         ),
         timeout: opts.failover_timeout,
+        witness,
     });
     for (listener, path) in listeners {
         let b = b.clone();
@@ -2447,6 +2505,27 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                 };
                 let (report, mut child) = match taken {
                     Ok(taken) => taken,
+                    Err(TakeoverError::Void(why)) => {
+                        // The primary ran on past this checkpoint and
+                        // released its output: resumed, it would
+                        // contradict it. Standing by for its next pairing.
+                        info!(
+                            "the witness gave the VM to the primary ({why}): the checkpoint of epoch {} can no longer be resumed and is discarded; standing by for the primary's next pairing",
+                            cp.epoch
+                        );
+                        drop((cp, image));
+                        let mut l = b.live();
+                        l.role.takeover_failed();
+                        l.hang = None;
+                        l.heard.clear();
+                        if requested {
+                            refuse_request(
+                                &opts.status_dir,
+                                &format!("the witness refused: {why}"),
+                            );
+                        }
+                        continue;
+                    }
                     Err(e) => {
                         // The backup stands on with its checkpoint: a
                         // transient failure must not end protection.
@@ -3084,6 +3163,14 @@ mod tests {
             }
             Ok(())
         }
+        fn claim(&mut self, g: u64) -> Result<(), TakeoverError> {
+            self.log.push(format!("claim {g}"));
+            match self.fail {
+                Some("claim") => Err(TakeoverError::NotGranted("connection refused".into())),
+                Some("claim-void") => Err(TakeoverError::Void("the primary kept it".into())),
+                _ => Ok(()),
+            }
+        }
         fn fence_peer(&mut self, g: u64) -> Result<(), String> {
             self.log.push(format!("fence-peer {g}"));
             if self.fail == Some("fence-peer") {
@@ -3230,13 +3317,21 @@ mod tests {
             [
                 "prepare",
                 "recheck",
+                "claim 4",
                 "fence-peer 5",
                 "persist 5",
                 "fence 5",
                 "resume"
             ]
         );
-        for fail in ["prepare", "recheck", "fence-peer", "persist"] {
+        for fail in [
+            "prepare",
+            "recheck",
+            "claim",
+            "claim-void",
+            "fence-peer",
+            "persist",
+        ] {
             let mut s = Steps {
                 fail: Some(fail),
                 ..Steps::default()
@@ -3248,9 +3343,10 @@ mod tests {
                 s.log
             );
             assert_eq!(s.log.last().map(String::as_str), Some("abandon"));
-            // The operator's fencing only for a takeover that can work
-            // and that the primary's liveness did not call off.
-            if fail == "prepare" || fail == "recheck" {
+            // The operator's fencing only for a takeover that can work,
+            // that the primary's liveness did not call off and that the
+            // witness granted.
+            if fail == "prepare" || fail == "recheck" || fail.starts_with("claim") {
                 assert!(
                     !s.log.iter().any(|l| l.starts_with("fence-peer")),
                     "{:?}",
@@ -3286,6 +3382,7 @@ mod tests {
             [
                 "prepare",
                 "recheck",
+                "claim 4",
                 "fence-peer 5",
                 "persist 5",
                 "fence 5",

@@ -70,6 +70,7 @@ use crate::wire::{
     read_msg, session_name, write_msg, Msg, PageData, VmmKind, DISKS_SINCE, ENDED_PHASE, PAGE,
     PAGES_PER_FRAME, STATE_DELTA_SINCE,
 };
+use crate::witness::{Asker, Request, Side};
 
 /// Options of `hagctl checkpoint`.
 #[derive(Clone, Debug)]
@@ -104,6 +105,8 @@ pub struct CheckpointOptions {
     pub status_dir: PathBuf,
     /// The pair's pre-shared key file.
     pub key: PathBuf,
+    /// The witness (`--witness`), and its key file if not the pair's.
+    pub witness: Option<(String, Option<PathBuf>)>,
 }
 
 /// The VM `hagctl checkpoint` protects.
@@ -1014,6 +1017,16 @@ struct Primary {
     /// The last acknowledged epoch and its VM state: what the backup
     /// committed, which the next epoch's state is sent as a patch against.
     acked_state: Option<(u64, Vec<u8>)>,
+    /// The witness, if there is one.
+    witness: Option<Asker>,
+    /// What the witness decided about this VM instance was read (before
+    /// a pairing: [`Primary::witness_query`]).
+    witness_read: bool,
+    /// The witness granted the VM to this primary since it was last
+    /// paired: nothing more to claim.
+    granted: bool,
+    /// The last failure to reach the witness, logged once until another.
+    witness_error: Option<String>,
 }
 
 impl Primary {
@@ -1042,6 +1055,7 @@ impl Primary {
     /// joins its control connection to the session and runs the first
     /// checkpoint: pre-copy rounds, then an epoch.
     fn sync(&mut self) -> Result<(), EpochError> {
+        self.witness_query()?;
         // The first data connection was made at start.
         if !std::mem::take(&mut self.first) {
             self.src.stream =
@@ -1095,6 +1109,7 @@ impl Primary {
             g.heard = Instant::now();
             g.connected = true;
         }
+        self.granted = false;
         if self.src.hashes.is_some() {
             // A new session replaces the backup's image: it starts from zero.
             self.src.hashes = Some(PageHashes::new(self.src.ram.pages()));
@@ -1745,15 +1760,134 @@ impl Primary {
                 if let Some(exit) = self.backup_down_request() {
                     return Ok(exit);
                 }
+                if let Some(exit) = self.witness_turn() {
+                    return Ok(exit);
+                }
                 if !self.link.lock().connected
                     && matches!(self.src.vm.status(), Err(_) | Ok(VmStatus::Crashed(_)))
                 {
                     let _ = self.event(Event::VmGone("the VM is gone (unprotected)".into()));
-                    return Ok(self.end("vm-stopped", "the VM is gone (unprotected); its output since the last acknowledged epoch was never released".into()));
+                    let detail = if self.granted {
+                        "the VM is gone (unprotected, granted to this primary by the witness: its output went out)"
+                    } else {
+                        "the VM is gone (unprotected); its output since the last acknowledged epoch was never released"
+                    };
+                    return Ok(self.end("vm-stopped", detail.into()));
                 }
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
+    }
+
+    /// Before a pairing, once: what the witness decided about this VM
+    /// instance. Taken over: the VM stops. Kept by this primary at a
+    /// generation no lower than its own: as good as a grant (no checkpoint
+    /// up to it can be resumed), and the pairing goes a generation up.
+    /// An unreachable witness is asked again before the next pairing.
+    fn witness_query(&mut self) -> Result<(), EpochError> {
+        let Some(asker) = &self.witness else {
+            return Ok(());
+        };
+        if self.witness_read {
+            return Ok(());
+        }
+        let req = Request::Query {
+            instance: self.link.instance.into(),
+        };
+        let answer = match asker.ask_now(&req) {
+            Ok(a) => a,
+            Err(e) => {
+                if self.witness_error.as_ref() != Some(&e) {
+                    warning!("{e}: pairing without its word (asked again before the next pairing)");
+                    self.witness_error = Some(e);
+                }
+                return Ok(());
+            }
+        };
+        self.witness_error = None;
+        self.witness_read = true;
+        let generation = self.link.lock().policy.generation();
+        let ev = match answer.ballot {
+            Some(b) if b.winner == Side::Backup => {
+                Event::WitnessDenied(b.generation, answer.why.clone())
+            }
+            Some(b) if b.generation >= generation => Event::WitnessGranted(b.generation),
+            _ => return Ok(()),
+        };
+        info!("the witness: {}", answer.why);
+        let result = self.event(ev);
+        self.witness_moved_generation();
+        result
+    }
+
+    /// A grant moved this primary a generation up: its status and report
+    /// say so (and a pairing does not take it for the backup's).
+    fn witness_moved_generation(&mut self) {
+        let generation = self.link.lock().policy.generation();
+        self.status.generation = generation;
+        self.report.generation = generation;
+    }
+
+    /// With a witness: once the backup has been unheard for the failover
+    /// timeout, claim the VM (on a thread of its own), and act on the
+    /// answer: granted, the held output goes out and the VM runs on;
+    /// refused, the backup takes over and the VM stops.
+    fn witness_turn(&mut self) -> Option<CheckpointReport> {
+        let asker = self.witness.as_mut()?;
+        if let Some(answer) = asker.answer() {
+            let ev = match answer {
+                Err(e) => {
+                    if self.witness_error.as_ref() != Some(&e) {
+                        info!("{e}: the claim is tried again every second; output stays held");
+                        self.witness_error = Some(e);
+                    }
+                    None
+                }
+                Ok(a) => {
+                    self.witness_error = None;
+                    let generation = a.ballot.map_or(0, |b| b.generation);
+                    info!("the witness: {}", a.why);
+                    Some(if a.granted {
+                        Event::WitnessGranted(generation)
+                    } else {
+                        Event::WitnessDenied(generation, a.why)
+                    })
+                }
+            };
+            if let Some(ev) = ev {
+                let granted = matches!(ev, Event::WitnessGranted(_));
+                if let Err(EpochError::Exit(outcome, detail)) = self.event(ev) {
+                    return Some(self.end(outcome, detail));
+                }
+                if granted {
+                    self.granted = true;
+                    self.witness_moved_generation();
+                    let why = match &self.link.lock().policy.state {
+                        State::Unprotected(why) => why.clone(),
+                        _ => String::new(),
+                    };
+                    info!("{why}");
+                    self.save_status("unprotected", &why);
+                }
+            }
+        }
+        let (claim, generation) = {
+            let g = self.link.lock();
+            let unheard = matches!(g.policy.state, State::Unprotected(_))
+                && !g.connected
+                && g.heard_any.elapsed() >= g.policy.timeout();
+            (unheard && !self.granted, g.policy.generation())
+        };
+        if claim {
+            let asker = self.witness.as_mut()?;
+            asker.start(Request::Claim {
+                side: Side::Primary,
+                instance: self.link.instance.into(),
+                generation,
+                vm: self.link.vm_name.as_ref().map(|n| n.to_string()),
+            });
+        }
+        None
     }
 
     /// An operator's `hagctl confirm-backup-down`, if one came: `Some` if
@@ -2011,6 +2145,7 @@ pub fn checkpoint(
         bandwidth: None,
         stop: None,
     };
+    let witness = crate::witness::configured(&opts.witness, &key)?.map(Asker::new);
     // The first connection may take a while (the backup starting).
     let mut src = Source::connect(vm, ram, dev, vgpu_id, mopts, &key)?;
     // Until the backup is reached, nothing holds the VM's output.
@@ -2079,6 +2214,10 @@ pub fn checkpoint(
         schedule: Schedule::new(opts.interval, Instant::now()),
         late: None,
         acked_state: None,
+        witness,
+        witness_read: false,
+        granted: false,
+        witness_error: None,
     };
     let result = p.run();
     let _ = p.src.dev.dirty_stop(vgpu_id);

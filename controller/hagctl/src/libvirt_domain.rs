@@ -44,6 +44,7 @@ pub struct Protect {
     pub console_log: Option<String>,
     pub key: Option<String>,
     pub heartbeat_addr: Option<String>,
+    pub witness: Option<String>,
 }
 
 /// Reads a domain XML as libvirt hands it to a hook.
@@ -94,6 +95,7 @@ pub fn parse(xml: &str) -> Result<Domain, String> {
             console_log: attr("console-log"),
             key: attr("key"),
             heartbeat_addr: attr("heartbeat-addr"),
+            witness: attr("witness"),
         }
     });
     Ok(domain)
@@ -131,6 +133,8 @@ pub struct Settings {
     pub console: Option<(String, String)>,
     pub key: Option<String>,
     pub heartbeat_addrs: Vec<String>,
+    /// The witness's HOST:PORT (its key: the pair's).
+    pub witness: Option<String>,
 }
 
 impl Protect {
@@ -154,6 +158,7 @@ impl Protect {
             ("console-log", &self.console_log),
             ("key", &self.key),
             ("heartbeat-addr", &self.heartbeat_addr),
+            ("witness", &self.witness),
         ] {
             // Each value becomes one line of a configuration file.
             if value
@@ -172,6 +177,10 @@ impl Protect {
             .unwrap_or_default();
         for addr in &heartbeat_addrs {
             check_addr("heartbeat-addr", addr)?;
+        }
+        let witness = given(&self.witness);
+        if let Some(addr) = &witness {
+            check_addr("witness", addr)?;
         }
         let interval = given(&self.interval).unwrap_or_else(|| defaults.interval.clone());
         crate::units::seconds(&interval).map_err(|e| format!("interval {e}"))?;
@@ -241,6 +250,7 @@ impl Protect {
             console,
             key,
             heartbeat_addrs,
+            witness,
         })
     }
 }
@@ -301,6 +311,9 @@ impl Settings {
         for a in &self.heartbeat_addrs {
             line("heartbeat-addr", a);
         }
+        if let Some(w) = &self.witness {
+            line("witness", w);
+        }
         out
     }
 
@@ -330,6 +343,9 @@ impl Settings {
         for a in &self.heartbeat_addrs {
             let _ = write!(out, " --heartbeat-addr {a}");
         }
+        if let Some(w) = &self.witness {
+            let _ = write!(out, " --witness {w}");
+        }
         out
     }
 }
@@ -346,7 +362,7 @@ mod tests {
     </libosinfo:libosinfo>
     <hag:protect xmlns:hag="https://hag.example/1" backup="192.0.2.12:7200" interval="1s"
         qmp-socket="/run/hag/web1.qmp" plug="vnet0" key="/etc/hag/web1.key"
-        heartbeat-addr="198.51.100.12:7201, [2001:db8::12]:7201"/>
+        heartbeat-addr="198.51.100.12:7201, [2001:db8::12]:7201" witness="203.0.113.9:7300"/>
   </metadata>
   <devices>
     <hostdev mode='subsystem' type='pci'><source><address domain='0' bus='1' slot='0' function='0'/></source></hostdev>
@@ -397,6 +413,7 @@ mod tests {
                 "key = /etc/hag/web1.key",
                 "heartbeat-addr = 198.51.100.12:7201",
                 "heartbeat-addr = [2001:db8::12]:7201",
+                "witness = 203.0.113.9:7300",
             ]
         );
     }

@@ -73,6 +73,7 @@ mod vm_shape;
 mod vmm;
 mod vmm_migrate;
 mod wire;
+mod witness;
 
 use crate::log::info;
 use std::process::ExitCode;
@@ -591,6 +592,8 @@ exits 4 on finished-unconfirmed, 3 on fenced and 5 on stop-failed.")]
         /// The pre-shared key file this host and the backup hold
         #[arg(long, value_name = "FILE", default_value = KEY_DEFAULT)]
         key: std::path::PathBuf,
+        #[command(flatten)]
+        witness: witness::WitnessArgs,
         /// Print one JSON object instead of text
         #[arg(long)]
         json: bool,
@@ -691,6 +694,8 @@ VM, STATE_DIR is /var/lib/hag/VM and STATUS_DIR /run/hag/VM.")]
         /// forwarded GPU hang still takes over at once)
         #[arg(long, value_name = "WHAT", value_enum, default_value_t = backup::OnSilence::Takeover)]
         on_silence: backup::OnSilence,
+        #[command(flatten)]
+        witness: witness::WitnessArgs,
         /// The standby's QEMU command line is the one libvirt would start
         /// this domain XML with (`virsh domxml-to-native qemu-argv`), each
         /// writable disk opening its replica in --replica-dir as raw; it
@@ -854,6 +859,30 @@ as _. docs/libvirt.md has the attributes.")]
         /// The directory (created if missing)
         #[arg(value_name = "DIR")]
         dir: std::path::PathBuf,
+    },
+    /// Be the witness of pairs of hosts: grant each contested VM to one
+    /// side only
+    #[command(after_long_help = "\
+A primary and its backup given --witness HOST:PORT ask this host before
+they act on each other's silence: the backup before it takes over, the
+primary (unprotected past the failover timeout) before it releases its
+held output and runs on. The first claim on a VM instance at a generation
+wins; the other side's is refused (the backup then discards its
+checkpoint, the primary stops its VM). Each decision is stored in
+STATE_DIR/witness.json, synced, before it is answered. The witness holds
+each pair's key (--key, repeatable; a connection is authenticated with one
+of them, and only that pair's VMs can be claimed on it). It runs until
+killed; its log says every claim and its answer.")]
+    Witness {
+        /// Address and port to listen on
+        #[arg(long, value_name = "ADDR:PORT")]
+        listen: String,
+        /// The key file of a pair it serves (repeatable)
+        #[arg(long, value_name = "FILE", required = true)]
+        key: Vec<std::path::PathBuf>,
+        /// Where its decisions are kept
+        #[arg(long, value_name = "DIR", default_value = "/var/lib/hag/witness")]
+        state_dir: std::path::PathBuf,
     },
     /// Write a new pre-shared key for a pair of hosts (mode 0600; copy it
     /// to the other host by a trusted way)
@@ -1103,6 +1132,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             dirs,
             no_config: _,
             key,
+            witness,
             json,
         } => {
             let vm_name = dirs.name.clone();
@@ -1147,6 +1177,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     status_dir: dirs.run,
                     vm_name,
                     key,
+                    witness: witness.get(),
                 },
                 stop,
             )?;
@@ -1175,6 +1206,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             fence_peer,
             fence_peer_timeout,
             on_silence,
+            witness,
             libvirt_domain,
             libvirt_uri,
             qemu,
@@ -1221,6 +1253,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     timeout: fence_peer_timeout,
                 }),
                 on_silence,
+                witness: witness.get(),
             })?;
             if let Some(status) = status {
                 if !status.success() {
@@ -1286,6 +1319,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Keygen { file } if file.as_os_str() == "-" => {
             println!("{}", secure::Key::generate()?.to_hex());
+        }
+        Command::Witness {
+            listen,
+            key,
+            state_dir,
+        } => {
+            witness::serve(
+                &witness::WitnessOptions {
+                    listen,
+                    keys: key,
+                    state_dir,
+                },
+                |addr| crate::service::notify(true, &format!("witness on {addr}")),
+            )?;
         }
         Command::Keygen { file } => {
             secure::Key::generate()

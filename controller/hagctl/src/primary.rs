@@ -31,6 +31,13 @@
 //! - An operator's confirmation that the backup is down (fenced, its host
 //!   off) while it is unheard ends protection too: its checkpoint can no
 //!   longer be resumed, so the held output goes out and the VM runs on.
+//! - A witness's grant, claimed while the backup is unheard
+//!   ([`crate::witness`]), means the same for the checkpoints of this
+//!   generation: the held output goes out and the VM runs on, but
+//!   protection does not end: the next pairing (the backup back, or
+//!   another) is one generation up, where no stale checkpoint lives. The
+//!   witness's refusal means the backup holds the grant and takes over:
+//!   the VM stops, as at a fence.
 //!
 //! The policy works for any VMM driver: it speaks of epochs and output,
 //! not of how an epoch is captured.
@@ -117,6 +124,13 @@ pub enum Event {
     /// is down or fenced: `hagctl confirm-backup-down`), as `pcs stonith
     /// confirm` does for a cluster node.
     BackupDown(String),
+    /// The witness granted this primary the VM at this generation (it
+    /// was claimed while the backup was unheard): no checkpoint of it
+    /// will be resumed.
+    WitnessGranted(u64),
+    /// The witness gave the VM to the backup, which takes it over from
+    /// this generation (why, in the witness's words).
+    WitnessDenied(u64, String),
     /// Stopping the VM failed.
     StopFailed(String),
     /// The VM is stopped.
@@ -423,6 +437,28 @@ impl Policy {
                 ),
                 _ => vec![],
             },
+            // Output goes out only while nothing else can release it or
+            // contradict it: unheard, unpaired. Any later pairing is a
+            // generation up, whatever the state now.
+            Event::WitnessGranted(generation) => {
+                self.generation = self.generation.max(generation.saturating_add(1));
+                match self.state {
+                    State::Syncing | State::Unprotected(_) => {
+                        self.state = State::Unprotected(format!(
+                            "the witness granted this primary the VM at generation {generation}; output released, the VM runs on until the backup is back"
+                        ));
+                        vec![ReleaseAll]
+                    }
+                    _ => vec![],
+                }
+            }
+            Event::WitnessDenied(generation, why) => {
+                let mut actions = self.fenced(generation.saturating_add(1));
+                if let Some(Exit(_, detail)) = actions.last_mut() {
+                    *detail = format!("the witness refused this primary ({why}): the backup takes the VM over; this VM is stopped so it never runs twice");
+                }
+                actions
+            }
             Event::StopFailed(why) => self.stop_failed(why),
             Event::Stopped => self.stopped(),
         }
@@ -532,6 +568,50 @@ mod tests {
             vec![Release(5)]
         );
         assert_eq!(p.state, State::Protected);
+    }
+
+    /// Issue 21, item 1: the witness's grant releases what was held while
+    /// the backup was unheard and sends the next pairing a generation up;
+    /// while paired it releases nothing; a refusal stops the VM.
+    #[test]
+    fn the_witness_grants_or_fences() {
+        let mut p = protected();
+        assert!(
+            !releases(&p.on(Event::WitnessGranted(0))),
+            "while protected"
+        );
+        assert_eq!(p.generation(), 1, "the next pairing is a generation up");
+        p.on(Event::LinkLost("silent".into()));
+        assert_eq!(p.on(Event::WitnessGranted(1)), vec![ReleaseAll]);
+        assert_eq!(p.generation(), 2);
+        assert!(
+            matches!(p.state, State::Unprotected(_)),
+            "protection goes on"
+        );
+        assert!(p.vm_may_run());
+        // The backup back: pairs a generation up, epochs release again.
+        p.on(Event::Paired {
+            generation: 1,
+            timeout: Duration::from_secs(3),
+            superseded: Some(false),
+        });
+        assert_eq!(p.generation(), 2);
+        assert_eq!(
+            p.on(Event::Acked {
+                epoch: 9,
+                generation: 2
+            }),
+            vec![Release(9)]
+        );
+
+        let mut p = protected();
+        p.on(Event::LinkLost("silent".into()));
+        let a = p.on(Event::WitnessDenied(0, "the backup took it over".into()));
+        assert!(matches!(a[0], StopVm(_)), "{a:?}");
+        assert!(!releases(&a));
+        assert!(matches!(a.last(), Some(Exit("fenced", d)) if d.contains("witness refused")));
+        assert_eq!(p.state, State::Fenced(1));
+        assert!(!p.vm_may_run());
     }
 
     /// Issue 21, item 2: the operator's word that the backup is down

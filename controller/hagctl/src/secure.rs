@@ -270,51 +270,126 @@ pub fn handshake(
 /// [`handshake`], finished within `limit` (a listener gives an accepted
 /// connection less than an initiator waits: see [`crate::admission`]).
 pub fn handshake_within(
-    mut stream: TcpStream,
+    stream: TcpStream,
     key: &Key,
     initiator: bool,
     limit: Duration,
 ) -> Result<(Reader, Writer), HandshakeError> {
-    let deadline = Instant::now() + limit;
-    let refused = |e: snow::Error| HandshakeError::Refused(e.to_string());
-    let builder = snow::Builder::new(params())
-        .prologue(PROLOGUE)
-        .map_err(refused)?
-        .psk(0, &key.0)
-        .map_err(refused)?;
-    let mut hs = if initiator {
-        builder.build_initiator()
+    let proto = Protocol::HostToHost;
+    if initiator {
+        connect_as(stream, key, proto, limit)
     } else {
-        builder.build_responder()
+        accept_as(stream, std::slice::from_ref(key), proto, limit).map(|(_, r, w)| (r, w))
     }
-    .map_err(refused)?;
-    let mut msg = vec![0u8; MAX_RECORD];
-    let mut rec = Vec::new();
-    let mut payload = vec![0u8; MAX_RECORD];
-    // Two messages: the initiator's, then the responder's.
-    for turn in 0..2 {
-        let ours = (turn == 0) == initiator;
-        if ours {
-            let n = hs.write_message(&[], &mut msg).map_err(refused)?;
-            deadline_io(&mut stream, deadline, limit, |s| write_record(s, &msg[..n]))?;
-        } else {
-            let got = deadline_io(&mut stream, deadline, limit, |s| {
-                read_handshake_record(s, &mut rec)
-            })?;
-            if !got {
-                return Err(HandshakeError::Refused(
-                    "the peer closed the connection".into(),
-                ));
-            }
-            if rec.len() > MAX_HANDSHAKE {
-                return Err(HandshakeError::Refused(format!(
-                    "a first record of {} bytes is no hag handshake",
-                    rec.len()
-                )));
-            }
-            hs.read_message(&rec, &mut payload).map_err(refused)?;
+}
+
+/// What a connection is for, bound into its handshake: a key offered for
+/// one protocol completes no handshake of the other, so a primary pointed
+/// at a witness's port (or the reverse) is refused at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// Migration, the checkpoint stream, control and heartbeat paths.
+    HostToHost,
+    /// A primary's or a backup's claim to a witness ([`crate::witness`]).
+    Witness,
+}
+
+impl Protocol {
+    fn prologue(self) -> &'static [u8] {
+        match self {
+            Protocol::HostToHost => PROLOGUE,
+            Protocol::Witness => b"hag witness v1",
         }
     }
+}
+
+fn builder(key: &Key, proto: Protocol) -> Result<snow::Builder<'_>, HandshakeError> {
+    let refused = |e: snow::Error| HandshakeError::Refused(e.to_string());
+    snow::Builder::new(params())
+        .prologue(proto.prologue())
+        .map_err(refused)?
+        .psk(0, &key.0)
+        .map_err(refused)
+}
+
+/// The initiator's side of the handshake for `proto`, within `limit`.
+pub fn connect_as(
+    mut stream: TcpStream,
+    key: &Key,
+    proto: Protocol,
+    limit: Duration,
+) -> Result<(Reader, Writer), HandshakeError> {
+    let deadline = Instant::now() + limit;
+    let refused = |e: snow::Error| HandshakeError::Refused(e.to_string());
+    let mut hs = builder(key, proto)?.build_initiator().map_err(refused)?;
+    let mut msg = vec![0u8; MAX_HANDSHAKE];
+    let n = hs.write_message(&[], &mut msg).map_err(refused)?;
+    deadline_io(&mut stream, deadline, limit, |s| write_record(s, &msg[..n]))?;
+    let rec = read_peer_handshake(&mut stream, deadline, limit)?;
+    hs.read_message(&rec, &mut msg).map_err(refused)?;
+    transport(stream, hs)
+}
+
+/// The responder's side of the handshake for `proto`, within `limit`,
+/// for a peer holding any of `keys` (a witness serves several pairs, each
+/// with its own key): which one it holds is found by trying each on its
+/// first message (no Diffie-Hellman is spent on a wrong one). Returns the
+/// index of the key it holds.
+pub fn accept_as(
+    mut stream: TcpStream,
+    keys: &[Key],
+    proto: Protocol,
+    limit: Duration,
+) -> Result<(usize, Reader, Writer), HandshakeError> {
+    let deadline = Instant::now() + limit;
+    let refused = |e: snow::Error| HandshakeError::Refused(e.to_string());
+    let rec = read_peer_handshake(&mut stream, deadline, limit)?;
+    let mut msg = vec![0u8; MAX_HANDSHAKE];
+    let mut last = HandshakeError::Refused("no key to try".into());
+    for (index, key) in keys.iter().enumerate() {
+        let mut hs = builder(key, proto)?.build_responder().map_err(refused)?;
+        if let Err(e) = hs.read_message(&rec, &mut msg) {
+            last = refused(e);
+            continue;
+        }
+        let n = hs.write_message(&[], &mut msg).map_err(refused)?;
+        deadline_io(&mut stream, deadline, limit, |s| write_record(s, &msg[..n]))?;
+        let (r, w) = transport(stream, hs)?;
+        return Ok((index, r, w));
+    }
+    Err(last)
+}
+
+/// The peer's handshake message, its size checked before it is read.
+fn read_peer_handshake(
+    stream: &mut TcpStream,
+    deadline: Instant,
+    limit: Duration,
+) -> Result<Vec<u8>, HandshakeError> {
+    let mut rec = Vec::new();
+    let got = deadline_io(stream, deadline, limit, |s| {
+        read_handshake_record(s, &mut rec)
+    })?;
+    if !got {
+        return Err(HandshakeError::Refused(
+            "the peer closed the connection".into(),
+        ));
+    }
+    if rec.len() > MAX_HANDSHAKE {
+        return Err(HandshakeError::Refused(format!(
+            "a first record of {} bytes is no hag handshake",
+            rec.len()
+        )));
+    }
+    Ok(rec)
+}
+
+/// The connection's two halves once the handshake `hs` is done.
+fn transport(
+    stream: TcpStream,
+    hs: snow::HandshakeState,
+) -> Result<(Reader, Writer), HandshakeError> {
+    let refused = |e: snow::Error| HandshakeError::Refused(e.to_string());
     let t = Arc::new(hs.into_stateless_transport_mode().map_err(refused)?);
     stream.set_read_timeout(None)?;
     stream.set_write_timeout(None)?;
