@@ -111,7 +111,7 @@ ha_trio() {
 # log.
 witness_host() {
 	step "host 2: witness on $witness"
-	hagctl witness --listen "$witness" --key /etc/hag/pair.key --state-dir /tmp/witness \
+	hagctl witness --new --listen "$witness" --key /etc/hag/pair.key --state-dir /tmp/witness \
 		>/tmp/witness.out 2>/tmp/witness.err &
 	signal_ready 7301
 	cat /tmp/witness.err

@@ -3,13 +3,16 @@
 # Issue 21, item 1: the backup's host is lost, with a witness on a third
 # host. Host 0 runs two hag-vmm VMs with the frames workload, each
 # protected by a hagctl backup of its own on host 1: vm1 with the witness
-# (host 2's hagctl witness; --witness on both sides), vm2 without (the
-# negative control). Host 1 is lost once both backups applied epoch 3.
-# vm1's primary, unprotected past the failover timeout, claims the VM from
-# the witness, is granted it (stored before the answer), releases the
-# output it held and runs on: its workload's PASS line comes out. vm2's
-# primary holds its output as without a witness: nothing of vm2 comes out
-# while vm1's flows, until the operator confirms its backup down.
+# (host 2's hagctl witness; --witness on both sides), vm2 with it on the
+# primary only (the negative control: its backup would take over on
+# silence alone, so a grant would protect nothing). Host 1 is lost once
+# both backups applied epoch 3. vm1's primary, unprotected past the
+# failover timeout, claims the VM from the witness, is granted it (stored
+# before the answer), releases the output it held and runs on: its
+# workload's PASS line comes out. vm2's primary, told at pairing that its
+# backup uses no witness, never claims and holds its output as without
+# one: nothing of vm2 comes out while vm1's flows, until the operator
+# confirms its backup down.
 ITERATIONS=60000
 ha_trio
 
@@ -18,7 +21,7 @@ case $HAG_HOST in
 	witness_host
 	grep -q 'claimed vm1 .* for the primary at generation 0: granted to the primary at generation 0' \
 		/tmp/witness.err || fail "the witness did not grant vm1 to its primary"
-	! grep -q 'claimed vm2' /tmp/witness.err || fail "vm2, protected without the witness, claimed from it"
+	! grep -q 'claimed vm2' /tmp/witness.err || fail "vm2's primary claimed though its backup uses no witness"
 	grep -q '"winner": "primary"' /tmp/witness/witness.json || fail "the grant was not stored"
 	;;
 1)
@@ -45,12 +48,12 @@ case $HAG_HOST in
 		echo $! >"/tmp/$vm.pid"
 		wait_for 30 test -S "/tmp/$vm.sock" || fail "$vm did not start: $(cat "/tmp/$vm.err")"
 	done
-	step "host 0: vm1 protected with the witness, vm2 without"
+	step "host 0: vm1 protected with the witness, vm2 with it on the primary only"
 	hagctl checkpoint --vm /tmp/vm1.sock --backup "$(host_ip 1):7200" --interval 1s --name vm1 \
 		--witness "$witness" --json >/tmp/cp1.out 2>/tmp/cp1.err &
 	cp1=$!
 	hagctl checkpoint --vm /tmp/vm2.sock --backup "$(host_ip 1):7202" --interval 1s --name vm2 \
-		--json >/tmp/cp2.out 2>/tmp/cp2.err &
+		--witness "$witness" --json >/tmp/cp2.out 2>/tmp/cp2.err &
 	cp2=$!
 	wait_for 180 grep -q '^epoch 3:' /tmp/cp1.err || fail "vm1: no 3 epochs: $(cat /tmp/cp1.err)"
 	wait_for 180 grep -q '^epoch 3:' /tmp/cp2.err || fail "vm2: no 3 epochs: $(cat /tmp/cp2.err)"
@@ -59,6 +62,8 @@ case $HAG_HOST in
 		fail "vm1's primary was not granted the VM: $(cat /tmp/cp1.err)"
 	wait_for 60 grep -q '"state":"unprotected"' /run/hag/vm2/checkpoint-vgpu*.json ||
 		fail "vm2's primary did not go unprotected: $(cat /tmp/cp2.err)"
+	grep -q 'takes over on silence alone, not with this primary.s witness' /tmp/cp2.err ||
+		fail "vm2's primary did not say its backup uses no witness: $(cat /tmp/cp2.err)"
 	step "host 0: vm1 granted, its output flows; vm2's is held"
 	a1=$(wc -l </tmp/vm1.out)
 	a2=$(wc -l </tmp/vm2.out)
@@ -66,7 +71,7 @@ case $HAG_HOST in
 	b1=$(wc -l </tmp/vm1.out)
 	b2=$(wc -l </tmp/vm2.out)
 	[ "$b1" -gt "$a1" ] || fail "vm1's output does not come out after the grant"
-	expect_eq "vm2's console lines while unprotected without a witness (held: none)" "$((b2 - a2))" 0
+	expect_eq "vm2's console lines while unprotected, its backup without the witness (held: none)" "$((b2 - a2))" 0
 	! grep -q '^PASS frames' /tmp/vm2.out || fail "vm2 finished before the confirmation (make ITERATIONS larger)"
 	step "host 0: the operator confirms vm2's backup down"
 	hagctl confirm-backup-down --name vm2 || fail "vm2's confirmation failed"

@@ -258,6 +258,10 @@ pub struct Limits {
     /// The VMM this backup stands by with: a primary under another is
     /// refused at HELLO.
     pub vmm: VmmKind,
+    /// The witness whose grant a takeover needs (its id, told in
+    /// HELLO_OK: a primary claims from its witness only if it is this
+    /// one).
+    pub witness: Option<u64>,
 }
 
 /// The backup's side of the checkpoint stream.
@@ -313,10 +317,16 @@ pub type CreateImage<'a, I> = dyn FnMut(u64, Option<&VmShape>) -> Result<I, Stri
 
 impl<I: Image> Standby<I> {
     /// Refuses a HELLO of another pairing than the checkpoint's, before
-    /// anything of the stream in progress is touched.
-    pub fn busy(&self, session: u128) -> Option<StandbyError> {
+    /// anything of the stream in progress is touched; but not one of the
+    /// same VM instance (`instance`, from its term): a hagctl restarted on
+    /// the VM it protected, which must pair again (the checkpoint stays
+    /// until the new session's first epoch replaces it, as at a resync).
+    /// Refused, it could only leave that VM running unprotected while this
+    /// backup takes over from its checkpoint: two copies.
+    pub fn busy(&self, session: u128, instance: Option<Instance>) -> Option<StandbyError> {
         let cp = self.committed.as_ref()?;
-        (cp.session != session).then(|| StandbyError::Busy {
+        let same_vm = instance.is_some() && cp.instance == instance;
+        (cp.session != session && !same_vm).then(|| StandbyError::Busy {
             theirs: session_name(session),
             ours: session_name(cp.session),
             epoch: cp.epoch,
@@ -421,7 +431,7 @@ impl<I: Image> Standby<I> {
                 self.limits.max_ram >> 20
             ));
         }
-        if let Some(busy) = self.busy(session) {
+        if let Some(busy) = self.busy(session, term.as_ref().map(|t| t.instance)) {
             return Err(busy);
         }
         let have = self.current.as_ref().map_or(ram_size, Image::ram_size);
@@ -444,6 +454,7 @@ impl<I: Image> Standby<I> {
             generation: self.generation,
             timeout_ms: self.limits.timeout_ms,
             superseded,
+            witness: self.limits.witness,
         })
     }
 
@@ -1052,11 +1063,13 @@ pub trait TakeoverSteps {
     /// meanwhile; or the primary came back while the VM was prepared).
     /// `Err` says what was heard.
     fn recheck(&mut self) -> Result<(), String>;
-    /// The witness's grant of the VM instance at `generation`, the
-    /// checkpoint's (no witness: `Ok`). [`TakeoverError::NotGranted`] if
-    /// it did not answer; [`TakeoverError::Void`] if it gave the VM to
-    /// the primary, which ran on past the checkpoint.
-    fn claim(&mut self, generation: u64) -> Result<(), TakeoverError>;
+    /// The witness's grant of the VM instance the checkpoint is of, at the
+    /// checkpoint's generation (no witness: `Ok`; a retried takeover claims
+    /// at the same generation, though the fence raised the backup's).
+    /// [`TakeoverError::NotGranted`] if it did not decide;
+    /// [`TakeoverError::Void`] if it gave the VM to the primary, which ran
+    /// on past the checkpoint.
+    fn claim(&mut self) -> Result<(), TakeoverError>;
     /// The operator's fencing of the primary (`--fence-peer`), for the
     /// takeover to `generation`: `Err` if it did not succeed (nothing to
     /// run: `Ok`).
@@ -1118,7 +1131,7 @@ pub fn take_over(steps: &mut impl TakeoverSteps, generation: u64) -> Result<u64,
         steps.abandon();
         return Err(TakeoverError::PrimaryAlive(e));
     }
-    if let Err(e) = steps.claim(generation) {
+    if let Err(e) = steps.claim() {
         steps.abandon();
         return Err(e);
     }
@@ -1260,6 +1273,8 @@ struct Live {
     /// The VM instances it took over from (stored with the generation).
     superseded: Vec<Instance>,
     epoch: u64,
+    /// The VM instance of the checkpoint (mirrors the standby's).
+    instance: Option<Instance>,
     /// The address the session's data connection came from (what
     /// `--fence-peer` is told to fence).
     primary: Option<String>,
@@ -1282,6 +1297,7 @@ impl Live {
             generation,
             superseded,
             epoch: 0,
+            instance: None,
             primary: None,
         }
     }
@@ -1311,16 +1327,20 @@ impl Live {
         self.hang = None;
     }
 
-    /// Whether a JOIN of `session` joins: the session in progress; or,
-    /// while this backup holds no checkpoint (no pairing yet, or one that
-    /// never completed, e.g. refused at its HELLO), a new one, which
-    /// replaces it, as a new pairing's HELLO does. Never another session
-    /// while taking over.
-    fn admits(&self, session: u128) -> bool {
+    /// Whether a JOIN of `session` from the VM instance `instance` joins:
+    /// the session in progress; or, while this backup holds no checkpoint
+    /// (no pairing yet, or one that never completed, e.g. refused at its
+    /// HELLO), a new one, which replaces it, as a new pairing's HELLO does;
+    /// or a new one of the checkpoint's own VM instance (a restarted
+    /// hagctl: [`Standby::busy`]). Never another session while taking
+    /// over.
+    fn admits(&self, session: u128, instance: Option<Instance>) -> bool {
         if self.role.taking_over() {
             return self.session == Some(session);
         }
-        self.session.is_none_or(|s| s == session) || self.epoch == 0
+        self.session.is_none_or(|s| s == session)
+            || self.epoch == 0
+            || (instance.is_some() && instance == self.instance)
     }
 
     fn member_of(&self, conn: u64) -> bool {
@@ -1438,7 +1458,7 @@ fn data_session(
         let is_hello = matches!(msg, Msg::Hello { .. });
         let result = {
             let mut st = b.standby();
-            let r = if let Some(busy) = st.busy(session) {
+            let r = if let Some(busy) = st.busy(session, term.as_ref().map(|t| t.instance)) {
                 Err(busy)
             } else if !is_hello && st.owner != conn {
                 // A newer connection of the session took the stream over.
@@ -1464,13 +1484,15 @@ fn data_session(
                 r,
                 st.generation,
                 st.committed.as_ref().map_or(0, |c| c.epoch),
+                st.committed.as_ref().and_then(|c| c.instance),
             )
         };
-        let (result, generation, epoch) = result;
+        let (result, generation, epoch, instance) = result;
         {
             let mut l = b.live();
             l.generation = generation;
             l.epoch = epoch;
+            l.instance = instance;
             if is_hello && result.is_ok() && !joined {
                 // The pairing is this session now; the data connection
                 // is one of its members.
@@ -1548,6 +1570,7 @@ fn refuse_term(b: &Backup, l: &Live, term: Option<&Term>, conn: &str) -> Option<
         generation: l.generation,
         timeout_ms: b.timeout.as_millis().min(u32::MAX as u128) as u32,
         superseded: Some(true),
+        witness: b.witness.as_ref().map(WitnessAt::id),
     })
 }
 
@@ -1574,7 +1597,7 @@ fn control_session(
             out.send(&refusal);
             return;
         }
-        if !l.admits(session) {
+        if !l.admits(session, term.as_ref().map(|t| t.instance)) {
             let why = format!(
                 "refused a control connection from {from}: session {} is not this backup's ({})",
                 session_name(session),
@@ -1590,6 +1613,7 @@ fn control_session(
             generation: l.generation,
             timeout_ms: b.timeout.as_millis().min(u32::MAX as u128) as u32,
             superseded: term.as_ref().map(|_| false),
+            witness: b.witness.as_ref().map(WitnessAt::id),
         };
         if !swallowed(&ok) {
             out.post(&ok);
@@ -2066,9 +2090,10 @@ fn fence_primary(
     fence.run(&facts)
 }
 
-/// The witness's grant of the instance `cp` was taken from, at
-/// `generation` (its own: [`TakeoverSteps::claim`]).
-fn claim_from_witness(b: &Backup, cp: &Checkpoint, generation: u64) -> Result<(), TakeoverError> {
+/// The witness's grant of the instance `cp` was taken from, at its
+/// generation ([`TakeoverSteps::claim`]).
+fn claim_from_witness(b: &Backup, cp: &Checkpoint) -> Result<(), TakeoverError> {
+    let generation = cp.generation;
     let Some(witness) = &b.witness else {
         return Ok(());
     };
@@ -2087,8 +2112,10 @@ fn claim_from_witness(b: &Backup, cp: &Checkpoint, generation: u64) -> Result<()
             vm: b.opts.vm_name.as_ref().map(|n| n.to_string()),
         })
         .map_err(TakeoverError::NotGranted)?;
-    if !answer.granted {
-        return Err(TakeoverError::Void(answer.why));
+    match answer.verdict {
+        witness::Verdict::Granted => {}
+        witness::Verdict::Undecided => return Err(TakeoverError::NotGranted(answer.why)),
+        witness::Verdict::Refused => return Err(TakeoverError::Void(answer.why)),
     }
     info!("the witness: {}", answer.why);
     Ok(())
@@ -2154,8 +2181,8 @@ impl TakeoverSteps for QemuTakeover<'_> {
     fn recheck(&mut self) -> Result<(), String> {
         still_silent(self.b, self.silent_since)
     }
-    fn claim(&mut self, generation: u64) -> Result<(), TakeoverError> {
-        claim_from_witness(self.b, self.cp, generation)
+    fn claim(&mut self) -> Result<(), TakeoverError> {
+        claim_from_witness(self.b, self.cp)
     }
     fn fence_peer(&mut self, generation: u64) -> Result<(), String> {
         fence_primary(self.opts, self.b, self.cp, &self.report.reason, generation)
@@ -2237,8 +2264,8 @@ impl TakeoverSteps for Takeover<'_> {
     fn recheck(&mut self) -> Result<(), String> {
         still_silent(self.b, self.silent_since)
     }
-    fn claim(&mut self, generation: u64) -> Result<(), TakeoverError> {
-        claim_from_witness(self.b, self.cp, generation)
+    fn claim(&mut self) -> Result<(), TakeoverError> {
+        claim_from_witness(self.b, self.cp)
     }
     fn fence_peer(&mut self, generation: u64) -> Result<(), String> {
         fence_primary(self.opts, self.b, self.cp, &self.report.reason, generation)
@@ -2292,6 +2319,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
         max_ram: opts.max_ram,
         timeout_ms: opts.failover_timeout.as_millis().min(u32::MAX as u128) as u32,
         vmm: opts.vmm_kind(),
+        witness: witness.as_ref().map(WitnessAt::id),
     };
     let b = Arc::new(Backup {
         opts: Arc::new(opts.clone()),
@@ -2603,6 +2631,7 @@ mod tests {
         max_ram: 1 << 20,
         timeout_ms: 3000,
         vmm: VmmKind::HagVmm,
+        witness: None,
     };
 
     fn standby(generation: u64) -> Standby<Ram> {
@@ -2831,6 +2860,7 @@ mod tests {
                     generation: 0,
                     timeout_ms: 3000,
                     superseded: None,
+                    witness: None,
                 },
                 Msg::Ok { phase: 0 },
                 Msg::Ok { phase: 1 },
@@ -2959,6 +2989,7 @@ mod tests {
             0,
             Limits {
                 vmm: VmmKind::Qemu,
+                witness: None,
                 ..LIMITS
             },
         );
@@ -2985,6 +3016,7 @@ mod tests {
             0,
             Limits {
                 vmm: VmmKind::Qemu,
+                witness: None,
                 ..LIMITS
             },
         );
@@ -3037,7 +3069,7 @@ mod tests {
         msgs.extend(epoch(0, &[(1, 1)], 1, 0));
         feed(&mut s, msgs).unwrap();
         assert!(matches!(
-            s.busy(99),
+            s.busy(99, None),
             Some(StandbyError::Busy { epoch: 1, .. })
         ));
         s.new_session();
@@ -3053,6 +3085,60 @@ mod tests {
             img(&s).pages[2][0],
             0,
             "the checkpoint's image is untouched"
+        );
+    }
+
+    /// A hagctl restarted on the VM it protected (a new session, the same
+    /// VM instance) pairs again; the old checkpoint stays until the new
+    /// session's first epoch replaces it. Another instance waits.
+    #[test]
+    fn a_restarted_primary_of_the_same_vm_pairs_again() {
+        let vm = Instance {
+            boot: 1,
+            pid: 7,
+            started: 9,
+        };
+        let hello_from = |session, instance| match hello_of(session) {
+            Msg::Hello {
+                min,
+                max,
+                ram_size,
+                session,
+                vmm,
+                shape,
+                ..
+            } => Msg::Hello {
+                min,
+                max,
+                ram_size,
+                session,
+                vmm,
+                term: Some(Term {
+                    generation: 0,
+                    instance,
+                    vm: None,
+                }),
+                shape,
+            },
+            _ => unreachable!(),
+        };
+        let mut s = standby(0);
+        let mut msgs = vec![hello_from(SESSION, vm)];
+        msgs.extend(epoch(0, &[(1, 1)], 1, 0));
+        feed(&mut s, msgs).unwrap();
+        assert_eq!(s.committed.as_ref().unwrap().instance, Some(vm));
+        assert!(s.busy(99, Some(Instance { pid: 8, ..vm })).is_some());
+        assert!(s.busy(99, None).is_some());
+        assert!(s.busy(99, Some(vm)).is_none());
+        s.new_session();
+        let mut msgs = vec![hello_from(99, vm)];
+        msgs.extend(epoch(0, &[(2, 5)], 1, 0));
+        feed(&mut s, msgs).unwrap();
+        let cp = s.committed.as_ref().unwrap();
+        assert_eq!(
+            (cp.session, cp.epoch),
+            (99, 1),
+            "the new session's checkpoint"
         );
     }
 
@@ -3163,8 +3249,8 @@ mod tests {
             }
             Ok(())
         }
-        fn claim(&mut self, g: u64) -> Result<(), TakeoverError> {
-            self.log.push(format!("claim {g}"));
+        fn claim(&mut self) -> Result<(), TakeoverError> {
+            self.log.push("claim".into());
             match self.fail {
                 Some("claim") => Err(TakeoverError::NotGranted("connection refused".into())),
                 Some("claim-void") => Err(TakeoverError::Void("the primary kept it".into())),
@@ -3317,7 +3403,7 @@ mod tests {
             [
                 "prepare",
                 "recheck",
-                "claim 4",
+                "claim",
                 "fence-peer 5",
                 "persist 5",
                 "fence 5",
@@ -3382,7 +3468,7 @@ mod tests {
             [
                 "prepare",
                 "recheck",
-                "claim 4",
+                "claim",
                 "fence-peer 5",
                 "persist 5",
                 "fence 5",
@@ -3463,22 +3549,37 @@ mod tests {
 
     /// A pairing refused at its HELLO (its JOIN had made its session the
     /// backup's) does not keep the next primary out while the backup holds
-    /// no checkpoint; one that holds a checkpoint, or takes over, admits
-    /// only its own session.
+    /// no checkpoint; one that holds a checkpoint admits only its own
+    /// session, or a new one of the checkpoint's VM instance (a restarted
+    /// hagctl); one that takes over, only its own.
     #[test]
     fn only_a_checkpoint_or_a_takeover_keeps_a_session() {
+        let ours = Instance {
+            boot: 1,
+            pid: 7,
+            started: 9,
+        };
+        let (vm, other) = (Some(ours), Some(Instance { pid: 8, ..ours }));
         let mut l = Live::new(0, Vec::new());
-        assert!(l.admits(SESSION));
+        assert!(l.admits(SESSION, vm));
         l.adopt(SESSION);
-        assert!(l.admits(SESSION) && l.admits(99), "no checkpoint yet");
-        l.epoch = 4;
         assert!(
-            l.admits(SESSION) && !l.admits(99),
+            l.admits(SESSION, vm) && l.admits(99, other),
+            "no checkpoint yet"
+        );
+        l.epoch = 4;
+        l.instance = vm;
+        assert!(
+            l.admits(SESSION, vm) && !l.admits(99, other) && !l.admits(99, None),
             "a checkpoint of SESSION"
+        );
+        assert!(
+            l.admits(99, vm),
+            "a restarted hagctl of the checkpoint's VM"
         );
         l.epoch = 0;
         assert!(l.role.take_over());
-        assert!(l.admits(SESSION) && !l.admits(99), "taking over");
+        assert!(l.admits(SESSION, vm) && !l.admits(99, vm), "taking over");
     }
 
     /// Issue 12, item 9, and issue 20, item 3: the generation is stored

@@ -70,7 +70,7 @@ use crate::wire::{
     read_msg, session_name, write_msg, Msg, PageData, VmmKind, DISKS_SINCE, ENDED_PHASE, PAGE,
     PAGES_PER_FRAME, STATE_DELTA_SINCE,
 };
-use crate::witness::{Asker, Request, Side};
+use crate::witness::{Asked, Asker, Request, Side, Verdict};
 
 /// Options of `hagctl checkpoint`.
 #[derive(Clone, Debug)]
@@ -754,6 +754,26 @@ pub struct StatusFile {
     /// Why the last skipped epoch was given up.
     #[serde(default)]
     pub skipped_why: String,
+    /// The VM instance protected ([`Instance::key`]): a run started again
+    /// on it finds whether an earlier one was paired.
+    #[serde(default)]
+    pub vm_instance: String,
+}
+
+/// Whether an earlier run's status (`old`, this vGPU's) says a backup may
+/// hold a checkpoint of the VM instance `instance`: that run had an epoch
+/// acknowledged and did not end (killed, or crashed). A run started again
+/// then never takes a failed first pairing for "nothing to protect": it
+/// holds the output and retries as after a lost link, for that backup may
+/// take the VM over from its checkpoint. (A run that never paired, such as
+/// one refused at a domain's start, leaves nothing: the next one may give
+/// up as it did.)
+pub fn earlier_run_paired(old: Option<&StatusFile>, instance: &str) -> bool {
+    old.is_some_and(|st| {
+        st.vm_instance == instance
+            && st.last_epoch > 0
+            && matches!(st.state.as_str(), "syncing" | "protected" | "unprotected")
+    })
 }
 
 fn unix_ms() -> u64 {
@@ -1027,6 +1047,9 @@ struct Primary {
     granted: bool,
     /// The last failure to reach the witness, logged once until another.
     witness_error: Option<String>,
+    /// The backup's witness the last pairing warned about (a mismatch is
+    /// said once, not at every resynchronisation).
+    backup_witness_warned: Option<Option<u64>>,
 }
 
 impl Primary {
@@ -1055,7 +1078,6 @@ impl Primary {
     /// joins its control connection to the session and runs the first
     /// checkpoint: pre-copy rounds, then an epoch.
     fn sync(&mut self) -> Result<(), EpochError> {
-        self.witness_query()?;
         // The first data connection was made at start.
         if !std::mem::take(&mut self.first) {
             self.src.stream =
@@ -1069,6 +1091,8 @@ impl Primary {
         }
         self.save_status("syncing", "");
         self.src.vm.hold_output(true).map_err(EpochError::Vm)?;
+        // Held again: should this sync fail, the witness is claimed again.
+        self.granted = false;
         info!(
             "synchronising with the backup {} (session {}, pre-copy while the VM runs)",
             self.opts.backup,
@@ -1109,7 +1133,7 @@ impl Primary {
             g.heard = Instant::now();
             g.connected = true;
         }
-        self.granted = false;
+        self.witness_paired();
         if self.src.hashes.is_some() {
             // A new session replaces the backup's image: it starts from zero.
             self.src.hashes = Some(PageHashes::new(self.src.ram.pages()));
@@ -1703,7 +1727,8 @@ impl Primary {
                 let r = self.sync();
                 if first && !self.paired {
                     if let Err(EpochError::Link(why)) = &r {
-                        // Not paired: no backup holds anything of this VM.
+                        // Not paired, by this run or one before on this
+                        // VM: no backup holds anything of it.
                         let _ = self.src.vm.hold_output(false);
                         anyhow::bail!("cannot protect the VM: backup {}: {why}", self.opts.backup);
                     }
@@ -1779,45 +1804,27 @@ impl Primary {
         }
     }
 
-    /// Before a pairing, once: what the witness decided about this VM
-    /// instance. Taken over: the VM stops. Kept by this primary at a
-    /// generation no lower than its own: as good as a grant (no checkpoint
-    /// up to it can be resumed), and the pairing goes a generation up.
-    /// An unreachable witness is asked again before the next pairing.
-    fn witness_query(&mut self) -> Result<(), EpochError> {
-        let Some(asker) = &self.witness else {
-            return Ok(());
+    /// Paired: an answer under way is of a moment that passed, and the
+    /// backup said whether it takes over with this primary's witness.
+    fn witness_paired(&mut self) {
+        let Some(asker) = self.witness.as_mut() else {
+            return;
         };
-        if self.witness_read {
-            return Ok(());
+        asker.forget();
+        let ours = asker.id();
+        let theirs = self.src.peer.witness;
+        if theirs != Some(ours) && self.backup_witness_warned != Some(theirs) {
+            warning!(
+                "the backup {} takes over {}, not with this primary's witness {}: this primary will not claim from it (its output stays held while the backup is unheard, as without a witness); give both sides the same --witness and key",
+                self.opts.backup,
+                match theirs {
+                    None => "on silence alone".to_owned(),
+                    Some(id) => format!("with another witness (id {id:016x}, this one's {ours:016x})"),
+                },
+                self.opts.witness.as_ref().map_or("", |(addr, _)| addr.as_str())
+            );
         }
-        let req = Request::Query {
-            instance: self.link.instance.into(),
-        };
-        let answer = match asker.ask_now(&req) {
-            Ok(a) => a,
-            Err(e) => {
-                if self.witness_error.as_ref() != Some(&e) {
-                    warning!("{e}: pairing without its word (asked again before the next pairing)");
-                    self.witness_error = Some(e);
-                }
-                return Ok(());
-            }
-        };
-        self.witness_error = None;
-        self.witness_read = true;
-        let generation = self.link.lock().policy.generation();
-        let ev = match answer.ballot {
-            Some(b) if b.winner == Side::Backup => {
-                Event::WitnessDenied(b.generation, answer.why.clone())
-            }
-            Some(b) if b.generation >= generation => Event::WitnessGranted(b.generation),
-            _ => return Ok(()),
-        };
-        info!("the witness: {}", answer.why);
-        let result = self.event(ev);
-        self.witness_moved_generation();
-        result
+        self.backup_witness_warned = Some(theirs);
     }
 
     /// A grant moved this primary a generation up: its status and report
@@ -1828,40 +1835,66 @@ impl Primary {
         self.report.generation = generation;
     }
 
-    /// With a witness: once the backup has been unheard for the failover
-    /// timeout, claim the VM (on a thread of its own), and act on the
-    /// answer: granted, the held output goes out and the VM runs on;
-    /// refused, the backup takes over and the VM stops.
+    /// With a witness, on threads of their own, and acting on the answers:
+    ///
+    /// - until it was read once, what the witness decided about this VM
+    ///   instance: taken over by the backup, the VM stops; kept by this
+    ///   primary at its generation or above, its pairings go a generation
+    ///   up (nothing is released: that is a claim's);
+    /// - once the backup has been unheard for the failover timeout, a
+    ///   claim, if the backup said at pairing that it takes over with this
+    ///   same witness (else it takes over on silence alone, and a grant
+    ///   here would be no protection): granted, the held output goes out
+    ///   and the VM runs on; refused, the backup takes over and the VM
+    ///   stops; undecided or unanswered, output stays held and it is
+    ///   claimed again.
     fn witness_turn(&mut self) -> Option<CheckpointReport> {
         let asker = self.witness.as_mut()?;
-        if let Some(answer) = asker.answer() {
-            let ev = match answer {
+        let own_id = asker.id();
+        if let Some((asked, answer)) = asker.answer() {
+            let a = match answer {
                 Err(e) => {
                     if self.witness_error.as_ref() != Some(&e) {
-                        info!("{e}: the claim is tried again every second; output stays held");
+                        info!("{e}: asked again every second; output stays held");
                         self.witness_error = Some(e);
                     }
-                    None
+                    return None;
                 }
-                Ok(a) => {
-                    self.witness_error = None;
-                    let generation = a.ballot.map_or(0, |b| b.generation);
-                    info!("the witness: {}", a.why);
-                    Some(if a.granted {
-                        Event::WitnessGranted(generation)
-                    } else {
-                        Event::WitnessDenied(generation, a.why)
-                    })
-                }
+                Ok(a) => a,
             };
+            self.witness_error = None;
+            if asked == Asked::Query {
+                self.witness_read = true;
+            }
+            let generation = self.link.lock().policy.generation();
+            let ev = match (asked, a.verdict, a.ballot) {
+                (_, _, Some(b)) if b.winner == Side::Backup => {
+                    Some(Event::WitnessDenied(b.generation, a.why.clone()))
+                }
+                (Asked::Query, _, Some(b)) if b.generation >= generation => {
+                    Some(Event::WitnessRecord(b.generation))
+                }
+                (Asked::Claim, Verdict::Granted, Some(b)) => {
+                    Some(Event::WitnessGranted(b.generation))
+                }
+                (Asked::Claim, Verdict::Refused, b) => Some(Event::WitnessDenied(
+                    b.map_or(generation, |b| b.generation),
+                    a.why.clone(),
+                )),
+                _ => None,
+            };
+            if asked == Asked::Claim || ev.is_some() {
+                info!("the witness: {}", a.why);
+            }
             if let Some(ev) = ev {
+                let unprotected = matches!(self.link.lock().policy.state, State::Unprotected(_));
                 let granted = matches!(ev, Event::WitnessGranted(_));
                 if let Err(EpochError::Exit(outcome, detail)) = self.event(ev) {
                     return Some(self.end(outcome, detail));
                 }
-                if granted {
+                self.witness_moved_generation();
+                if granted && unprotected {
                     self.granted = true;
-                    self.witness_moved_generation();
                     let why = match &self.link.lock().policy.state {
                         State::Unprotected(why) => why.clone(),
                         _ => String::new(),
@@ -1878,8 +1911,12 @@ impl Primary {
                 && g.heard_any.elapsed() >= g.policy.timeout();
             (unheard && !self.granted, g.policy.generation())
         };
-        if claim {
-            let asker = self.witness.as_mut()?;
+        let asker = self.witness.as_mut()?;
+        if !self.witness_read {
+            asker.start(Request::Query {
+                instance: self.link.instance.into(),
+            });
+        } else if claim && self.src.peer.witness == Some(own_id) {
             asker.start(Request::Claim {
                 side: Side::Primary,
                 instance: self.link.instance.into(),
@@ -2182,6 +2219,17 @@ pub fn checkpoint(
     if opts.gpu_dirty == GpuDirty::Audit {
         src.start_gpu_log()?;
     }
+    let vm_instance = instance.key();
+    let earlier = std::fs::read_to_string(status_path(&opts.status_dir, vgpu_id))
+        .ok()
+        .and_then(|t| serde_json::from_str::<StatusFile>(&t).ok());
+    let paired = earlier_run_paired(earlier.as_ref(), &vm_instance);
+    if paired {
+        info!(
+            "an earlier run protected this VM and did not end (it was {}): its backup may hold a checkpoint of it, so output stays held until a backup pairs",
+            earlier.as_ref().map_or("", |e| e.state.as_str())
+        );
+    }
     let mut p = Primary {
         src,
         link,
@@ -2193,7 +2241,7 @@ pub fn checkpoint(
         epoch: 0,
         first: true,
         shape,
-        paired: false,
+        paired,
         released: 0,
         stop,
         status: StatusFile {
@@ -2202,6 +2250,16 @@ pub fn checkpoint(
             vgpu_id,
             backup: opts.backup.clone(),
             generation: opts.generation,
+            vm_instance,
+            // What the backup may hold, until this run's first epoch.
+            last_epoch: earlier
+                .as_ref()
+                .filter(|_| paired)
+                .map_or(0, |e| e.last_epoch),
+            last_ack_unix_ms: earlier
+                .as_ref()
+                .filter(|_| paired)
+                .map_or(0, |e| e.last_ack_unix_ms),
             ..StatusFile::default()
         },
         report: CheckpointReport {
@@ -2218,6 +2276,7 @@ pub fn checkpoint(
         witness_read: false,
         granted: false,
         witness_error: None,
+        backup_witness_warned: None,
     };
     let result = p.run();
     let _ = p.src.dev.dirty_stop(vgpu_id);
@@ -2230,6 +2289,33 @@ pub fn checkpoint(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_run_started_again_knows_an_earlier_one_paired() {
+        let st = |state: &str, vm: &str| StatusFile {
+            state: state.into(),
+            vm_instance: vm.into(),
+            last_epoch: 3,
+            ..StatusFile::default()
+        };
+        assert!(!earlier_run_paired(None, "a"));
+        assert!(earlier_run_paired(Some(&st("protected", "a")), "a"));
+        assert!(earlier_run_paired(Some(&st("unprotected", "a")), "a"));
+        assert!(
+            !earlier_run_paired(Some(&st("protected", "b")), "a"),
+            "another VM instance"
+        );
+        assert!(
+            !earlier_run_paired(Some(&st("ended", "a")), "a"),
+            "it ended protection"
+        );
+        assert!(!earlier_run_paired(Some(&st("finished", "a")), "a"));
+        let never = StatusFile {
+            last_epoch: 0,
+            ..st("syncing", "a")
+        };
+        assert!(!earlier_run_paired(Some(&never), "a"), "it never paired");
+    }
 
     #[test]
     fn status_files_read_back_as_lines() {

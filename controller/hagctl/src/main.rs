@@ -869,7 +869,8 @@ primary (unprotected past the failover timeout) before it releases its
 held output and runs on. The first claim on a VM instance at a generation
 wins; the other side's is refused (the backup then discards its
 checkpoint, the primary stops its VM). Each decision is stored in
-STATE_DIR/witness.json, synced, before it is answered. The witness holds
+STATE_DIR/witness.json, synced, before it is answered; without that file
+it refuses to start unless --new says this is a new witness. The witness holds
 each pair's key (--key, repeatable; a connection is authenticated with one
 of them, and only that pair's VMs can be claimed on it). It runs until
 killed; its log says every claim and its answer.")]
@@ -883,6 +884,11 @@ killed; its log says every claim and its answer.")]
         /// Where its decisions are kept
         #[arg(long, value_name = "DIR", default_value = "/var/lib/hag/witness")]
         state_dir: std::path::PathBuf,
+        /// Start a new witness: an empty book if STATE_DIR has none (without
+        /// it, a missing book is an error: a witness that lost its
+        /// decisions could decide a contest twice)
+        #[arg(long)]
+        new: bool,
     },
     /// Write a new pre-shared key for a pair of hosts (mode 0600; copy it
     /// to the other host by a trusted way)
@@ -1324,12 +1330,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             listen,
             key,
             state_dir,
+            new,
         } => {
             witness::serve(
                 &witness::WitnessOptions {
                     listen,
                     keys: key,
                     state_dir,
+                    new,
                 },
                 |addr| crate::service::notify(true, &format!("witness on {addr}")),
             )?;

@@ -517,6 +517,8 @@ pub(crate) struct Peer {
     pub(crate) version: u16,
     /// A backup's verdict on the primary's term (see `term`).
     pub(crate) superseded: Option<bool>,
+    /// The witness a backup takes over with (its id), if any.
+    pub(crate) witness: Option<u64>,
 }
 
 /// Dirty pages of one collection.
@@ -776,12 +778,14 @@ impl Source {
                 generation,
                 timeout_ms,
                 superseded,
+                witness,
             } if (VERSION_MIN..=VERSION_MAX).contains(&version) => {
                 self.peer = Peer {
                     generation,
                     timeout: Duration::from_millis(u64::from(timeout_ms)),
                     version,
                     superseded,
+                    witness,
                 };
             }
             Msg::Error { message } => {

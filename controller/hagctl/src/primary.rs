@@ -37,7 +37,9 @@
 //!   protection does not end: the next pairing (the backup back, or
 //!   another) is one generation up, where no stale checkpoint lives. The
 //!   witness's refusal means the backup holds the grant and takes over:
-//!   the VM stops, as at a fence.
+//!   the VM stops, as at a fence. A grant recorded earlier (read from the
+//!   witness, not won now) only moves the generation up: output held now
+//!   may be newer than a checkpoint of a later pairing.
 //!
 //! The policy works for any VMM driver: it speaks of epochs and output,
 //! not of how an epoch is captured.
@@ -131,6 +133,9 @@ pub enum Event {
     /// The witness gave the VM to the backup, which takes it over from
     /// this generation (why, in the witness's words).
     WitnessDenied(u64, String),
+    /// The witness's book says this primary won a contest at this
+    /// generation (read, not claimed now).
+    WitnessRecord(u64),
     /// Stopping the VM failed.
     StopFailed(String),
     /// The VM is stopped.
@@ -443,7 +448,7 @@ impl Policy {
             Event::WitnessGranted(generation) => {
                 self.generation = self.generation.max(generation.saturating_add(1));
                 match self.state {
-                    State::Syncing | State::Unprotected(_) => {
+                    State::Unprotected(_) => {
                         self.state = State::Unprotected(format!(
                             "the witness granted this primary the VM at generation {generation}; output released, the VM runs on until the backup is back"
                         ));
@@ -451,6 +456,10 @@ impl Policy {
                     }
                     _ => vec![],
                 }
+            }
+            Event::WitnessRecord(generation) => {
+                self.generation = self.generation.max(generation.saturating_add(1));
+                vec![]
             }
             Event::WitnessDenied(generation, why) => {
                 let mut actions = self.fenced(generation.saturating_add(1));
@@ -581,9 +590,19 @@ mod tests {
             "while protected"
         );
         assert_eq!(p.generation(), 1, "the next pairing is a generation up");
+        let mut fresh = Policy::new(0, Duration::from_secs(3));
+        assert!(
+            !releases(&fresh.on(Event::WitnessGranted(4))),
+            "before any pairing"
+        );
         p.on(Event::LinkLost("silent".into()));
-        assert_eq!(p.on(Event::WitnessGranted(1)), vec![ReleaseAll]);
-        assert_eq!(p.generation(), 2);
+        assert!(
+            !releases(&p.on(Event::WitnessRecord(5))),
+            "a record is no grant"
+        );
+        assert_eq!(p.generation(), 6);
+        assert_eq!(p.on(Event::WitnessGranted(6)), vec![ReleaseAll]);
+        assert_eq!(p.generation(), 7);
         assert!(
             matches!(p.state, State::Unprotected(_)),
             "protection goes on"
@@ -595,11 +614,11 @@ mod tests {
             timeout: Duration::from_secs(3),
             superseded: Some(false),
         });
-        assert_eq!(p.generation(), 2);
+        assert_eq!(p.generation(), 7);
         assert_eq!(
             p.on(Event::Acked {
                 epoch: 9,
-                generation: 2
+                generation: 7
             }),
             vec![Release(9)]
         );

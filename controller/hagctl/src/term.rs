@@ -55,6 +55,12 @@ impl Instance {
         Ok(Instance { boot, pid, started })
     }
 
+    /// One word for it (boot, pid and start time), as status files keep
+    /// it.
+    pub fn key(self) -> String {
+        format!("{:032x}-{}-{}", self.boot, self.pid, self.started)
+    }
+
     /// Its JSON form (what `generation.json` keeps).
     pub fn to_json(self) -> serde_json::Value {
         serde_json::json!({

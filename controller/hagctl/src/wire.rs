@@ -414,6 +414,10 @@ pub enum Msg {
         /// it took over from that VM instance (none if no term was
         /// presented, or from a hagctl before terms).
         superseded: Option<bool>,
+        /// The witness a backup takes over with ([`crate::witness::WitnessAt::id`];
+        /// only after `superseded`; none: it takes over on silence alone).
+        /// A primary claims from its own witness only when this is its id.
+        witness: Option<u64>,
     },
     /// A control connection joins `session`.
     Join {
@@ -729,12 +733,16 @@ impl Msg {
                 generation,
                 timeout_ms,
                 superseded,
+                witness,
             } => {
                 p.extend_from_slice(&version.to_le_bytes());
                 p.extend_from_slice(&generation.to_le_bytes());
                 p.extend_from_slice(&timeout_ms.to_le_bytes());
                 if let Some(s) = superseded {
                     p.push(u8::from(*s));
+                    if let Some(w) = witness {
+                        p.extend_from_slice(&w.to_le_bytes());
+                    }
                 }
             }
             Msg::Join { session, term } => {
@@ -878,6 +886,11 @@ impl Msg {
                             })
                         }
                     }
+                },
+                witness: if c.b.is_empty() {
+                    None
+                } else {
+                    Some(c.u64("witness")?)
                 },
             },
             MsgType::Join => Msg::Join {
@@ -1378,6 +1391,7 @@ impl Receiver {
                         generation: 0,
                         timeout_ms: 0,
                         superseded: None,
+                        witness: None,
                     }),
                 ))
             }
@@ -1567,6 +1581,7 @@ pub(crate) mod tests {
                     generation: 0,
                     timeout_ms: 0,
                     superseded: None,
+                    witness: None,
                 },
                 Msg::Ok { phase: 0 },
                 Msg::Ok { phase: 1 },
@@ -1833,12 +1848,14 @@ pub(crate) mod tests {
                 generation: 4,
                 timeout_ms: 3000,
                 superseded: Some(true),
+                witness: None,
             },
             Msg::HelloOk {
                 version: 5,
                 generation: 4,
                 timeout_ms: 3000,
                 superseded: Some(false),
+                witness: Some(0x0123_4567_89ab_cdef),
             },
             Msg::VmStateDelta {
                 base_epoch: 6,
@@ -1849,6 +1866,7 @@ pub(crate) mod tests {
                 generation: 9,
                 timeout_ms: 3000,
                 superseded: None,
+                witness: None,
             },
             Msg::Disks(vec![
                 DiskInfo {

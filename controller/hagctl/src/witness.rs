@@ -197,11 +197,24 @@ mod hex_u128 {
     }
 }
 
+/// What the witness made of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verdict {
+    /// The claim won.
+    Granted,
+    /// The claim lost: the other side won this contest.
+    Refused,
+    /// Nothing was decided (a query; or the witness could not store a
+    /// decision): ask again.
+    Undecided,
+}
+
 /// The witness's answer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Answer {
-    /// The claim was granted (a query: always false).
-    pub granted: bool,
+    /// What it made of the request.
+    pub verdict: Verdict,
     /// What is now decided about the instance, if anything.
     pub ballot: Option<Ballot>,
     /// Why, in words (for the logs).
@@ -241,7 +254,7 @@ impl Book {
                 };
                 return (
                     Answer {
-                        granted: false,
+                        verdict: Verdict::Undecided,
                         ballot,
                         why,
                     },
@@ -260,7 +273,7 @@ impl Book {
         match rule(recorded, side, generation) {
             Decision::Deny(why) => (
                 Answer {
-                    granted: false,
+                    verdict: Verdict::Refused,
                     ballot: recorded,
                     why,
                 },
@@ -282,7 +295,7 @@ impl Book {
                 let why = format!("granted to the {side} at generation {}", ballot.generation);
                 (
                     Answer {
-                        granted: true,
+                        verdict: Verdict::Granted,
                         ballot: Some(ballot),
                         why,
                     },
@@ -292,17 +305,17 @@ impl Book {
         }
     }
 
-    /// The book stored in `dir` (empty if there is none yet).
-    pub fn load(dir: &Path) -> Result<Book, String> {
+    /// The book stored in `dir` (`None` if there is none).
+    pub fn load(dir: &Path) -> Result<Option<Book>, String> {
         let path = dir.join("witness.json");
         match std::fs::read_to_string(&path) {
-            Ok(text) => serde_json::from_str(&text).map_err(|e| {
+            Ok(text) => serde_json::from_str(&text).map(Some).map_err(|e| {
                 format!(
                     "{} cannot be read as the witness's book: {e}",
                     path.display()
                 )
             }),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Book::default()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(format!("{}: {e}", path.display())),
         }
     }
@@ -375,18 +388,45 @@ pub struct WitnessAt {
 }
 
 impl WitnessAt {
-    /// Asks the witness `req`, within [`ASK_TIMEOUT`].
+    /// This witness as both sides of a pair must name it: its address as
+    /// given and the key it is reached with, hashed. A backup tells it in
+    /// HELLO_OK; a primary claims only from the witness its backup takes
+    /// over with.
+    pub fn id(&self) -> u64 {
+        use blake2::Digest;
+        let mut h = blake2::Blake2s256::new();
+        h.update(b"hag witness id");
+        h.update(pair_id(&self.key).as_bytes());
+        h.update(self.addr.as_bytes());
+        let d = h.finalize();
+        u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]])
+    }
+
+    /// Asks the witness `req`, within [`ASK_TIMEOUT`] (each of its
+    /// addresses in turn, until one connects).
     pub fn ask(&self, req: &Request) -> Result<Answer, String> {
         let deadline = Instant::now() + ASK_TIMEOUT;
         let fail = |e: String| format!("witness {}: {e}", self.addr);
-        let addr = self
+        let mut last = "no address".to_owned();
+        let mut stream = None;
+        for addr in self
             .addr
             .to_socket_addrs()
             .map_err(|e| fail(e.to_string()))?
-            .next()
-            .ok_or_else(|| fail("no address".into()))?;
-        let stream =
-            TcpStream::connect_timeout(&addr, ASK_TIMEOUT).map_err(|e| fail(e.to_string()))?;
+        {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            match TcpStream::connect_timeout(&addr, left) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = e.to_string(),
+            }
+        }
+        let stream = stream.ok_or_else(|| fail(last))?;
         let left = deadline.saturating_duration_since(Instant::now());
         let (mut r, mut w) = secure::connect_as(stream, &self.key, Protocol::Witness, left)
             .map_err(|e| fail(e.to_string()))?;
@@ -400,11 +440,21 @@ impl WitnessAt {
 /// again.
 pub const RETRY: Duration = Duration::from_secs(1);
 
+/// What a request was, for its answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Asked {
+    /// A query.
+    Query,
+    /// A claim.
+    Claim,
+}
+
 /// A side's requests, each asked on a thread of its own: the loop that
-/// starts them and polls for the answer never waits on the witness.
+/// starts them and polls for the answer never waits on the witness (nor on
+/// resolving its name).
 pub struct Asker {
     at: WitnessAt,
-    pending: Option<std::sync::mpsc::Receiver<Result<Answer, String>>>,
+    pending: Option<(Asked, std::sync::mpsc::Receiver<Result<Answer, String>>)>,
     not_before: Instant,
 }
 
@@ -418,9 +468,9 @@ impl Asker {
         }
     }
 
-    /// Asks `req` and waits for the answer (at most [`ASK_TIMEOUT`]).
-    pub fn ask_now(&self, req: &Request) -> Result<Answer, String> {
-        self.at.ask(req)
+    /// The witness's id ([`WitnessAt::id`]).
+    pub fn id(&self) -> u64 {
+        self.at.id()
     }
 
     /// Asks `req`, unless a request is under way or the last one failed
@@ -429,17 +479,31 @@ impl Asker {
         if self.pending.is_some() || Instant::now() < self.not_before {
             return;
         }
+        let asked = match req {
+            Request::Query { .. } => Asked::Query,
+            Request::Claim { .. } => Asked::Claim,
+        };
         let (tx, rx) = std::sync::mpsc::channel();
         let at = self.at.clone();
         std::thread::spawn(move || {
             let _ = tx.send(at.ask(&req));
         });
-        self.pending = Some(rx);
+        self.pending = Some((asked, rx));
     }
 
-    /// The answer to the request under way, once it came (or failed).
-    pub fn answer(&mut self) -> Option<Result<Answer, String>> {
-        let got = match self.pending.as_ref()?.try_recv() {
+    /// Forgets the request under way: its answer, when it comes, is of a
+    /// moment that has passed (a pairing since).
+    pub fn forget(&mut self) {
+        self.pending = None;
+    }
+
+    /// The answer to the request under way, once it came (or failed), and
+    /// what the request was. A failure, or an undecided claim, holds the
+    /// next request back for [`RETRY`].
+    pub fn answer(&mut self) -> Option<(Asked, Result<Answer, String>)> {
+        let (asked, rx) = self.pending.as_ref()?;
+        let asked = *asked;
+        let got = match rx.try_recv() {
             Ok(got) => got,
             Err(std::sync::mpsc::TryRecvError::Empty) => return None,
             Err(std::sync::mpsc::TryRecvError::Disconnected) => {
@@ -447,10 +511,14 @@ impl Asker {
             }
         };
         self.pending = None;
-        if got.is_err() {
+        let again = match &got {
+            Err(_) => true,
+            Ok(a) => asked == Asked::Claim && a.verdict == Verdict::Undecided,
+        };
+        if again {
             self.not_before = Instant::now() + RETRY;
         }
-        Some(got)
+        Some((asked, got))
     }
 }
 
@@ -503,6 +571,8 @@ pub struct WitnessOptions {
     pub keys: Vec<PathBuf>,
     /// Where its book is kept.
     pub state_dir: PathBuf,
+    /// Start a new, empty book if there is none.
+    pub new: bool,
 }
 
 struct Served {
@@ -522,7 +592,20 @@ pub fn serve(opts: &WitnessOptions, ready: impl FnOnce(&str)) -> anyhow::Result<
         .collect::<Result<Vec<_>, _>>()?;
     std::fs::create_dir_all(&opts.state_dir)
         .map_err(|e| anyhow::anyhow!("{}: {e}", opts.state_dir.display()))?;
-    let book = Book::load(&opts.state_dir).map_err(anyhow::Error::msg)?;
+    // A witness that lost its book could decide a contest twice: an empty
+    // one is only ever started on purpose.
+    let book = match Book::load(&opts.state_dir).map_err(anyhow::Error::msg)? {
+        Some(book) => book,
+        None if opts.new => {
+            let book = Book::default();
+            book.store(&opts.state_dir).map_err(anyhow::Error::msg)?;
+            book
+        }
+        None => anyhow::bail!(
+            "{} has no witness.json: a witness that lost its decisions could decide a contest twice; give --new only to start a new witness",
+            opts.state_dir.display()
+        ),
+    };
     let listener = TcpListener::bind(&opts.listen)
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
     let ids: Vec<String> = keys.iter().map(pair_id).collect();
@@ -604,7 +687,7 @@ impl Served {
                 *book = before;
                 warning!("{e}: the claim of {from} is refused");
                 return Answer {
-                    granted: false,
+                    verdict: Verdict::Undecided,
                     ballot: None,
                     why: format!("the witness cannot store its decision: {e}"),
                 };
@@ -736,20 +819,20 @@ mod tests {
     fn the_book_keeps_pairs_and_instances_apart() {
         let mut book = Book::default();
         let (a, changed) = book.answer("pair1", &claim(B, 10, 0));
-        assert!(a.granted && changed);
+        assert!(a.verdict == Verdict::Granted && changed);
         let (a, changed) = book.answer("pair1", &claim(P, 10, 0));
-        assert!(!a.granted && !changed, "{a:?}");
+        assert!(a.verdict == Verdict::Refused && !changed, "{a:?}");
         assert!(a.why.contains("took this VM instance over"), "{}", a.why);
         assert!(
-            book.answer("pair2", &claim(P, 10, 0)).0.granted,
+            book.answer("pair2", &claim(P, 10, 0)).0.verdict == Verdict::Granted,
             "another pair's contest"
         );
         assert!(
-            book.answer("pair1", &claim(P, 11, 1)).0.granted,
+            book.answer("pair1", &claim(P, 11, 1)).0.verdict == Verdict::Granted,
             "another instance"
         );
         let (q, changed) = book.answer("pair1", &Request::Query { instance: inst(10) });
-        assert!(!q.granted && !changed);
+        assert!(q.verdict == Verdict::Undecided && !changed);
         assert_eq!(
             q.ballot,
             Some(Ballot {
@@ -759,7 +842,7 @@ mod tests {
         );
         let (again, changed) = book.answer("pair1", &claim(B, 10, 0));
         assert!(
-            again.granted && !changed,
+            again.verdict == Verdict::Granted && !changed,
             "the same grant again stores nothing"
         );
     }
@@ -787,11 +870,11 @@ mod tests {
     fn the_book_is_stored_and_read_back() {
         let dir = std::env::temp_dir().join(format!("hag-witness-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        assert_eq!(Book::load(&dir).unwrap(), Book::default());
+        assert_eq!(Book::load(&dir).unwrap(), None);
         let mut book = Book::default();
         book.answer("p", &claim(P, 5, 2));
         book.store(&dir).unwrap();
-        assert_eq!(Book::load(&dir).unwrap(), book);
+        assert_eq!(Book::load(&dir).unwrap(), Some(book));
         std::fs::write(dir.join("witness.json"), "{").unwrap();
         assert!(
             Book::load(&dir).is_err(),
@@ -822,11 +905,15 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         drop(listener);
-        let opts = WitnessOptions {
+        let mut opts = WitnessOptions {
             listen: addr.clone(),
             keys: vec![key_path],
             state_dir: dir.join("state"),
+            new: false,
         };
+        let refused = serve(&opts, |_| {}).unwrap_err().to_string();
+        assert!(refused.contains("has no witness.json"), "{refused}");
+        opts.new = true;
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             serve(&opts, |_| tx.send(()).unwrap()).unwrap();
@@ -836,8 +923,8 @@ mod tests {
             addr: addr.clone(),
             key,
         };
-        assert!(w.ask(&claim(B, 1, 0)).unwrap().granted);
-        assert!(!w.ask(&claim(P, 1, 0)).unwrap().granted);
+        assert_eq!(w.ask(&claim(B, 1, 0)).unwrap().verdict, Verdict::Granted);
+        assert_eq!(w.ask(&claim(P, 1, 0)).unwrap().verdict, Verdict::Refused);
         let stranger = WitnessAt {
             addr,
             key: Key::generate().unwrap(),
@@ -846,7 +933,7 @@ mod tests {
             stranger.ask(&claim(P, 2, 0)).is_err(),
             "another key is refused"
         );
-        let stored = Book::load(&dir.join("state")).unwrap();
+        let stored = Book::load(&dir.join("state")).unwrap().unwrap();
         assert_eq!(stored.pairs.values().next().unwrap().len(), 1);
         std::fs::remove_dir_all(&dir).ok();
     }
