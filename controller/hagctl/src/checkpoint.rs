@@ -967,6 +967,9 @@ pub(crate) enum EpochError {
     Crashed(String),
     /// The VM runs but can no longer be protected: end protection.
     Unprotectable(String),
+    /// Someone else migrates the VM away (libvirt): end protection, and
+    /// never resume it here.
+    MigratingAway(String),
     /// Capturing failed (the VM was resumed); try again next interval.
     Retry(String),
 }
@@ -1252,6 +1255,7 @@ impl Primary {
             }
             VmStatus::Crashed(why) => return Err(EpochError::Crashed(why)),
             VmStatus::Unprotectable(why) => return Err(EpochError::Unprotectable(why)),
+            VmStatus::MigratingAway(why) => return Err(EpochError::MigratingAway(why)),
             VmStatus::Other(other) => {
                 // A guest that hung its vGPU may have shut down over it.
                 let stats = self.src.dev.vgpu_stats(self.src.vgpu_id);
@@ -1279,6 +1283,20 @@ impl Primary {
             self.src.quiesced = false;
         }
         let tr = Instant::now();
+        // A save that failed because a migration hagctl did not start is
+        // under way: that migration owns the VM now, and resuming it here
+        // could run it on two hosts (paused, it converges at once).
+        let away = if result.is_err() && self.src.paused {
+            self.src.vm.migrating_away()
+        } else {
+            None
+        };
+        if let Some(why) = away {
+            self.src.paused = false;
+            return Err(EpochError::MigratingAway(format!(
+                "{why}; the VM is left paused for that migration (libvirt resumes it where it lands, or here if it fails)"
+            )));
+        }
         if self.src.paused {
             if let Err(e) = self.src.vm.resume() {
                 problems.push(format!("cannot resume the VM: {e}"));
@@ -2021,6 +2039,15 @@ impl Primary {
                 // The VM runs on, unprotected, as after a SIGTERM: its
                 // held output goes out once the backup confirms the end.
                 Some(self.end_protection(&format!("the VM can no longer be protected: {why}")))
+            }
+            EpochError::MigratingAway(why) => {
+                // As above: the VM runs on, now where it lands (where the
+                // libvirt hook protects it again).
+                let mut r = self.end_protection(&format!("the VM is migrating away: {why}"));
+                if r.outcome == "ended" {
+                    r.outcome = "migrated-away".into();
+                }
+                Some(r)
             }
         }
     }

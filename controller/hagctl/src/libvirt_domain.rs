@@ -168,10 +168,10 @@ impl Protect {
                 return Err(format!("{attr} has a control character (a line break?)"));
             }
         }
-        let backup = given(&self.backup)
+        let backups = given(&self.backup)
             .or_else(|| defaults.backup.clone())
             .ok_or("<hag:protect> has no backup='HOST:PORT' and hag.conf sets no BACKUP")?;
-        check_addr("backup", &backup)?;
+        let backup = pick_backup(&backups, is_this_host)?;
         let heartbeat_addrs: Vec<String> = given(&self.heartbeat_addr)
             .map(|list| list.split(',').map(|a| a.trim().to_owned()).collect())
             .unwrap_or_default();
@@ -260,6 +260,45 @@ fn child<'a, 'i>(node: roxmltree::Node<'a, 'i>, name: &str) -> Option<roxmltree:
     node.children().find(|n| {
         n.is_element() && n.tag_name().name() == name && n.tag_name().namespace().is_none()
     })
+}
+
+/// The backup of a VM that may run on either host of a pair (or on any of
+/// several): `backup='A:7200,B:7200'` names each host's backup, and the
+/// first that is not `local` is this host's (a VM migrated from A to B is
+/// protected by A's backup there). One address is taken as it is.
+fn pick_backup(list: &str, local: impl Fn(&str) -> bool) -> Result<String, String> {
+    let addrs: Vec<&str> = list.split(',').map(str::trim).collect();
+    for addr in &addrs {
+        check_addr("backup", addr)?;
+    }
+    match addrs[..] {
+        [one] => Ok(one.to_owned()),
+        _ => addrs
+            .iter()
+            .find(|a| !local(host_of(a)))
+            .map(|a| (*a).to_owned())
+            .ok_or_else(|| format!("every backup in '{list}' is an address of this host: a VM is never its own backup")),
+    }
+}
+
+/// HOST of HOST:PORT (without an IPv6 address's brackets).
+fn host_of(addr: &str) -> &str {
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    host.strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host)
+}
+
+/// Whether `host` (a name or an address) is one of this host's addresses:
+/// a socket can be bound to it.
+fn is_this_host(host: &str) -> bool {
+    use std::net::{ToSocketAddrs, UdpSocket};
+    let Ok(addrs) = (host, 0).to_socket_addrs() else {
+        return false;
+    };
+    addrs
+        .filter(|a| !a.ip().is_unspecified())
+        .any(|a| UdpSocket::bind(a).is_ok())
 }
 
 /// HOST:PORT, `[IPv6]:PORT` too: the form hagctl's `--backup` takes.
@@ -416,6 +455,24 @@ mod tests {
                 "witness = 203.0.113.9:7300",
             ]
         );
+    }
+
+    #[test]
+    fn a_pair_names_each_hosts_backup_and_this_host_takes_the_other() {
+        let on_a = |h: &str| h == "192.0.2.1";
+        let on_b = |h: &str| h == "192.0.2.2";
+        let pair = "192.0.2.1:7200, 192.0.2.2:7200";
+        assert_eq!(pick_backup(pair, on_a).unwrap(), "192.0.2.2:7200");
+        assert_eq!(pick_backup(pair, on_b).unwrap(), "192.0.2.1:7200");
+        // One address is the backup wherever the VM runs.
+        assert_eq!(pick_backup("192.0.2.1:7200", on_a).unwrap(), "192.0.2.1:7200");
+        let err = pick_backup("192.0.2.1:7200,192.0.2.1:7201", on_a).unwrap_err();
+        assert!(err.contains("never its own backup"), "{err}");
+        let err = pick_backup("192.0.2.1:7200,b.example", on_a).unwrap_err();
+        assert!(err.contains("'b.example' is not HOST:PORT"), "{err}");
+        assert_eq!(host_of("[2001:db8::1]:7200"), "2001:db8::1");
+        assert!(is_this_host("127.0.0.1"));
+        assert!(!is_this_host("192.0.2.1"));
     }
 
     #[test]

@@ -45,6 +45,10 @@ pub enum VmStatus {
     /// It runs, but can no longer be protected (memory was hot-plugged,
     /// another process writes its RAM): protection ends, saying why.
     Unprotectable(String),
+    /// Someone else (libvirt's `virsh migrate`) is migrating it, or has:
+    /// protection ends here, and the VM must never be resumed here by
+    /// hagctl (it runs, or will, where it lands).
+    MigratingAway(String),
 }
 
 /// What holds a VM's output back until its epoch is acknowledged (for a
@@ -91,6 +95,14 @@ pub trait CopyVm: Vmm {
     /// being read through `/dev/hag`; QEMU: its migration stream without
     /// shared RAM, the vGPU's state inside).
     fn vm_state(&mut self) -> Result<Vec<u8>, VmmError>;
+
+    /// With the VM paused by hagctl and an epoch's save failed: whether a
+    /// migration hagctl did not start is under way or done, in which case
+    /// hagctl must not resume the VM (a paused VM's migration converges at
+    /// once, and a `cont` after it completed would run it on two hosts).
+    fn migrating_away(&mut self) -> Option<String> {
+        None
+    }
 
     /// Starts (`true`) or stops holding the VM's output.
     fn hold_output(&mut self, on: bool) -> Result<(), String>;

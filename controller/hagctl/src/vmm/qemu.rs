@@ -68,6 +68,37 @@ pub fn crash(status: Option<&str>, shutdown: bool) -> Option<String> {
     }
 }
 
+/// Whether the VM is migrating away, or has, by a migration hagctl did not
+/// start, from its run state and `query-migrate`'s status, read outside
+/// hagctl's own saves (libvirt's `virsh migrate` drives QEMU through its
+/// own monitor). Returns what it saw. hagctl's own save never leaves a
+/// migration under way; one it cancelled after [`SAVE_TIMEOUT`] may still
+/// be `cancelling`, which is not counted (a cancelled migration leaves the
+/// VM where it was either way).
+pub fn migrating_away(run_state: &str, migration: &str) -> Option<String> {
+    if matches!(run_state, "postmigrate" | "finish-migrate") {
+        return Some(format!(
+            "QEMU's run state is {run_state}: the VM migrated away"
+        ));
+    }
+    let under_way = matches!(
+        migration,
+        "setup"
+            | "active"
+            | "device"
+            | "pre-switchover"
+            | "wait-unplug"
+            | "colo"
+            | "postcopy-active"
+            | "postcopy-paused"
+            | "postcopy-recover-setup"
+            | "postcopy-recover"
+    );
+    under_way.then(|| {
+        format!("a migration hagctl did not start is under way (QEMU: {migration}; libvirt's virsh migrate?)")
+    })
+}
+
 /// What QEMU's run states (`query-status`'s `status`) mean.
 pub fn run_state(status: &str) -> RunState {
     let kind = match status {
@@ -517,6 +548,23 @@ mod tests {
         );
         for s in ["shutdown", "guest-panicked", "paused", "running"] {
             assert_eq!(crash(Some(s), false), None, "{s}");
+        }
+    }
+
+    #[test]
+    fn a_migration_hagctl_did_not_start_is_seen_in_every_phase() {
+        for m in ["setup", "active", "device", "pre-switchover", "postcopy-active"] {
+            let why = migrating_away("running", m).unwrap_or_default();
+            assert!(why.contains(m), "{m}: {why}");
+        }
+        for st in ["postmigrate", "finish-migrate"] {
+            assert!(migrating_away(st, "completed").is_some(), "{st}");
+        }
+        // Nothing under way, or only the end of one: hagctl's own save
+        // (completed, failed) or one it cancelled.
+        for m in ["none", "completed", "failed", "cancelled", "cancelling"] {
+            assert_eq!(migrating_away("running", m), None, "{m}");
+            assert_eq!(migrating_away("paused", m), None, "{m}");
         }
     }
 

@@ -38,7 +38,7 @@ use super::dirty_source;
 use super::qemu::{self, Qemu};
 use super::qemu_disks::{DeltaStats, DiskEpochs};
 use super::shared_ram::Mapping;
-use super::{Feature, MigrationSettings, RunState, Vmm, VmmError};
+use super::{Feature, MigrationSettings, RunKind, RunState, Vmm, VmmError};
 use crate::vm_shape::VmShape;
 use crate::wire::{DiskInfo, VmmKind, MAX_PAYLOAD};
 
@@ -355,6 +355,39 @@ impl QemuVm {
     /// another process holding guest RAM's file), looked at once every
     /// [`RECHECK_EVERY`]; a verdict, once found, stays. A query that fails
     /// gives none (the status query that follows says what is wrong).
+    /// After `x-ignore-shared` could not be turned off: a migration that
+    /// another client (libvirt) started while it was on for this save (QEMU
+    /// refuses capability changes while one runs) would leave guest RAM
+    /// out, and is cancelled; the caller's epoch fails, saying so, and the
+    /// VM runs on here, protected. (Its destination would most likely
+    /// refuse the stream too: without the capability it does not expect
+    /// the RAM blocks' addresses that the source sends with it.)
+    fn cancel_foreign_migration(&mut self) -> Result<(), VmmError> {
+        let Some(why) = self.migrating_away_now("paused")? else {
+            return Ok(());
+        };
+        let _ = self.qemu.cancel_migration();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.migrating_away_now("paused")?.is_some() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.qemu.apply(&ignore_shared(false))?;
+        Err(VmmError::Protocol {
+            vmm: self.qemu.describe(),
+            what: format!(
+                "{why}, begun while this epoch's save had x-ignore-shared on: cancelled, since it would have left \
+                 guest RAM out (migrate again: hagctl turns x-ignore-shared off as soon as each save ends)"
+            ),
+        })
+    }
+
+    /// [`qemu::migrating_away`] at run state `run_state`, asking QEMU
+    /// for its migration's status.
+    fn migrating_away_now(&mut self, run_state: &str) -> Result<Option<String>, VmmError> {
+        let migration = self.qemu.migration_info()?.status;
+        Ok(qemu::migrating_away(run_state, &migration))
+    }
+
     fn recheck(&mut self) -> Option<String> {
         if self.unprotectable.is_none() && Instant::now() >= self.next_recheck {
             self.next_recheck = Instant::now() + RECHECK_EVERY;
@@ -533,6 +566,11 @@ impl CopyVm for QemuVm {
             }
             Err(e) => return Err(e),
         };
+        if matches!(st.kind, RunKind::Running | RunKind::Migrating | RunKind::Migrated) {
+            if let Some(why) = self.migrating_away_now(&st.name)? {
+                return Ok(VmStatus::MigratingAway(why));
+            }
+        }
         if st.is_running() {
             if let Some(why) = self.recheck() {
                 return Ok(VmStatus::Unprotectable(why));
@@ -549,6 +587,11 @@ impl CopyVm for QemuVm {
 
     fn pause_stops_vgpu(&self) -> bool {
         true
+    }
+
+    fn migrating_away(&mut self) -> Option<String> {
+        let st = self.qemu.run_state().ok()?;
+        self.migrating_away_now(&st.name).ok().flatten()
     }
 
     /// An `x-ignore-shared` migration into a pipe, read here as QEMU
@@ -575,6 +618,9 @@ impl CopyVm for QemuVm {
             .apply(&ignore_shared(true))
             .and_then(|()| self.qemu.save_device_state(w));
         let off = self.qemu.apply(&ignore_shared(false));
+        if off.is_err() {
+            self.cancel_foreign_migration()?;
+        }
         let state = reader
             .join()
             .map_err(|_| {
