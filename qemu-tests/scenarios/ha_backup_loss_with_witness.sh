@@ -13,7 +13,7 @@
 # backup uses no witness, never claims and holds its output as without
 # one: nothing of vm2 comes out while vm1's flows, until the operator
 # confirms its backup down.
-ITERATIONS=60000
+ITERATIONS=25000
 ha_trio
 
 case $HAG_HOST in

@@ -11,7 +11,7 @@
 # have: two copies). When the paths are back the pair resynchronises one
 # generation up, and the workload finishes on host 0 only, its output
 # whole.
-ITERATIONS=60000
+ITERATIONS=30000
 ha_trio
 # cut_paths HOST add|del: every route to HOST's two addresses dropped (add) or back
 cut_paths() {

@@ -465,7 +465,10 @@ mod tests {
         assert_eq!(pick_backup(pair, on_a).unwrap(), "192.0.2.2:7200");
         assert_eq!(pick_backup(pair, on_b).unwrap(), "192.0.2.1:7200");
         // One address is the backup wherever the VM runs.
-        assert_eq!(pick_backup("192.0.2.1:7200", on_a).unwrap(), "192.0.2.1:7200");
+        assert_eq!(
+            pick_backup("192.0.2.1:7200", on_a).unwrap(),
+            "192.0.2.1:7200"
+        );
         let err = pick_backup("192.0.2.1:7200,192.0.2.1:7201", on_a).unwrap_err();
         assert!(err.contains("never its own backup"), "{err}");
         let err = pick_backup("192.0.2.1:7200,b.example", on_a).unwrap_err();

@@ -553,7 +553,13 @@ mod tests {
 
     #[test]
     fn a_migration_hagctl_did_not_start_is_seen_in_every_phase() {
-        for m in ["setup", "active", "device", "pre-switchover", "postcopy-active"] {
+        for m in [
+            "setup",
+            "active",
+            "device",
+            "pre-switchover",
+            "postcopy-active",
+        ] {
             let why = migrating_away("running", m).unwrap_or_default();
             assert!(why.contains(m), "{m}: {why}");
         }

@@ -566,7 +566,10 @@ impl CopyVm for QemuVm {
             }
             Err(e) => return Err(e),
         };
-        if matches!(st.kind, RunKind::Running | RunKind::Migrating | RunKind::Migrated) {
+        if matches!(
+            st.kind,
+            RunKind::Running | RunKind::Migrating | RunKind::Migrated
+        ) {
             if let Some(why) = self.migrating_away_now(&st.name)? {
                 return Ok(VmStatus::MigratingAway(why));
             }
