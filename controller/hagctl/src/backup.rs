@@ -309,6 +309,11 @@ pub struct Standby<I> {
     session_disks: bool,
     /// The term the session's primary presented in its HELLO.
     term: Option<Term>,
+    /// The session's image has received no page yet (RAM_SUMS may seed it).
+    fresh: bool,
+    /// A file of guest RAM to seed a session's image from when this
+    /// backup holds no checkpoint (the old primary's RAM file).
+    ram_seed: Option<PathBuf>,
 }
 
 /// Makes a fresh zero image of the size a HELLO asks for, for a VM of the
@@ -351,7 +356,69 @@ impl<I: Image> Standby<I> {
             replicas: None,
             session_disks: false,
             term: None,
+            fresh: false,
+            ram_seed: None,
         }
+    }
+
+    /// Seeds a session's image from `file` (guest RAM of this VM from
+    /// before: the old primary's RAM file) when no checkpoint is held.
+    pub fn seed_ram_from(&mut self, file: PathBuf) {
+        self.ram_seed = Some(file);
+    }
+
+    /// RAM_SUMS: fills the session's fresh image with what this backup
+    /// holds of the VM (the checkpoint's image, else the seed file, if of
+    /// the same size) and returns a hash of each of its pages; nothing
+    /// held: none (the primary sends every page).
+    fn ram_sums(&mut self) -> Result<Vec<u64>, StandbyError> {
+        let Some(next) = self.next.as_mut() else {
+            return Err(StandbyError::Invalid("RAM_SUMS before HELLO".into()));
+        };
+        let size = next.ram_size();
+        let pages = size / PAGE as u64;
+        let seed_file = match (&self.current, &self.ram_seed) {
+            (Some(_), _) => None,
+            (None, Some(path)) => match std::fs::File::open(path) {
+                Ok(f) if f.metadata().is_ok_and(|m| m.len() == size) => Some(f),
+                Ok(_) => {
+                    info!(
+                        "{} is not {} MiB of guest RAM: not used as the session's seed",
+                        path.display(),
+                        size >> 20
+                    );
+                    return Ok(Vec::new());
+                }
+                Err(e) => {
+                    info!(
+                        "{}: {e}: the session starts from an empty image",
+                        path.display()
+                    );
+                    return Ok(Vec::new());
+                }
+            },
+            (None, None) => return Ok(Vec::new()),
+        };
+        let mut sums = Vec::with_capacity(pages as usize);
+        let mut buf = [0u8; PAGE];
+        for index in 0..pages {
+            match (&self.current, &seed_file) {
+                (Some(cur), _) => cur
+                    .read_page(index, &mut buf)
+                    .map_err(StandbyError::Invalid)?,
+                (None, Some(f)) => {
+                    std::os::unix::fs::FileExt::read_exact_at(f, &mut buf, index * PAGE as u64)
+                        .map_err(|e| StandbyError::Invalid(format!("reading the RAM seed: {e}")))?
+                }
+                (None, None) => unreachable!("returned above"),
+            }
+            if buf.iter().any(|&b| b != 0) {
+                next.write_page(index, &buf)
+                    .map_err(StandbyError::Invalid)?;
+            }
+            sums.push(crate::pagehash::page_hash(&buf));
+        }
+        Ok(sums)
     }
 
     /// Replicates a QEMU VM's disks into `dir`, for a standby QEMU started
@@ -371,6 +438,7 @@ impl<I: Image> Standby<I> {
         self.last_epoch_in_session = 0;
         self.session_disks = false;
         self.term = None;
+        self.fresh = false;
         if let Some(r) = &mut self.replicas {
             r.drop_staged();
         }
@@ -444,6 +512,7 @@ impl<I: Image> Standby<I> {
             ))
         })?;
         self.next = Some(img);
+        self.fresh = true;
         self.session = Some(session);
         // A superseded primary was answered before its HELLO got here
         // (data_session): this one is current.
@@ -490,7 +559,12 @@ impl<I: Image> Standby<I> {
                     self.hello((min, max, ram_size, session), term, shape.as_ref(), create)?;
                 Ok((Phase::Rounds(Round::FIRST), Some(reply)))
             }
+            (Phase::Rounds(at), Msg::RamSums(ask)) if ask.is_empty() && self.fresh => {
+                let sums = self.ram_sums()?;
+                Ok((Phase::Rounds(at), Some(Msg::RamSums(sums))))
+            }
             (Phase::Rounds(at), Msg::Pages { round, pages }) => {
+                self.fresh = false;
                 let Standby {
                     next,
                     current,
@@ -998,6 +1072,13 @@ pub struct BackupOptions {
     pub on_silence: OnSilence,
     /// The witness (`--witness`), and its key file if not the pair's.
     pub witness: Option<(String, Option<PathBuf>)>,
+    /// After a takeover: the next backup (HOST:PORT) and more `hagctl
+    /// checkpoint` arguments ([`crate::reprotect`]).
+    pub reprotect: Option<(String, Vec<String>)>,
+    /// Guest RAM of this VM from before (the old primary's RAM file): a
+    /// session's image starts as it when no checkpoint is held, and the
+    /// primary sends only pages that differ (RAM_SUMS).
+    pub ram_seed: Option<PathBuf>,
 }
 
 /// What the primary's silence past the failover timeout does
@@ -2329,6 +2410,9 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
             if !opts.qemu.is_empty() {
                 s.replicate_disks(opts.replica_dir.clone(), opts.qemu.clone());
             }
+            if let Some(f) = &opts.ram_seed {
+                s.seed_ram_from(f.clone());
+            }
             s
         }),
         key,
@@ -2584,7 +2668,27 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                 out.flush()?;
                 drop(out);
                 eprint!("hagctl: {}", report.text());
-                let status = child.wait()?;
+                // QEMU opened the image itself: this descriptor is no
+                // longer needed, and a checkpoint of the VM refuses RAM
+                // another process holds.
+                drop(image);
+                let status = match &opts.reprotect {
+                    Some((to, extra)) => crate::reprotect::run(
+                        &crate::reprotect::Reprotect {
+                            to: to.clone(),
+                            qmp: opts.status_dir.join("takeover.qmp"),
+                            generation: report.generation,
+                            key: opts.key.clone(),
+                            failover_timeout: opts.failover_timeout,
+                            witness: opts.witness.clone(),
+                            status_dir: opts.status_dir.join("reprotect"),
+                            state_dir: opts.state_dir.join("reprotect"),
+                            extra: extra.clone(),
+                        },
+                        &mut child,
+                    )?,
+                    None => child.wait()?,
+                };
                 return Ok(Some(status));
             }
         }
@@ -2838,6 +2942,57 @@ mod tests {
             err.to_string().contains("does not replicate disks"),
             "{err}"
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_new_session_starts_from_what_the_backup_holds_and_says_so_by_hashes() {
+        let hashes = |fills: &[u8]| -> Vec<u64> {
+            fills
+                .iter()
+                .map(|&f| crate::pagehash::page_hash(&[f; PAGE]))
+                .collect()
+        };
+        let mut s = standby(0);
+        // Nothing held yet: no hashes, every page is sent.
+        let replies = feed(&mut s, vec![hello(), Msg::RamSums(vec![])]).unwrap();
+        assert_eq!(replies[1], Msg::RamSums(vec![]));
+        let mut first = vec![pages(0, &[(1, 1)]), Msg::RoundEnd { round: 0, pages: 1 }];
+        first.extend(epoch_msgs(1, 1));
+        feed(&mut s, first).unwrap();
+        // A resync: the checkpoint's image, page by page, seeds the new
+        // session's (page 3 holds epoch 1's fill).
+        s.new_session();
+        let replies = feed(&mut s, vec![hello(), Msg::RamSums(vec![])]).unwrap();
+        assert_eq!(replies[1], Msg::RamSums(hashes(&[0, 1, 0, 1, 0, 0, 0, 0])));
+        assert_eq!(s.next.as_ref().unwrap().pages[3], [1; PAGE]);
+        // Asked again once pages came: refused, it would undo them.
+        feed(&mut s, vec![pages(0, &[(2, 9)])]).unwrap();
+        assert!(feed(&mut s, vec![Msg::RamSums(vec![])]).is_err());
+    }
+
+    #[test]
+    fn a_seed_file_of_the_vms_size_seeds_a_backup_with_no_checkpoint() {
+        let dir = std::env::temp_dir().join(format!("hag-ram-seed-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let seed = dir.join("vm.ram");
+        let mut bytes = vec![0u8; 8 * PAGE];
+        bytes[5 * PAGE..6 * PAGE].fill(7);
+        std::fs::write(&seed, &bytes).unwrap();
+        let mut s = standby(0);
+        s.seed_ram_from(seed.clone());
+        let replies = feed(&mut s, vec![hello(), Msg::RamSums(vec![])]).unwrap();
+        let Msg::RamSums(sums) = &replies[1] else {
+            panic!("{replies:?}")
+        };
+        assert_eq!(sums[5], crate::pagehash::page_hash(&[7; PAGE]));
+        assert_eq!(sums[0], crate::pagehash::page_hash(&[0; PAGE]));
+        assert_eq!(s.next.as_ref().unwrap().pages[5], [7; PAGE]);
+        // One of another size is not used.
+        std::fs::write(&seed, [1u8; PAGE]).unwrap();
+        s.new_session();
+        let replies = feed(&mut s, vec![hello(), Msg::RamSums(vec![])]).unwrap();
+        assert_eq!(replies[1], Msg::RamSums(vec![]));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

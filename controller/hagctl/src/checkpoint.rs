@@ -68,7 +68,7 @@ use crate::vmm::qemu_disks::DeltaStats;
 use crate::vmm::{Vmm, VmmError};
 use crate::wire::{
     read_msg, session_name, write_msg, Msg, PageData, VmmKind, DISKS_SINCE, ENDED_PHASE, PAGE,
-    PAGES_PER_FRAME, STATE_DELTA_SINCE,
+    PAGES_PER_FRAME, RAM_SUMS_SINCE, STATE_DELTA_SINCE,
 };
 use crate::witness::{Asked, Asker, Request, Side, Verdict};
 
@@ -1141,6 +1141,9 @@ impl Primary {
             // A new session replaces the backup's image: it starts from zero.
             self.src.hashes = Some(PageHashes::new(self.src.ram.pages()));
         }
+        if self.src.peer.version >= RAM_SUMS_SINCE {
+            self.src.held = self.ask_ram_sums()?;
+        }
         let disks = self.src.vm.disks();
         if !disks.is_empty() {
             if self.src.peer.version < DISKS_SINCE {
@@ -1201,6 +1204,29 @@ impl Primary {
         self.schedule = Schedule::new(self.opts.interval, Instant::now());
         self.late = None;
         self.epoch_once()
+    }
+
+    /// RAM_SUMS: what guest RAM the backup holds already (its checkpoint's
+    /// image, or a seed file), a hash per page; none: it holds nothing.
+    fn ask_ram_sums(&mut self) -> Result<Option<Vec<u64>>, EpochError> {
+        self.src.send(&Msg::RamSums(Vec::new()), "sync")?;
+        let pages = self.src.ram.pages();
+        match read_msg(&mut self.src.stream) {
+            Ok((Msg::RamSums(held), _)) if held.is_empty() => Ok(None),
+            Ok((Msg::RamSums(held), _)) if held.len() as u64 == pages => Ok(Some(held)),
+            Ok((Msg::RamSums(held), _)) => Err(EpochError::Link(format!(
+                "the backup sent {} page hashes for guest RAM of {pages} pages",
+                held.len()
+            ))),
+            Ok((Msg::Error { message }, _)) => Err(EpochError::Link(format!(
+                "the backup refused RAM_SUMS: {message}"
+            ))),
+            Ok((other, _)) => Err(EpochError::Link(format!(
+                "the backup answered RAM_SUMS with {}",
+                other.ty().name()
+            ))),
+            Err(e) => Err(EpochError::Link(format!("waiting for RAM_SUMS: {e}"))),
+        }
     }
 
     /// Reads the captured disk delta and streams it as DISK_DATA (nothing

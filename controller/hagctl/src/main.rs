@@ -55,6 +55,7 @@ mod pagehash;
 mod plug;
 mod primary;
 mod replica;
+mod reprotect;
 mod schedule;
 mod secure;
 mod service;
@@ -696,6 +697,28 @@ VM, STATE_DIR is /var/lib/hag/VM and STATUS_DIR /run/hag/VM.")]
         on_silence: backup::OnSilence,
         #[command(flatten)]
         witness: witness::WitnessArgs,
+        /// Guest RAM of this VM from before, as a file (the old primary's
+        /// RAM file when its host stands by again): a new session's image
+        /// starts as it when this backup holds no checkpoint, and the
+        /// primary sends only the pages that differ (checked by hashes)
+        #[arg(long, value_name = "FILE")]
+        ram_seed: Option<std::path::PathBuf>,
+        /// After a takeover, protect the VM taken over here with the backup
+        /// at HOST:PORT (the old primary's host once it stands by again, or
+        /// another): `hagctl checkpoint --qmp` on it at the takeover's
+        /// generation, started again every 5 s while that backup cannot be
+        /// reached (QEMU standbys only)
+        #[arg(long, value_name = "HOST:PORT")]
+        reprotect: Option<String>,
+        /// More `hagctl checkpoint` arguments for --reprotect, one
+        /// shell-quoted string ("--interval 2s --plug vnet0-out")
+        #[arg(
+            long,
+            value_name = "ARGS",
+            requires = "reprotect",
+            allow_hyphen_values = true
+        )]
+        reprotect_args: Option<String>,
         /// The standby's QEMU command line is the one libvirt would start
         /// this domain XML with (`virsh domxml-to-native qemu-argv`), each
         /// writable disk opening its replica in --replica-dir as raw; it
@@ -1213,6 +1236,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             fence_peer_timeout,
             on_silence,
             witness,
+            ram_seed,
+            reprotect,
+            reprotect_args,
             libvirt_domain,
             libvirt_uri,
             qemu,
@@ -1234,6 +1260,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     argv
                 }
                 None => qemu,
+            };
+            if reprotect.is_some() && qemu.is_empty() {
+                anyhow::bail!("--reprotect protects a QEMU VM taken over here: give the standby's QEMU command line (-- QEMU ARGS or --libvirt-domain)");
+            }
+            let reprotect_args = match &reprotect_args {
+                Some(a) => shell_words::split(a)
+                    .map_err(|e| anyhow::anyhow!("--reprotect-args '{a}': {e}"))?,
+                None => Vec::new(),
             };
             let status = backup::backup(&backup::BackupOptions {
                 listen,
@@ -1260,6 +1294,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 }),
                 on_silence,
                 witness: witness.get(),
+                reprotect: reprotect.map(|to| (to, reprotect_args)),
+                ram_seed,
             })?;
             if let Some(status) = status {
                 if !status.success() {

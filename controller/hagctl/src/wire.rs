@@ -124,13 +124,16 @@ pub const MAGIC: [u8; 8] = *b"HAGMIG\r\n";
 /// Oldest stream version this build speaks.
 pub const VERSION_MIN: u16 = 3;
 /// Newest stream version this build speaks.
-pub const VERSION_MAX: u16 = 5;
+pub const VERSION_MAX: u16 = 6;
 
 /// The first stream version with VM_STATE_DELTA.
 pub const STATE_DELTA_SINCE: u16 = 4;
 /// The first stream version with DISKS and DISK_DATA: a primary whose VM
 /// has writable disks needs a backup that speaks it.
 pub const DISKS_SINCE: u16 = 5;
+/// The first stream version with RAM_SUMS: a backup says what guest RAM
+/// it already holds, so that a new session sends only pages that differ.
+pub const RAM_SUMS_SINCE: u16 = 6;
 /// The most writable disks a VM may have under protection.
 pub const MAX_DISKS: usize = 16;
 /// The most data bytes one DISK_DATA carries.
@@ -193,6 +196,11 @@ pub enum MsgType {
     /// Backup → primary (version 5), the answer to DISKS: what each
     /// replica already holds, as a sum per chunk.
     DiskSums = 19,
+    /// Primary → backup (version 6), empty, once per session after HELLO:
+    /// what guest RAM do you hold? Backup → primary: a hash of each page
+    /// of the image the session fills ([`crate::pagehash::page_hash`]),
+    /// or none (it holds nothing: send every page).
+    RamSums = 20,
 }
 
 impl MsgType {
@@ -219,6 +227,7 @@ impl MsgType {
             17 => Disks,
             18 => DiskData,
             19 => DiskSums,
+            20 => RamSums,
             _ => return None,
         })
     }
@@ -246,6 +255,7 @@ impl MsgType {
             Disks => "DISKS",
             DiskData => "DISK_DATA",
             DiskSums => "DISK_SUMS",
+            RamSums => "RAM_SUMS",
         }
     }
 }
@@ -476,6 +486,8 @@ pub enum Msg {
     /// [`DISK_DATA_MAX`]-byte chunk its replica holds
     /// ([`disk_chunk_sum`]); an empty list: nothing known, send it all.
     DiskSums(Vec<Vec<[u8; 32]>>),
+    /// The primary's question (empty), or the backup's page hashes.
+    RamSums(Vec<u64>),
     /// Restore and resume.
     Commit,
     /// Give up.
@@ -692,6 +704,7 @@ impl Msg {
             Msg::Disks(_) => MsgType::Disks,
             Msg::DiskData { .. } => MsgType::DiskData,
             Msg::DiskSums(_) => MsgType::DiskSums,
+            Msg::RamSums(_) => MsgType::RamSums,
             Msg::Commit => MsgType::Commit,
             Msg::Abort { .. } => MsgType::Abort,
             Msg::Heartbeat { .. } => MsgType::Heartbeat,
@@ -821,6 +834,11 @@ impl Msg {
                     p.extend_from_slice(&(sums.len() as u32).to_le_bytes());
                     sums.iter().for_each(|s| p.extend_from_slice(s));
                 }
+            }
+            Msg::RamSums(sums) => {
+                p.extend_from_slice(&(sums.len() as u32).to_le_bytes());
+                sums.iter()
+                    .for_each(|h| p.extend_from_slice(&h.to_le_bytes()));
             }
             Msg::Commit => {}
         }
@@ -1060,6 +1078,17 @@ impl Msg {
                     );
                 }
                 Msg::DiskSums(disks)
+            }
+            MsgType::RamSums => {
+                let n = c.u32("page count")? as usize;
+                // Checked against what is left before it is allocated.
+                let bytes = c.take(n.saturating_mul(8), "page hashes")?;
+                Msg::RamSums(
+                    bytes
+                        .chunks_exact(8)
+                        .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+                        .collect(),
+                )
             }
             MsgType::Commit => Msg::Commit,
         };
@@ -1889,6 +1918,8 @@ pub(crate) mod tests {
                 extent: DiskExtent::Zero(64 << 20),
             },
             Msg::DiskSums(vec![vec![[1; 32], [2; 32]], vec![]]),
+            Msg::RamSums(vec![]),
+            Msg::RamSums(vec![0, 7, u64::MAX]),
         ] {
             let frame = encode_frame(&msg);
             let (back, n) = read_msg(&mut &frame[..]).unwrap();
@@ -1909,7 +1940,8 @@ pub(crate) mod tests {
         assert_eq!(MsgType::from_u32(15), Some(MsgType::Join));
         assert_eq!(MsgType::from_u32(16), Some(MsgType::VmStateDelta));
         assert_eq!(MsgType::from_u32(19), Some(MsgType::DiskSums));
-        assert_eq!(MsgType::from_u32(20), None);
+        assert_eq!(MsgType::from_u32(20), Some(MsgType::RamSums));
+        assert_eq!(MsgType::from_u32(21), None);
     }
 
     #[test]
@@ -1926,8 +1958,8 @@ pub(crate) mod tests {
         };
         let err = run(vec![hello(32 * PAGE as u64, 3, 3)], &mut ram()).unwrap_err();
         assert!(matches!(err, ReceiveError::Handshake(_)), "{err}");
-        let err = run(vec![hello(16 * PAGE as u64, 6, 9)], &mut ram()).unwrap_err();
-        assert!(err.to_string().contains("versions 6..=9"), "{err}");
+        let err = run(vec![hello(16 * PAGE as u64, 7, 9)], &mut ram()).unwrap_err();
+        assert!(err.to_string().contains("versions 7..=9"), "{err}");
         // A page outside RAM; a round count that does not match.
         let out = Msg::Pages {
             round: 0,
