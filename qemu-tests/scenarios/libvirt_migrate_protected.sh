@@ -16,7 +16,7 @@
 # runs on protected, and it is tried again.
 DOM=gpu-guest
 UUID=8a6c0000-4a47-4000-8000-00000000a002
-GUEST_ARGS="--seconds=240,--mib=8,--cpu-mib=8"
+GUEST_ARGS="--seconds=150,--mib=8,--cpu-mib=8"
 HOOK_LOG=$HOST_ROOT/var/log/hag/libvirt-hook.log
 CP_LOG=$HOST_ROOT/var/log/hag/checkpoint-$DOM.log
 CONSOLE_LOG=$HOST_ROOT/var/log/hag/console-$DOM.log
