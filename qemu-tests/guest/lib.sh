@@ -437,6 +437,20 @@ CONF
 	}
 }
 
+# hook_libvirt_up [HAG.CONF-LINE...]: libvirt_up on a host whose protected
+# domains hag's hook protects: the pair key in the host root, and
+# /etc/hag/hag.conf naming hagctl (libvirtd runs hooks with
+# PATH=/bin:/sbin:/usr/bin) with the given lines.
+hook_libvirt_up() {
+	libvirt_up
+	mkdir -p "$HOST_ROOT/etc/hag"
+	cp /etc/hag/pair.key "$HOST_ROOT/etc/hag/pair.key"
+	{
+		echo "HAGCTL=/usr/local/bin/hagctl"
+		for line in "$@"; do echo "$line"; done
+	} >"$HOST_ROOT/etc/hag/hag.conf"
+}
+
 # domain_xml NAME MDEV-UUID GUEST-ARGS: a domain like vm_start's VM.
 # DOMAIN_SHARED_RAM=1 adds a shared file memory backing, locked (what hagctl
 # checkpoint --qmp copies and accepts), DOMAIN_CONSOLE_SOCKET=1 a serial console on

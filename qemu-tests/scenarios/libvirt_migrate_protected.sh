@@ -32,12 +32,9 @@ DOMAIN_SHARED_RAM=1
 DOMAIN_CONSOLE_SOCKET=1
 DOMAIN_XML_EXTRA="<metadata><hag:protect xmlns:hag='https://hag.example/1' backup='$(host_ip 0):7200,$(host_ip 1):7200' interval='1s' failover-timeout='10' qmp-socket='$qmp' console-socket='/tmp/$DOM.console.sock'/></metadata>
   <qemu:commandline><qemu:arg value='-qmp'/><qemu:arg value='unix:$qmp,server=on,wait=off'/></qemu:commandline>"
-libvirt_up
-mkdir -p "$HOST_ROOT/etc/hag"
-cp /etc/hag/pair.key "$HOST_ROOT/etc/hag/pair.key"
-# libvirtd runs hooks with PATH=/bin:/sbin:/usr/bin; a failed protection
-# (the other host's backup not there yet) is retried every 3 s.
-printf 'HAGCTL=/usr/local/bin/hagctl\nRETRY=3\n' >"$HOST_ROOT/etc/hag/hag.conf"
+# A failed protection (the other host's backup not there yet) is
+# retried every 3 s.
+hook_libvirt_up RETRY=3
 domain_xml "$DOM" "$UUID" "$GUEST_ARGS" >"$HOST_ROOT/tmp/$DOM.xml"
 
 # This host's backup for the domain while it runs on the other host.

@@ -1079,6 +1079,9 @@ pub struct BackupOptions {
     /// session's image starts as it when no checkpoint is held, and the
     /// primary sends only pages that differ (RAM_SUMS).
     pub ram_seed: Option<PathBuf>,
+    /// A takeover is a libvirt restore of this domain
+    /// ([`crate::libvirt_restore`]), not a QEMU of this backup's own.
+    pub libvirt_owned: Option<crate::libvirt_restore::Owned>,
 }
 
 /// What the primary's silence past the failover timeout does
@@ -2210,107 +2213,241 @@ fn fence(b: &Backup, generation: u64, epoch: u64) {
     l.broadcast(&Msg::Heartbeat { generation, epoch });
 }
 
-/// A QEMU takeover: the standby QEMU started on the image itself (its
-/// memfd is the VM's RAM), the epoch's device state loaded.
-struct QemuTakeover<'a> {
+/// What every real takeover shares: the decision it carries out.
+struct Decided<'a> {
     opts: &'a BackupOptions,
     b: &'a Backup,
     cp: &'a Checkpoint,
-    image: &'a StandbyRam,
     detected: Instant,
     /// The decision was on silence, at this instant.
     silent_since: Option<Instant>,
+}
+
+/// A real takeover's own part: the VM it prepares, resumes or abandons.
+/// The steps between (re-check, claim, fence agent, durable generation,
+/// fence) are every takeover's ([`TakeoverSteps`] for any `VmSteps`).
+trait VmSteps {
+    /// The decision, and its reason.
+    fn decided(&self) -> (&Decided<'_>, &str);
+    fn prepare_vm(&mut self) -> Result<(), String>;
+    fn resume_vm(&mut self) -> Result<(), String>;
+    fn abandon_vm(&mut self);
+}
+
+impl<T: VmSteps> TakeoverSteps for T {
+    fn prepare(&mut self) -> Result<(), String> {
+        self.prepare_vm()
+    }
+    fn recheck(&mut self) -> Result<(), String> {
+        let (d, _) = self.decided();
+        still_silent(d.b, d.silent_since)
+    }
+    fn claim(&mut self) -> Result<(), TakeoverError> {
+        let (d, _) = self.decided();
+        claim_from_witness(d.b, d.cp)
+    }
+    fn fence_peer(&mut self, generation: u64) -> Result<(), String> {
+        let (d, reason) = self.decided();
+        fence_primary(d.opts, d.b, d.cp, reason, generation)
+    }
+    fn persist(&mut self, generation: u64) -> Result<(), String> {
+        let (d, reason) = self.decided();
+        persist_takeover(d.opts, d.b, d.cp, reason, generation)
+    }
+    fn fence(&mut self, generation: u64) {
+        let (d, _) = self.decided();
+        fence(d.b, generation, d.cp.epoch);
+    }
+    fn resume(&mut self) -> Result<(), String> {
+        self.resume_vm()
+    }
+    fn abandon(&mut self) {
+        self.abandon_vm()
+    }
+}
+
+/// A QEMU takeover: the standby QEMU started on the image itself (its
+/// memfd is the VM's RAM), the epoch's device state loaded.
+struct QemuTakeover<'a> {
+    d: Decided<'a>,
+    image: &'a StandbyRam,
     report: TakeoverReport,
     standby: Option<qemu_standby::Standby>,
 }
 
-impl TakeoverSteps for QemuTakeover<'_> {
-    fn prepare(&mut self) -> Result<(), String> {
-        feasible(self.opts)?;
-        let state = EpochState::decode(&self.cp.vm_state)?;
+impl VmSteps for QemuTakeover<'_> {
+    fn decided(&self) -> (&Decided<'_>, &str) {
+        (&self.d, &self.report.reason)
+    }
+    fn prepare_vm(&mut self) -> Result<(), String> {
+        feasible(self.d.opts)?;
+        let state = EpochState::decode(&self.d.cp.vm_state)?;
         let path = qemu_standby::proc_fd_path(self.image.fd());
         let standby = qemu_standby::start(
-            &self.opts.qemu,
+            &self.d.opts.qemu,
             state.ram_id,
             &path,
             self.image.size(),
-            &self.opts.status_dir,
+            &self.d.opts.status_dir,
             "takeover",
         )?;
         let standby = self.standby.insert(standby);
-        self.report.start_vm_ms = self.detected.elapsed().as_secs_f64() * 1e3;
+        self.report.start_vm_ms = self.d.detected.elapsed().as_secs_f64() * 1e3;
         info!(
             "takeover: QEMU (pid {}) waits for epoch {} ({:.0} ms)",
             standby.child.id(),
-            self.cp.epoch,
+            self.d.cp.epoch,
             self.report.start_vm_ms
         );
         let t = Instant::now();
         standby
             .load(state.stream)
-            .map_err(|e| format!("restoring epoch {}: {e}", self.cp.epoch))?;
+            .map_err(|e| format!("restoring epoch {}: {e}", self.d.cp.epoch))?;
         self.report.restore_ms = t.elapsed().as_secs_f64() * 1e3;
         info!(
             "takeover: epoch {} loaded ({} bytes of device state, {:.0} ms), the VM paused",
-            self.cp.epoch,
+            self.d.cp.epoch,
             state.stream.len(),
             self.report.restore_ms
         );
-        test_hold_takeover(self.opts.test_fault_file.as_deref());
+        test_hold_takeover(self.d.opts.test_fault_file.as_deref());
         Ok(())
     }
-    fn recheck(&mut self) -> Result<(), String> {
-        still_silent(self.b, self.silent_since)
-    }
-    fn claim(&mut self) -> Result<(), TakeoverError> {
-        claim_from_witness(self.b, self.cp)
-    }
-    fn fence_peer(&mut self, generation: u64) -> Result<(), String> {
-        fence_primary(self.opts, self.b, self.cp, &self.report.reason, generation)
-    }
-    fn persist(&mut self, generation: u64) -> Result<(), String> {
-        persist_takeover(self.opts, self.b, self.cp, &self.report.reason, generation)
-    }
-    fn fence(&mut self, generation: u64) {
-        fence(self.b, generation, self.cp.epoch);
-    }
-    fn resume(&mut self) -> Result<(), String> {
+    fn resume_vm(&mut self) -> Result<(), String> {
         let t = Instant::now();
         self.standby
             .as_mut()
             .ok_or_else(|| "nothing prepared".to_owned())?
             .run()?;
         self.report.restore_ms += t.elapsed().as_secs_f64() * 1e3;
-        self.report.takeover_ms = self.detected.elapsed().as_secs_f64() * 1e3;
+        self.report.takeover_ms = self.d.detected.elapsed().as_secs_f64() * 1e3;
         Ok(())
     }
-    fn abandon(&mut self) {
+    fn abandon_vm(&mut self) {
         if let Some(s) = &mut self.standby {
             s.kill();
         }
     }
 }
 
+/// A takeover libvirt owns: the epoch written as a save image of the
+/// protected domain and restored paused by libvirtd, guest RAM the standby
+/// image (the hook links it where libvirt puts the domain's RAM file);
+/// resumed with `virsh resume` ([`crate::libvirt_restore`]).
+struct LibvirtTakeover<'a> {
+    d: Decided<'a>,
+    owned: &'a crate::libvirt_restore::Owned,
+    image: &'a StandbyRam,
+    report: TakeoverReport,
+    /// The domain's name, once restored.
+    restored: Option<String>,
+}
+
+impl LibvirtTakeover<'_> {
+    fn restore(&mut self) -> Result<String, String> {
+        use crate::libvirt_restore::{ram_marker, Restore};
+        let facts = self.owned.facts()?;
+        let state = EpochState::decode(&self.d.cp.vm_state)?;
+        let marker = ram_marker(&facts.name);
+        if let Some(dir) = marker.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        }
+        std::fs::write(&marker, qemu_standby::proc_fd_path(self.image.fd()))
+            .map_err(|e| format!("{}: {e}", marker.display()))?;
+        let restored = Restore {
+            owned: self.owned,
+            facts: &facts,
+            fifo: &self.d.opts.status_dir.join("takeover.save"),
+        }
+        .run(state.stream);
+        let _ = std::fs::remove_file(&marker);
+        // Restored or not, the domain may exist now: abandon destroys it.
+        self.restored = Some(facts.name.clone());
+        restored?;
+        Ok(facts.name)
+    }
+}
+
+impl VmSteps for LibvirtTakeover<'_> {
+    fn decided(&self) -> (&Decided<'_>, &str) {
+        (&self.d, &self.report.reason)
+    }
+    fn prepare_vm(&mut self) -> Result<(), String> {
+        let t = Instant::now();
+        let name = self.restore()?;
+        self.report.start_vm_ms = self.d.detected.elapsed().as_secs_f64() * 1e3;
+        self.report.restore_ms = t.elapsed().as_secs_f64() * 1e3;
+        info!(
+            "takeover: libvirt restored domain {name} from epoch {} ({:.0} ms), paused",
+            self.d.cp.epoch, self.report.restore_ms
+        );
+        test_hold_takeover(self.d.opts.test_fault_file.as_deref());
+        Ok(())
+    }
+    fn resume_vm(&mut self) -> Result<(), String> {
+        let name = self.restored.clone().ok_or("nothing restored")?;
+        let t = Instant::now();
+        self.owned.virsh(&["resume", &name])?;
+        self.report.restore_ms += t.elapsed().as_secs_f64() * 1e3;
+        self.report.takeover_ms = self.d.detected.elapsed().as_secs_f64() * 1e3;
+        Ok(())
+    }
+    fn abandon_vm(&mut self) {
+        if let Some(name) = self.restored.take() {
+            if let Err(e) = self.owned.virsh(&["destroy", &name]) {
+                warning!("the restored domain {name} could not be destroyed: {e}");
+            }
+        }
+    }
+}
+
+/// Returns once the domain a libvirt takeover restored is no longer
+/// running or paused (shut off, or gone).
+fn wait_for_domain_end(owned: &crate::libvirt_restore::Owned) {
+    let Ok(facts) = owned.facts() else { return };
+    info!(
+        "the VM taken over is libvirt's domain {} now; standing by until it ends, to fence the old primary",
+        facts.name
+    );
+    loop {
+        std::thread::sleep(Duration::from_secs(2));
+        match owned.virsh(&["domstate", &facts.name]) {
+            Ok(state)
+                if matches!(
+                    state.trim(),
+                    "running" | "paused" | "in shutdown" | "pmsuspended"
+                ) => {}
+            Ok(state) => {
+                info!("domain {} is {}: the backup ends", facts.name, state.trim());
+                return;
+            }
+            Err(e) => {
+                info!("domain {}: {e}: the backup ends", facts.name);
+                return;
+            }
+        }
+    }
+}
+
 /// The real takeover: hag-vmm started here, the image copied in.
 struct Takeover<'a> {
-    opts: &'a BackupOptions,
-    b: &'a Backup,
-    cp: &'a Checkpoint,
+    d: Decided<'a>,
     image: &'a StandbyRam,
-    detected: Instant,
-    /// The decision was on silence, at this instant.
-    silent_since: Option<Instant>,
     report: TakeoverReport,
     child: Option<Child>,
     incoming: Option<IncomingVm>,
 }
 
-impl TakeoverSteps for Takeover<'_> {
-    fn prepare(&mut self) -> Result<(), String> {
-        feasible(self.opts)?;
-        let (child, mut vm) = start_vm(self.opts, self.image.size()).map_err(|e| e.to_string())?;
+impl VmSteps for Takeover<'_> {
+    fn decided(&self) -> (&Decided<'_>, &str) {
+        (&self.d, &self.report.reason)
+    }
+    fn prepare_vm(&mut self) -> Result<(), String> {
+        feasible(self.d.opts)?;
+        let (child, mut vm) =
+            start_vm(self.d.opts, self.image.size()).map_err(|e| e.to_string())?;
         self.child = Some(child);
-        self.report.start_vm_ms = self.detected.elapsed().as_secs_f64() * 1e3;
+        self.report.start_vm_ms = self.d.detected.elapsed().as_secs_f64() * 1e3;
         let t = Instant::now();
         let ram = vm.ram().map_err(|e| e.to_string())?;
         if ram.size() != self.image.size() {
@@ -2336,28 +2473,13 @@ impl TakeoverSteps for Takeover<'_> {
         let t = Instant::now();
         let mut incoming = IncomingVm::open(vm, ram).map_err(|e| e.to_string())?;
         incoming
-            .prepare(&self.cp.context, &self.cp.vm_state)
-            .map_err(|e| format!("restoring epoch {}: {e}", self.cp.epoch))?;
+            .prepare(&self.d.cp.context, &self.d.cp.vm_state)
+            .map_err(|e| format!("restoring epoch {}: {e}", self.d.cp.epoch))?;
         self.report.restore_ms = t.elapsed().as_secs_f64() * 1e3;
         self.incoming = Some(incoming);
         Ok(())
     }
-    fn recheck(&mut self) -> Result<(), String> {
-        still_silent(self.b, self.silent_since)
-    }
-    fn claim(&mut self) -> Result<(), TakeoverError> {
-        claim_from_witness(self.b, self.cp)
-    }
-    fn fence_peer(&mut self, generation: u64) -> Result<(), String> {
-        fence_primary(self.opts, self.b, self.cp, &self.report.reason, generation)
-    }
-    fn persist(&mut self, generation: u64) -> Result<(), String> {
-        persist_takeover(self.opts, self.b, self.cp, &self.report.reason, generation)
-    }
-    fn fence(&mut self, generation: u64) {
-        fence(self.b, generation, self.cp.epoch);
-    }
-    fn resume(&mut self) -> Result<(), String> {
+    fn resume_vm(&mut self) -> Result<(), String> {
         let t = Instant::now();
         let incoming = self
             .incoming
@@ -2365,10 +2487,10 @@ impl TakeoverSteps for Takeover<'_> {
             .ok_or_else(|| "nothing prepared".to_owned())?;
         incoming.resume()?;
         self.report.restore_ms += t.elapsed().as_secs_f64() * 1e3;
-        self.report.takeover_ms = self.detected.elapsed().as_secs_f64() * 1e3;
+        self.report.takeover_ms = self.d.detected.elapsed().as_secs_f64() * 1e3;
         Ok(())
     }
-    fn abandon(&mut self) {
+    fn abandon_vm(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
@@ -2576,14 +2698,29 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                     ..TakeoverReport::default()
                 };
                 let from = b.live().generation;
-                let taken = if opts.vmm_kind() == VmmKind::Qemu {
-                    let mut t = QemuTakeover {
-                        opts,
-                        b: &b,
-                        cp: &cp,
+                let decided = || Decided {
+                    opts,
+                    b: &b,
+                    cp: &cp,
+                    detected,
+                    silent_since,
+                };
+                let taken = if let Some(owned) = &opts.libvirt_owned {
+                    let mut t = LibvirtTakeover {
+                        d: decided(),
+                        owned,
                         image: &image,
-                        detected,
-                        silent_since,
+                        report,
+                        restored: None,
+                    };
+                    take_over(&mut t, from).map(|g| {
+                        t.report.generation = g;
+                        (t.report, None)
+                    })
+                } else if opts.vmm_kind() == VmmKind::Qemu {
+                    let mut t = QemuTakeover {
+                        d: decided(),
+                        image: &image,
                         report,
                         standby: None,
                     };
@@ -2592,16 +2729,12 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                         let standby = t.standby.take().ok_or_else(|| {
                             TakeoverError::Resume("the standby QEMU is gone".into())
                         })?;
-                        Ok((t.report, standby.child))
+                        Ok((t.report, Some(standby.child)))
                     })
                 } else {
                     let mut t = Takeover {
-                        opts,
-                        b: &b,
-                        cp: &cp,
+                        d: decided(),
                         image: &image,
-                        detected,
-                        silent_since,
                         report,
                         child: None,
                         incoming: None,
@@ -2612,10 +2745,10 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                             .child
                             .take()
                             .ok_or_else(|| TakeoverError::Resume("the VM is gone".into()))?;
-                        Ok((t.report, child))
+                        Ok((t.report, Some(child)))
                     })
                 };
-                let (report, mut child) = match taken {
+                let (report, child) = match taken {
                     Ok(taken) => taken,
                     Err(TakeoverError::Void(why)) => {
                         // The primary ran on past this checkpoint and
@@ -2668,6 +2801,15 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                 out.flush()?;
                 drop(out);
                 eprint!("hagctl: {}", report.text());
+                let Some(mut child) = child else {
+                    // libvirt's domain now. This backup stays while it
+                    // runs, to answer the old primary's connections with
+                    // the newer generation (the fence).
+                    if let Some(owned) = &opts.libvirt_owned {
+                        wait_for_domain_end(owned);
+                    }
+                    return Ok(None);
+                };
                 // QEMU opened the image itself: this descriptor is no
                 // longer needed, and a checkpoint of the VM refuses RAM
                 // another process holds.

@@ -258,6 +258,10 @@ pub fn run(domain: &str, op: &str, sub: &str) {
     // call, and a hook that left it unread could fail libvirt's write.
     let xml = read_domain_xml();
     match op {
+        "start" => link_takeover_ram(domain, xml, &conf, &mut log),
+        "started" | "reconnect" if crate::libvirt_restore::ram_marker(domain).exists() => log.line(
+            "restored by hagctl backup's takeover: not protected by this hook (the takeover finishes it; the VM runs unprotected until protection is started again)",
+        ),
         "started" | "reconnect" => protect(domain, xml, &conf, &paths, &mut log),
         "stopped" | "release" => unprotect(&paths, &mut log),
         "migrate" | "restore" => {
@@ -276,6 +280,46 @@ pub fn run(domain: &str, op: &str, sub: &str) {
             }
         }
         _ => log.line(&format!("nothing to do for '{op}'")),
+    }
+}
+
+/// `start` of a domain a takeover restores (`hagctl backup
+/// --takeover-by-libvirt` named the standby image in
+/// [`crate::libvirt_restore::ram_marker`]): libvirt has made the domain's
+/// memory directory, and QEMU is about to open its RAM file there, which
+/// becomes a symlink to the standby image, so that the restored VM's guest
+/// RAM is the last acknowledged epoch's.
+fn link_takeover_ram(domain: &str, xml: Result<String, String>, conf: &HookConf, log: &mut Log) {
+    let marker = crate::libvirt_restore::ram_marker(domain);
+    let Ok(target) = fs::read_to_string(&marker) else {
+        return log.line("nothing to do for 'start'");
+    };
+    let Some(id) = xml
+        .and_then(|x| libvirt_domain::parse(&x))
+        .ok()
+        .and_then(|d| d.id)
+    else {
+        return log.line("takeover restore: the domain XML names no id: its RAM is not linked (the restore will fail)");
+    };
+    let dir = Path::new(&conf.qemu_lib_dir).join("ram");
+    let link = crate::libvirt_restore::ram_path(&dir, id, domain);
+    let linked = link
+        .parent()
+        .map_or(Ok(()), fs::create_dir_all)
+        .and_then(|()| match fs::remove_file(&link) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => std::os::unix::fs::symlink(target.trim(), &link),
+        });
+    match linked {
+        Ok(()) => log.line(&format!(
+            "takeover restore: guest RAM {} is the standby image {}",
+            link.display(),
+            target.trim()
+        )),
+        Err(e) => log.line(&format!(
+            "takeover restore: cannot link {} to the standby image: {e}",
+            link.display()
+        )),
     }
 }
 

@@ -48,6 +48,7 @@ mod fence;
 mod jobs;
 mod libvirt_domain;
 mod libvirt_hook;
+mod libvirt_restore;
 mod log;
 mod migrate;
 mod output;
@@ -725,6 +726,13 @@ VM, STATE_DIR is /var/lib/hag/VM and STATUS_DIR /run/hag/VM.")]
         /// is printed on stderr (instead of -- QEMU ARGS)
         #[arg(long, value_name = "DOMAIN.xml", conflicts_with = "qemu")]
         libvirt_domain: Option<std::path::PathBuf>,
+        /// With --libvirt-domain: a takeover has libvirtd restore the domain
+        /// (`virsh restore --paused` of the epoch written as a save image,
+        /// guest RAM the standby image), so the survivor is that libvirt
+        /// domain; the hook must be installed on this host
+        /// (docs/libvirt.md)
+        #[arg(long, requires = "libvirt_domain")]
+        takeover_by_libvirt: bool,
         /// The libvirt connection URI virsh uses for --libvirt-domain
         /// (default: virsh's own)
         #[arg(
@@ -1239,6 +1247,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             ram_seed,
             reprotect,
             reprotect_args,
+            takeover_by_libvirt,
             libvirt_domain,
             libvirt_uri,
             qemu,
@@ -1246,6 +1255,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let vm_name = dirs.name.clone();
             let dirs = dirs.resolve();
             let replica_dir = replica_dir.unwrap_or_else(|| dirs.replicas());
+            let libvirt_owned = takeover_by_libvirt.then(|| libvirt_restore::Owned {
+                xml: libvirt_domain.clone().unwrap_or_default(),
+                uri: libvirt_uri.clone(),
+            });
+            if libvirt_owned.is_some() && reprotect.is_some() {
+                anyhow::bail!("--reprotect and --takeover-by-libvirt: a domain libvirt restored is protected again by the hook's configuration, not by this backup");
+            }
             let qemu = match libvirt_domain {
                 Some(xml) => {
                     let argv = standby_argv::libvirt_domain_argv(&xml, libvirt_uri.as_deref())
@@ -1296,6 +1312,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 witness: witness.get(),
                 reprotect: reprotect.map(|to| (to, reprotect_args)),
                 ram_seed,
+                libvirt_owned,
             })?;
             if let Some(status) = status {
                 if !status.success() {
