@@ -11,14 +11,18 @@
 # paused (the hook links guest RAM to the standby image), then resumes it
 # with virsh. On host 1 `virsh list` must show the domain running, with
 # x-ignore-shared off (asked through libvirt's own monitor); `virsh
-# suspend` and `virsh resume` must work on it; the guest must verify
-# there; when the guest powers off, libvirt must record the domain shut
-# off, and the backup must end with it.
+# suspend` and `virsh resume` must work on it. The domain is protected
+# again by its own configuration (backup='HOST0:7200,HOST1:7200': host 0's
+# backup, which stands by once its VM was handed over) at the takeover's
+# generation: epochs must be acknowledged. The guest must verify on host
+# 1; when it powers off, libvirt must record the domain shut off, and both
+# backups must end.
 DOM=gpu-guest
-GUEST_ARGS="--seconds=90,--mib=8,--cpu-mib=8"
+GUEST_ARGS="--seconds=120,--mib=8,--cpu-mib=8"
 HOOK_LOG=$HOST_ROOT/var/log/hag/libvirt-hook.log
 CP_LOG=$HOST_ROOT/var/log/hag/checkpoint-$DOM.log
 backup=$(host_ip 1):7200
+backup0=$(host_ip 0):7200
 peer=$(host_ip $((1 - HAG_HOST)))
 uuid=$(new_uuid)
 load_hag
@@ -28,11 +32,11 @@ wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
 qmp=/tmp/hag-$DOM.qmp
 DOMAIN_SHARED_RAM=1
 DOMAIN_XML_EXTRA="<uuid>8a6c0000-4a47-4000-8000-00000000b001</uuid>
-  <metadata><hag:protect xmlns:hag='https://hag.example/1' backup='$backup' interval='1s' qmp-socket='$qmp'/></metadata>
+  <metadata><hag:protect xmlns:hag='https://hag.example/1' backup='$backup0,$backup' interval='1s' qmp-socket='$qmp'/></metadata>
   <qemu:commandline><qemu:arg value='-qmp'/><qemu:arg value='unix:$qmp,server=on,wait=off'/></qemu:commandline>"
 # The hook gives hagctl checkpoint 90 s to end by itself after libvirt
 # reports QEMU gone: the hand-over waits for the backup's restore.
-hook_libvirt_up STOP_TIMEOUT=90
+hook_libvirt_up STOP_TIMEOUT=90 RETRY=3
 domain_xml "$DOM" "$uuid" "$GUEST_ARGS" >"$HOST_ROOT/tmp/$DOM.xml"
 if [ "$HAG_HOST" = 1 ]; then
 	in_root virsh define "/tmp/$DOM.xml"
@@ -62,6 +66,11 @@ print(caps["x-ignore-shared"])')
 	expect_eq "virsh domstate after virsh suspend" "$(in_root virsh domstate "$DOM" | head -1)" paused
 	in_root virsh resume "$DOM"
 	expect_eq "virsh domstate after virsh resume" "$(in_root virsh domstate "$DOM" | head -1)" running
+	step "host 1: protected again, with host 0's backup"
+	wait_for 300 grep -q '^epoch 3:' "$CP_LOG" || { cat "$HOOK_LOG" "$CP_LOG"; fail "the restored domain was not protected again"; }
+	grep "$DOM takeover/-: protecting vGPU" "$HOOK_LOG" || fail "the takeover did not start protection through the hook's configuration"
+	in_root /usr/local/bin/hagctl status | tee /tmp/status.out
+	grep -q "protected, last epoch .*backup $backup0 (generation 1" /tmp/status.out || fail "not protected at the takeover's generation"
 	step "host 1: the guest's verdict"
 	vm_result "$DOM" 600
 	grep -q 'HAG-GUEST-RESULT PASS' "/tmp/$DOM.console" || { tail -20 "/tmp/$DOM.console"; fail "the guest did not verify on host 1"; }
@@ -90,5 +99,13 @@ else
 	cat "$HOOK_LOG"
 	tail -5 "$CP_LOG"
 	grep -q 'handed-over' "$CP_LOG" || fail "the checkpoint did not hand the VM over"
+	step "host 0: stands by as the domain's backup on $backup0"
+	rc=0
+	in_root /usr/local/bin/hagctl backup --listen "$backup0" --failover-timeout 10 --status-dir /tmp/hag-backup \
+		--state-dir /tmp/hag-backup --libvirt-domain "/tmp/$DOM.xml" >/tmp/backup.out 2>/tmp/backup.err || rc=$?
+	cat /tmp/backup.err /tmp/backup.out
+	expect_eq "hagctl backup exit status" "$rc" 0
+	grep -q 'epoch [0-9]* applied' /tmp/backup.err || fail "no epoch of the restored domain reached host 0"
+	! grep -q '^takeover' /tmp/backup.out || fail "host 0's backup took over"
 	signal_ready 7102
 fi

@@ -2401,14 +2401,19 @@ impl VmSteps for LibvirtTakeover<'_> {
     }
 }
 
-/// Returns once the domain a libvirt takeover restored is no longer
+/// Has the hook's configuration protect the domain a libvirt takeover
+/// restored at `generation` again, then returns once it is no longer
 /// running or paused (shut off, or gone).
-fn wait_for_domain_end(owned: &crate::libvirt_restore::Owned) {
+fn wait_for_domain_end(owned: &crate::libvirt_restore::Owned, generation: u64) {
     let Ok(facts) = owned.facts() else { return };
     info!(
         "the VM taken over is libvirt's domain {} now; standing by until it ends, to fence the old primary",
         facts.name
     );
+    match owned.virsh(&["dumpxml", &facts.name]) {
+        Ok(xml) => crate::libvirt_hook::protect_restored(&facts.name, &xml, generation),
+        Err(e) => warning!("domain {} is not protected again: {e}", facts.name),
+    }
     loop {
         std::thread::sleep(Duration::from_secs(2));
         match owned.virsh(&["domstate", &facts.name]) {
@@ -2801,19 +2806,19 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                 out.flush()?;
                 drop(out);
                 eprint!("hagctl: {}", report.text());
+                // QEMU opened the image itself: this descriptor is no
+                // longer needed, and a checkpoint of the VM refuses RAM
+                // another process holds.
+                drop(image);
                 let Some(mut child) = child else {
                     // libvirt's domain now. This backup stays while it
                     // runs, to answer the old primary's connections with
                     // the newer generation (the fence).
                     if let Some(owned) = &opts.libvirt_owned {
-                        wait_for_domain_end(owned);
+                        wait_for_domain_end(owned, report.generation);
                     }
                     return Ok(None);
                 };
-                // QEMU opened the image itself: this descriptor is no
-                // longer needed, and a checkpoint of the VM refuses RAM
-                // another process holds.
-                drop(image);
                 let status = match &opts.reprotect {
                     Some((to, extra)) => crate::reprotect::run(
                         &crate::reprotect::Reprotect {

@@ -282,7 +282,7 @@ fn pick_backup(list: &str, local: impl Fn(&str) -> bool) -> Result<String, Strin
 }
 
 /// HOST of HOST:PORT (without an IPv6 address's brackets).
-fn host_of(addr: &str) -> &str {
+pub fn host_of(addr: &str) -> &str {
     let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
     host.strip_prefix('[')
         .and_then(|h| h.strip_suffix(']'))
@@ -291,7 +291,7 @@ fn host_of(addr: &str) -> &str {
 
 /// Whether `host` (a name or an address) is one of this host's addresses:
 /// a socket can be bound to it.
-fn is_this_host(host: &str) -> bool {
+pub fn is_this_host(host: &str) -> bool {
     use std::net::{ToSocketAddrs, UdpSocket};
     let Ok(addrs) = (host, 0).to_socket_addrs() else {
         return false;

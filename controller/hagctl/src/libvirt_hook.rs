@@ -260,7 +260,7 @@ pub fn run(domain: &str, op: &str, sub: &str) {
     match op {
         "start" => link_takeover_ram(domain, xml, &conf, &mut log),
         "started" | "reconnect" if crate::libvirt_restore::ram_marker(domain).exists() => log.line(
-            "restored by hagctl backup's takeover: not protected by this hook (the takeover finishes it; the VM runs unprotected until protection is started again)",
+            "restored by hagctl backup's takeover: left to it (it starts protection again once the VM runs)",
         ),
         "started" | "reconnect" => protect(domain, xml, &conf, &paths, &mut log),
         "stopped" | "release" => unprotect(&paths, &mut log),
@@ -404,12 +404,45 @@ fn settings_for(
     Ok((settings, hag))
 }
 
+/// Protects a domain a takeover restored on this host, as `started` would
+/// have (it left the domain alone then, the takeover unfinished): `hagctl
+/// backup --takeover-by-libvirt` calls it once the VM runs, with the live
+/// domain XML and the takeover's generation, which the new protection
+/// starts at. A backup that is this host (one address in `backup=`, the
+/// host that took over) is not used: a VM is never its own backup.
+pub fn protect_restored(domain: &str, xml: &str, generation: u64) {
+    let (conf, _) = HookConf::load();
+    let mut log = Log::open(&conf, domain, "takeover", "-");
+    let paths = Paths::new(domain, &conf);
+    protect_with(
+        domain,
+        Ok(xml.to_owned()),
+        &conf,
+        &paths,
+        &mut log,
+        Some(generation),
+    );
+}
+
 fn protect(
     domain: &str,
     xml: Result<String, String>,
     conf: &HookConf,
     paths: &Paths,
     log: &mut Log,
+) {
+    protect_with(domain, xml, conf, paths, log, None);
+}
+
+/// `generation`: a restored domain's, from its takeover (none: the
+/// protection's own, 0 or the backup's).
+fn protect_with(
+    domain: &str,
+    xml: Result<String, String>,
+    conf: &HookConf,
+    paths: &Paths,
+    log: &mut Log,
+    generation: Option<u64>,
 ) {
     let xml = match xml.and_then(|x| libvirt_domain::parse(&x)) {
         Ok(xml) => xml,
@@ -425,6 +458,14 @@ fn protect(
         Ok(s) => s,
         Err(line) => return log.line(&line),
     };
+    if generation.is_some()
+        && libvirt_domain::is_this_host(libvirt_domain::host_of(&settings.backup))
+    {
+        return log.line(&format!(
+            "not protected again: its backup {} is this host, which took it over (give backup='HOST0:PORT,HOST1:PORT' for a pair)",
+            settings.backup
+        ));
+    }
     if let Err(e) = fs::create_dir_all(&conf.defaults.log_dir) {
         return log.line(&format!(
             "not protected: cannot create {}: {e}",
@@ -442,7 +483,13 @@ fn protect(
         .settings
         .parent()
         .map_or(Ok(()), fs::create_dir_all)
-        .and_then(|()| fs::write(&paths.settings, settings.config_text(domain)));
+        .and_then(|()| {
+            let mut text = settings.config_text(domain);
+            if let Some(g) = generation {
+                text.push_str(&format!("generation = {g}\n"));
+            }
+            fs::write(&paths.settings, text)
+        });
     if let Err(e) = written {
         return log.line(&format!(
             "not protected: cannot write {}: {e}",
