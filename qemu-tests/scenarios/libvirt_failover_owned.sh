@@ -18,7 +18,7 @@
 # 1; when it powers off, libvirt must record the domain shut off, and both
 # backups must end.
 DOM=gpu-guest
-GUEST_ARGS="--seconds=120,--mib=8,--cpu-mib=8"
+GUEST_ARGS="--seconds=105,--mib=8,--cpu-mib=8"
 HOOK_LOG=$HOST_ROOT/var/log/hag/libvirt-hook.log
 CP_LOG=$HOST_ROOT/var/log/hag/checkpoint-$DOM.log
 backup=$(host_ip 1):7200

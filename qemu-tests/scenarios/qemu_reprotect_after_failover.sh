@@ -15,7 +15,7 @@
 # QEMU is killed: the re-protecting checkpoint hands the VM over and host
 # 0's backup takes over at generation 2, from an epoch of host 1's run; the
 # guest must verify all of its memory there.
-GUEST_ARGS="--seconds=140,--mib=4,--cpu-mib=4"
+GUEST_ARGS="--seconds=115,--mib=4,--cpu-mib=4"
 backup0=$(host_ip 0):7200
 backup1=$(host_ip 1):7200
 peer=$(host_ip $((1 - HAG_HOST)))

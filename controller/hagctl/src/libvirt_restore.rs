@@ -211,19 +211,32 @@ impl Restore<'_> {
 
     /// Feeds libvirt the image through the FIFO. libvirtd opens a save
     /// image twice (its metadata, then the image it hands to QEMU), so each
-    /// reader gets the header and XML; the one that stays open until the
+    /// reader gets the header and XML; the one still open when the
     /// restored QEMU answers on hagctl's QMP socket is QEMU's, which gets
-    /// `x-ignore-shared` turned on and then the stream.
+    /// `x-ignore-shared` turned on and then the stream. A reader's close is
+    /// seen through inotify, in order, however soon the next one opens; the
+    /// next write end is opened before the last is closed, so that a reader
+    /// already waiting never sees the end of the stream.
     fn feed(&self, virsh: &mut std::process::Child, stream: &[u8]) -> Result<(), String> {
+        use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
         use std::io::Write;
         let deadline = Instant::now() + RESTORE_START;
         let header = save_image(&self.facts.xml, &[]);
+        let closes = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
+            .and_then(|i| {
+                i.add_watch(self.fifo, AddWatchFlags::IN_CLOSE_NOWRITE)
+                    .map(|_| i)
+            })
+            .map_err(|e| format!("inotify on {}: {e}", self.fifo.display()))?;
         let mut alive = || Instant::now() < deadline && virsh.try_wait().ok().flatten().is_none();
+        let mut fifo = self.open_for_reader(&mut alive)?;
         loop {
-            let mut fifo = self.open_for_reader(&mut alive)?;
             fifo.write_all(&header)
                 .map_err(|e| format!("writing the save image's header: {e}"))?;
-            let Some(mut qemu) = self.reader_is_qemu(&fifo, &mut alive)? else {
+            let Some(mut qemu) = self.reader_is_qemu(&closes, &mut alive)? else {
+                // That reader closed: the next one's end, then this one's
+                // goes.
+                fifo = self.open_for_reader(&mut alive)?;
                 continue;
             };
             qemu.apply(&ignore_shared(true))
@@ -261,23 +274,15 @@ impl Restore<'_> {
         }
     }
 
-    /// Waits until the FIFO's reader closes it (`None`: libvirt read the
-    /// metadata) or the restored QEMU answers on hagctl's QMP socket.
+    /// Waits until a reader of the FIFO closes it (`None`: libvirt read
+    /// the metadata) or the restored QEMU answers on hagctl's QMP socket.
     fn reader_is_qemu(
         &self,
-        fifo: &std::fs::File,
+        closes: &nix::sys::inotify::Inotify,
         alive: &mut impl FnMut() -> bool,
     ) -> Result<Option<Qemu>, String> {
-        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-        use std::os::fd::AsFd;
         loop {
-            let mut fds = [PollFd::new(fifo.as_fd(), PollFlags::empty())];
-            // POLLERR on a pipe's write end: no reader is left.
-            let _ = poll(&mut fds, PollTimeout::from(50u16));
-            if fds[0]
-                .revents()
-                .is_some_and(|r| r.intersects(PollFlags::POLLERR | PollFlags::POLLHUP))
-            {
+            if closes.read_events().is_ok_and(|events| !events.is_empty()) {
                 return Ok(None);
             }
             if let Ok(qemu) = Qemu::connect(&self.facts.qmp, Duration::from_secs(5)) {
@@ -286,6 +291,7 @@ impl Restore<'_> {
             if !alive() {
                 return Err("the restored QEMU never answered on hagctl's QMP socket".into());
             }
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 }
