@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::vmm::qemu::Qemu;
-use crate::vmm::MigrationSettings;
+use crate::vmm::qemu_copy::ignore_shared;
 
 /// libvirt's save image magic and the version it writes.
 const MAGIC: &[u8; 16] = b"LibvirtQemudSave";
@@ -293,13 +293,6 @@ impl Restore<'_> {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-    }
-}
-
-fn ignore_shared(on: bool) -> MigrationSettings {
-    MigrationSettings {
-        capabilities: vec![("x-ignore-shared".into(), on)],
-        ..MigrationSettings::default()
     }
 }
 

@@ -413,7 +413,8 @@ impl Drop for QemuVm {
     }
 }
 
-fn ignore_shared(on: bool) -> MigrationSettings {
+/// `x-ignore-shared` on or off, and nothing else.
+pub(crate) fn ignore_shared(on: bool) -> MigrationSettings {
     MigrationSettings {
         capabilities: vec![("x-ignore-shared".into(), on)],
         ..MigrationSettings::default()
