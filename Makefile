@@ -180,8 +180,11 @@ controller:
 # features differ), so each switch costs a link, not a rebuild. The
 # hook kit goes to PREFIX/share/hag/libvirt: a package must not replace a
 # host's own libvirt hook, so its install.sh puts it in place. The module
-# reaches a real host through DKMS (make deb's hag-mdev-dkms).
+# reaches a real host through DKMS (make deb's hag-mdev-dkms). The
+# Pacemaker resource agent, ocf:hag:vm, goes to OCF_ROOT.
 PREFIX ?= /usr/local
+# Pacemaker looks for resource agents here whatever the PREFIX.
+OCF_ROOT ?= /usr/lib/ocf
 PRODUCTION_HAGCTL := build/production-hagctl/hagctl
 hagctl-production:
 	@cd controller && cargo build --release --quiet -p hagctl && \
@@ -197,10 +200,11 @@ install: hagctl-production
 	install -D -m 0755 -t $(DESTDIR)$(PREFIX)/share/hag/libvirt scripts/libvirt/qemu scripts/libvirt/install.sh
 	install -D -m 0644 -t $(DESTDIR)$(PREFIX)/share/hag/libvirt scripts/libvirt/hag.conf
 	install -D -m 0644 -t $(DESTDIR)$(PREFIX)/share/doc/hag README.md docs/ha.md docs/libvirt.md \
-		docs/gvt-g.md docs/sim-vgpu.md scripts/systemd/example.conf
+		docs/gvt-g.md docs/sim-vgpu.md docs/pacemaker.md scripts/systemd/example.conf
 	install -d $(DESTDIR)$(PREFIX)/lib/systemd/system
 	for u in scripts/systemd/*.service; do \
 		sed 's|/usr/bin/hagctl|$(PREFIX)/bin/hagctl|' $$u >$(DESTDIR)$(PREFIX)/lib/systemd/system/$${u##*/}; done
+	install -D -m 0755 scripts/pacemaker/vm $(DESTDIR)$(OCF_ROOT)/resource.d/hag/vm
 
 deb:
 	@scripts/build-debs.sh build/deb
@@ -242,14 +246,17 @@ test: deps all
 	@mkdir -p build; \
 	nice -n 19 scripts/build-kernel.sh --flavour gvt >build/gvt-kernel.log 2>&1 & gvt_kernel=$$!; \
 	nice -n 19 scripts/build-guest-rootfs.sh >build/guest-rootfs.log 2>&1 & \
-	failed=(); for step in $(TEST_STEPS); do \
+	failed=(); took=(); for step in $(TEST_STEPS); do \
+		t0=$$(date +%s); \
 		if [ "$$step" = gvt-test ]; then \
 			wait $$gvt_kernel || echo "make test: the background GVT-g kernel build failed (build/gvt-kernel.log); gvt-test builds it again"; \
 		fi; \
 		echo "== make test: $$step"; \
 		$(MAKE) --no-print-directory test-$$step || failed+=("$$step"); \
+		took+=("$$step $$(($$(date +%s) - t0)) s"); \
 	done; \
 	wait; \
+	( IFS=,; echo "make test: each step took: $${took[*]}" ); \
 	if [ $${#failed[@]} -gt 0 ]; then echo "make test: FAILED: $${failed[*]}"; exit 1; fi; \
 	echo "make test: every step passed ($(TEST_STEPS))"
 

@@ -36,6 +36,12 @@ A scenario loses a host for real by printing `HAG-KILL-HOST` on its console
 process at once, as a power cut would, and judges the host only on what it
 logged before.
 
+A host fences another as a power switch would: it prints
+`HAG-FENCE-HOST N` on its console (the test hosts' fence agent,
+guest/fence_haghost.sh, for Pacemaker), the harness SIGKILLs host N's QEMU
+(if it still runs) and then answers `off hostN` on the asking host's
+second serial port, which its /init appends to /tmp/hag-harness.said.
+
 A live host beats on its second serial port (`NAME.hostI.beat`), through
 which the harness pokes it every few seconds (POKE_SECONDS: an interrupt
 that revives a host whose own was lost); one that stops for HANG_SECONDS
@@ -284,6 +290,7 @@ POKE_SECONDS = 3.0
 # (up to 50 min of CI's 90).
 FAILED_GRACE_SECONDS = 30.0
 SCRIPT_END = re.compile(r"HAG-SCENARIO-END rc=(\d+)")
+FENCE_REQUEST = re.compile(r"HAG-FENCE-HOST (\d+)")
 
 
 @dataclass
@@ -299,6 +306,8 @@ class Host:
     monitor: Path = None
     _poke: socket.socket = None
     _poked_at: float = 0.0
+    # How many `HAG-FENCE-HOST N` requests in its log were answered.
+    fenced_asked: int = 0
     pokes: int = 0
     # What the harness found when this host stopped beating, and the test
     # kernel's System.map to name where its vCPU was.
@@ -325,9 +334,31 @@ class Host:
     def kill_if_asked(self):
         """Pulls the plug on this host if its script asked to be lost."""
         if not self.killed and "HAG-KILL-HOST" in self.text():
+            self.kill()
+
+    def kill(self):
+        if not self.killed:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
             self.killed = True
+
+    def fence_requests(self):
+        """The hosts this host asked to fence (`HAG-FENCE-HOST N`) that
+        were not yet answered, in order."""
+        asked = [int(n) for n in FENCE_REQUEST.findall(self.text())]
+        new, self.fenced_asked = asked[self.fenced_asked:], len(asked)
+        return new
+
+    def tell(self, line):
+        """A line on this host's second serial port (/tmp/hag-harness.said)."""
+        try:
+            if self._poke is None:
+                self._poke = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._poke.setblocking(False)
+                self._poke.connect(str(self.beat_socket))
+            self._poke.send(line.encode() + b"\n")
+        except OSError:
+            self.close_poke()
 
     def poke(self):
         """Every POKE_SECONDS, a byte into the host's second serial port
@@ -611,6 +642,10 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
                 show_new_output()
             for h in hosts:
                 h.kill_if_asked()
+                for n in h.fence_requests():
+                    if n < len(hosts):
+                        hosts[n].kill()
+                        h.tell(f"off host{n}")
                 h.poke()
             hung = [h for h in hosts if h.silent_for() > HANG_SECONDS]
             for h in hung:

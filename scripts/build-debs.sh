@@ -44,7 +44,7 @@ Maintainer: hag developers <hag@localhost>
 Installed-Size: $size
 Depends: libc6 (>= 2.36), libgcc-s1
 Recommends: qemu-system-x86 (>= 1:10), qemu-utils, hag-mdev-dkms
-Suggests: libvirt-daemon-system, libvirt-clients
+Suggests: libvirt-daemon-system, libvirt-clients, pacemaker, pcs
 Section: admin
 Priority: optional
 Description: high availability for VMs with mediated vGPUs

@@ -26,7 +26,8 @@ for f in ./usr/bin/hagctl ./usr/share/man/man1/hagctl.1.gz ./usr/share/man/man1/
 	./usr/share/bash-completion/completions/hagctl ./usr/share/hag/libvirt/qemu \
 	./usr/share/hag/libvirt/install.sh ./usr/share/hag/libvirt/hag.conf ./usr/share/doc/hag/ha.md \
 	./usr/lib/systemd/system/hag-checkpoint@.service ./usr/lib/systemd/system/hag-backup@.service \
-	./usr/lib/systemd/system/hag-witness.service ./usr/share/doc/hag/example.conf; do
+	./usr/lib/systemd/system/hag-witness.service ./usr/share/doc/hag/example.conf \
+	./usr/lib/ocf/resource.d/hag/vm ./usr/share/doc/hag/pacemaker.md; do
 	grep -qx -- "$f" <<<"$contents" || fail "$hag lacks $f"
 done
 dpkg-deb -x "$hag" "$work/hag"
@@ -49,6 +50,11 @@ verify=$(systemd-analyze verify --man=no "$work"/units/*.service 2>&1) ||
 if grep -q "hag-[a-z]*@web1.service\|hag-witness.service" <<<"$verify"; then
 	fail "systemd-analyze verify warns about hag's units: $verify"
 fi
+# The resource agent's meta-data against resource-agents' schema for it.
+ra=$work/hag/usr/lib/ocf/resource.d/hag/vm
+OCF_ROOT=/usr/lib/ocf "$ra" meta-data >"$work/vm.xml" || fail "$ra meta-data failed"
+xmllint --noout --relaxng /usr/share/resource-agents/metadata.rng "$work/vm.xml" 2>"$work/vm.err" ||
+	fail "ocf:hag:vm's meta-data does not validate: $(cat "$work/vm.err")"
 echo "check-debs: $(basename "$hag"): $version, $(wc -l <<<"$contents") paths"
 
 dpkg-deb -x "$dkms_deb" "$work/dkms"

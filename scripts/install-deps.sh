@@ -6,7 +6,9 @@
 #   cpio), libclang for bindgen, Debian's Rust 1.96 with its library source
 #   (the kernel needs rust-src, which rustup's toolchain here lacks), the
 #   kernel source, busybox for test-host initramfs, QEMU for test hosts,
-#   matplotlib for the evaluation's plots.
+#   matplotlib for the evaluation's plots, Pacemaker, corosync and pcs for
+#   the Pacemaker scenario (never started on this machine: test hosts run
+#   them from its root).
 #   QEMU 10 and libvirt 11 from bookworm-backports: the test hosts run real
 #   VMs with them (Debian 12's QEMU 7.2 has only VFIO migration v1, which
 #   kernel 6.12 removed). Only these packages are pinned to backports, so
@@ -37,6 +39,12 @@ packages=(
 	# make package-check: DKMS builds the packaged module's source, and
 	# systemd-analyze verifies the units
 	dkms systemd
+	# Pacemaker in the test hosts (pacemaker_failover): two nodes, a
+	# quorum device on a third, configured with pcs as docs/pacemaker.md
+	# says
+	pacemaker pacemaker-cli-utils corosync corosync-qdevice corosync-qnetd pcs
+	# make package-check validates the resource agent's meta-data
+	libxml2-utils
 )
 
 # Backports, and a pin that takes just QEMU, libvirt and QEMU's firmware
@@ -70,6 +78,15 @@ esac
 if ((${#missing[@]})); then
 	echo "install-deps: installing Debian packages: ${missing[*]}"
 	export DEBIAN_FRONTEND=noninteractive
+	# The daemons these packages bring (corosync, pacemaker, pcsd,
+	# libvirtd) are not started on this machine: the test hosts run their
+	# own. policy-rc.d says so to the packages' scripts while they install.
+	policy=/usr/sbin/policy-rc.d
+	if [ ! -e "$policy" ]; then
+		printf '#!/bin/sh\nexit 101\n' >"$policy"
+		chmod +x "$policy"
+		trap 'rm -f "$policy"' EXIT
+	fi
 	apt-get update -qq
 	apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi

@@ -1853,6 +1853,27 @@ fn status_path(dir: &std::path::Path) -> PathBuf {
     dir.join("backup.json")
 }
 
+/// Writes the status of a backup standing by at `generation` with
+/// `epoch` its last applied one (0: none yet), and the instances it took
+/// over from (kept in the durable record too).
+fn publish_standby(opts: &BackupOptions, generation: u64, epoch: u64, superseded: &[Instance]) {
+    let record = Record {
+        generation,
+        superseded: superseded.to_vec(),
+    };
+    let state = serde_json::json!({
+        "pid": std::process::id(),
+        "state": "standby",
+        "listen": opts.listen,
+        "generation": generation,
+        "epoch": epoch,
+        "superseded": record.superseded_json(),
+    });
+    if let Err(e) = crate::vm_dirs::write_json(&status_path(&opts.status_dir), &state, false) {
+        warning!("{e}");
+    }
+}
+
 /// The backup's durable generation, in its state directory: written with
 /// `fsync` (and read back) at each takeover, before the fence; read at
 /// start. Apart from the status so that the per-epoch rewrite never waits
@@ -2577,6 +2598,9 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
         true,
         &format!("standing by on {}, generation {generation}", opts.listen),
     );
+    // Standing by with no epoch yet: what `hagctl job` shows, and a
+    // cluster manager's resource agent waits for.
+    publish_standby(opts, generation, 0, &b.live().superseded);
     let mut last_stored = 0u64;
     let mut holding = false;
     // After a failed takeover, when to try again.
@@ -2607,18 +2631,7 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
         }
         if has_checkpoint && l.epoch != last_stored {
             last_stored = l.epoch;
-            let state = serde_json::json!({
-                "pid": std::process::id(),
-                "state": "standby",
-                "listen": opts.listen,
-                "generation": l.generation,
-                "epoch": l.epoch,
-            });
-            if let Err(e) =
-                crate::vm_dirs::write_json(&status_path(&opts.status_dir), &state, false)
-            {
-                warning!("{e}");
-            }
+            publish_standby(opts, l.generation, l.epoch, &l.superseded);
         }
         let paths: Vec<(&str, Option<Duration>)> = std::iter::once(&opts.listen)
             .chain(&opts.heartbeat_listen)

@@ -97,6 +97,73 @@ pub fn job(dirs: &VmDirs, json: bool) -> anyhow::Result<String> {
     Ok(out)
 }
 
+/// What this host is for one VM, in one word (`hagctl job --role`): what
+/// a cluster manager's resource agent (scripts/pacemaker/vm) decides by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// A running hagctl checkpoint protects the VM running here (or is
+    /// trying to: syncing, or its backup unheard).
+    Primary,
+    /// This host's backup took the VM over: it runs here, as its child
+    /// (and its --reprotect's checkpoint, if any, is not a primary's).
+    TookOver,
+    /// A backup stands by holding an acknowledged epoch: it can take over.
+    StandbyHolding,
+    /// A backup stands by with no epoch yet: a takeover would have nothing.
+    Standby,
+    /// Nothing of this VM's protection runs here.
+    None,
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Role::Primary => "primary",
+            Role::TookOver => "took-over",
+            Role::StandbyHolding => "standby-holding",
+            Role::Standby => "standby",
+            Role::None => "none",
+        })
+    }
+}
+
+/// The role from what runs: the states of the running checkpoints, and
+/// the running backup's state and last applied epoch. A checkpoint that
+/// handed the VM over or was fenced stopped it: that is no primary.
+fn role_of(checkpoint_states: &[&str], backup: Option<(&str, u64)>) -> Role {
+    match backup {
+        Some(("took-over", _)) => Role::TookOver,
+        _ if checkpoint_states
+            .iter()
+            .any(|s| matches!(*s, "syncing" | "protected" | "unprotected")) =>
+        {
+            Role::Primary
+        }
+        Some((_, epoch)) if epoch > 0 => Role::StandbyHolding,
+        Some(_) => Role::Standby,
+        None => Role::None,
+    }
+}
+
+/// `hagctl job --role`: this host's role for the VM whose files are in
+/// `dirs`.
+pub fn role(dirs: &VmDirs) -> Role {
+    let running: Vec<StatusFile> = protection_lines(&dirs.run)
+        .into_iter()
+        .map(|(st, _)| st)
+        .filter(still_runs)
+        .collect();
+    let states: Vec<&str> = running.iter().map(|st| st.state.as_str()).collect();
+    let backup = running_backup(&dirs.run);
+    let backup = backup.as_ref().map(|b| {
+        (
+            b.get("state").and_then(|s| s.as_str()).unwrap_or(""),
+            b.get("epoch").and_then(|e| e.as_u64()).unwrap_or(0),
+        )
+    });
+    role_of(&states, backup)
+}
+
 /// `hagctl abort`: ends the VM's running protections on this host as
 /// SIGTERM does (ABORT to the backup; the held output released once it
 /// confirms, the VM stopped if it does not) and waits up to `timeout` for
@@ -173,6 +240,25 @@ mod tests {
         );
     }
 
+    /// A backup that took over owns the VM, whatever checkpoint (its
+    /// --reprotect) runs beside it; a stopped primary is none; a standby
+    /// can take over only once it holds an epoch.
+    #[test]
+    fn a_role_is_read_from_what_runs() {
+        assert_eq!(role_of(&[], None), Role::None);
+        assert_eq!(role_of(&["protected"], None), Role::Primary);
+        assert_eq!(role_of(&["unprotected"], None), Role::Primary);
+        assert_eq!(role_of(&["handed-over"], None), Role::None);
+        assert_eq!(role_of(&["fenced"], Some(("standby", 0))), Role::Standby);
+        assert_eq!(
+            role_of(&["protected"], Some(("took-over", 9))),
+            Role::TookOver
+        );
+        assert_eq!(role_of(&[], Some(("standby", 0))), Role::Standby);
+        assert_eq!(role_of(&[], Some(("standby", 4))), Role::StandbyHolding);
+        assert_eq!(Role::StandbyHolding.to_string(), "standby-holding");
+    }
+
     #[test]
     fn nothing_running_is_said_with_both_directories() {
         let base = std::env::temp_dir().join(format!("hag-jobs-{}", std::process::id()));
@@ -194,6 +280,7 @@ mod tests {
         )
         .unwrap();
         assert!(running_backup(&dirs.run).is_none());
+        assert_eq!(role(&dirs), Role::None);
         let _ = std::fs::remove_dir_all(&base);
     }
 }

@@ -821,13 +821,21 @@ Reads what the running processes publish (hagctl checkpoint holds QEMU's QMP
 socket): STATUS_DIR/checkpoint-vgpuN.json and STATUS_DIR/backup.json; with
 --name VM, STATUS_DIR is /run/hag/VM. --json: {checkpoints: [{pid,
 vgpu_id, backup, state, last_epoch, ..., running, text}], backup: {pid,
-state, listen, generation, epoch} or null}. Exits 1 if neither is there.")]
+state, listen, generation, epoch} or null}. Exits 1 if neither is there.
+--role prints one word instead, and exits 0 whatever runs: primary (a
+hagctl checkpoint protects the VM running here), took-over (this host's
+backup took the VM over: it runs here), standby-holding (a backup stands by
+with an acknowledged epoch: it can take over), standby (one with none yet)
+or none (what Pacemaker's resource agent, ocf:hag:vm, asks).")]
     Job {
         #[command(flatten)]
         dirs: vm_dirs::VmDirArgs,
         /// Print one JSON object instead of text
-        #[arg(long)]
+        #[arg(long, conflicts_with = "role")]
         json: bool,
+        /// Print this host's role for the VM, one word
+        #[arg(long)]
+        role: bool,
     },
     /// End one VM's protection cleanly: its hagctl checkpoint ends it with
     /// the backup (ABORT), and this waits for it to exit
@@ -1340,7 +1348,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 checkpoint::confirm_backup_down(&dirs.run, vgpu, timeout)?
             );
         }
-        Command::Job { dirs, json } => print!("{}", jobs::job(&dirs.resolve(), json)?),
+        Command::Job {
+            dirs, role: true, ..
+        } => println!("{}", jobs::role(&dirs.resolve())),
+        Command::Job { dirs, json, .. } => print!("{}", jobs::job(&dirs.resolve(), json)?),
         Command::Abort { dirs, timeout } => print!("{}", jobs::abort(&dirs.resolve(), timeout)?),
         Command::Takeover { dirs, timeout } => {
             let generation = backup::request_takeover(&dirs.resolve(), timeout)?;
