@@ -15,7 +15,7 @@
 # in the end it must hold everything the guest printed, in order.
 FAULT=none
 CONSOLE=1
-GUEST_ARGS="--seconds=150,--mib=8,--cpu-mib=8,--progress=1"
+GUEST_ARGS="--seconds=120,--mib=8,--cpu-mib=8,--progress=1"
 BACKUP_ARGS="--test-fault-file /tmp/fault"
 during_backup() {
 	wait_for 300 grep -q 'epoch 6 applied' /tmp/backup.err || fail "no epoch 6"
