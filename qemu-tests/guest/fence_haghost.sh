@@ -13,6 +13,8 @@ while [ $# -gt 0 ]; do
 	case $1 in
 	-o | --action) action=$2; shift ;;
 	-n | --plug) plug=$2; shift ;;
+	--action=*) action=${1#*=} ;;
+	--plug=*) plug=${1#*=} ;;
 	esac
 	shift
 done
@@ -25,7 +27,7 @@ if [ ! -t 0 ]; then
 	done
 fi
 said=/tmp/hag-harness.said
-log() { echo "$(date -u +%FT%TZ) fence_haghost[$$] $*" >>/var/log/fence_haghost.log; }
+log() { echo "$(date -u +%FT%T.%3NZ) fence_haghost[$$] $*" >>/var/log/fence_haghost.log; }
 
 metadata() {
 	cat <<'XML'

@@ -23,7 +23,7 @@ CLIENT=203.0.113.1
 VM_ADDR=203.0.113.50
 VM_MIB=512
 # Long enough to span the migration (its disk mirror and RAM copy).
-GUEST_ARGS="--seconds=180,--mib=8,--cpu-mib=8,--progress=1,--disk,/var/lib/hag-guest-records"
+GUEST_ARGS="--seconds=150,--mib=8,--cpu-mib=8,--progress=1,--disk,/var/lib/hag-guest-records"
 load_hag
 mdev_create "$UUID"
 libvirt_up

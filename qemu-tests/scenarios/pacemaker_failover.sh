@@ -188,9 +188,9 @@ log=$HOST_ROOT/var/log/hag/ocf-vm.log
 grep -q 'a takeover was requested (hagctl takeover)' "$log" || fail "the takeover was not the promote's"
 grep 'holding (--on-silence hold)' "$log" || echo "(the promote came before the backup's own failover timeout)"
 # The takeover began only after host 0 was off: the fence's confirmation
-# (to the second) is no later than the takeover's first line.
-off_at=$(sed -n 's/^\([0-9T:-]*\)Z fence_haghost.* host0 is off.*/\1/p' "$HOST_ROOT/var/log/fence_haghost.log" | head -1)
-taken_at=$(grep -m1 'taking over from epoch' "$log" | cut -c1-19)
+# comes before the takeover's first line (both UTC, to the millisecond).
+off_at=$(sed -n 's/^\([0-9T:.-]*\)Z fence_haghost.* host0 is off.*/\1/p' "$HOST_ROOT/var/log/fence_haghost.log" | head -1)
+taken_at=$(grep -m1 'taking over from epoch' "$log" | cut -c1-23)
 echo "host 0 confirmed off at ${off_at:-never}; the takeover began at ${taken_at:-never}"
 [ -n "$off_at" ] && [ -n "$taken_at" ] || fail "no fence confirmation or no takeover in the logs"
 [ "$(printf '%s\n%s\n' "$off_at" "$taken_at" | sort | head -1)" = "$off_at" ] ||
