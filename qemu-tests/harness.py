@@ -291,6 +291,7 @@ POKE_SECONDS = 3.0
 FAILED_GRACE_SECONDS = 30.0
 SCRIPT_END = re.compile(r"HAG-SCENARIO-END rc=(\d+)")
 FENCE_REQUEST = re.compile(r"HAG-FENCE-HOST (\d+)")
+KILL_REQUEST = re.compile(r"HAG-KILL-HOST")
 
 
 @dataclass
@@ -306,8 +307,10 @@ class Host:
     monitor: Path = None
     _poke: socket.socket = None
     _poked_at: float = 0.0
-    # How many `HAG-FENCE-HOST N` requests in its log were answered.
-    fenced_asked: int = 0
+    # How far `requests` has read the log, and the end of what it read
+    # (a request split between two reads is seen whole).
+    _read_to: int = 0
+    _read_tail: str = ""
     pokes: int = 0
     # What the harness found when this host stopped beating, and the test
     # kernel's System.map to name where its vCPU was.
@@ -331,23 +334,29 @@ class Host:
         end = SCRIPT_END.search(self.text())
         return end is not None and end.group(1) != "0"
 
-    def kill_if_asked(self):
-        """Pulls the plug on this host if its script asked to be lost."""
-        if not self.killed and "HAG-KILL-HOST" in self.text():
-            self.kill()
+    def requests(self):
+        """What this host's console asked of the harness since the last
+        call: whether to be lost (`HAG-KILL-HOST`), and the hosts to fence
+        (`HAG-FENCE-HOST N`), in order. Reads only what was added."""
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self._read_to)
+                raw = f.read()
+        except FileNotFoundError:
+            return False, []
+        self._read_to += len(raw)
+        text, seen = self._read_tail + raw.decode(errors="replace"), len(self._read_tail)
+        self._read_tail = text[-64:]
+        lose = any(m.end() > seen for m in KILL_REQUEST.finditer(text))
+        fence = [int(m.group(1)) for m in FENCE_REQUEST.finditer(text) if m.end() > seen]
+        return lose, fence
 
     def kill(self):
+        """Pulls the plug: SIGKILL to the host's QEMU."""
         if not self.killed:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
             self.killed = True
-
-    def fence_requests(self):
-        """The hosts this host asked to fence (`HAG-FENCE-HOST N`) that
-        were not yet answered, in order."""
-        asked = [int(n) for n in FENCE_REQUEST.findall(self.text())]
-        new, self.fenced_asked = asked[self.fenced_asked:], len(asked)
-        return new
 
     def tell(self, line):
         """A line on this host's second serial port (/tmp/hag-harness.said)."""
@@ -641,8 +650,10 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
             if on_output:
                 show_new_output()
             for h in hosts:
-                h.kill_if_asked()
-                for n in h.fence_requests():
+                lose, fence = h.requests() if not h.killed else (False, [])
+                if lose:
+                    h.kill()
+                for n in fence:
                     if n < len(hosts):
                         hosts[n].kill()
                         h.tell(f"off host{n}")

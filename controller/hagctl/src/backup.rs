@@ -1495,8 +1495,13 @@ impl Backup {
 }
 
 /// The largest wait for one whole checkpoint-stream message (a trickling
-/// peer is cut off at this, whatever its pace).
-const DATA_MESSAGE_DEADLINE: Duration = Duration::from_secs(120);
+/// peer is cut off at this, whatever its pace). It includes the wait for
+/// the message to begin: in a first synchronisation the primary reads its
+/// whole disks to compare their chunks' sums with the backup's before it
+/// sends the next message, which took over 120 s for the Debian guest's
+/// 2 GiB disk under emulation (qemu_failover_database was cut off there
+/// and began again), and takes minutes for a large disk on a real host.
+const DATA_MESSAGE_DEADLINE: Duration = Duration::from_secs(600);
 
 fn data_session(
     b: &Backup,
