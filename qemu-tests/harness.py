@@ -360,14 +360,7 @@ class Host:
 
     def tell(self, line):
         """A line on this host's second serial port (/tmp/hag-harness.said)."""
-        try:
-            if self._poke is None:
-                self._poke = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._poke.setblocking(False)
-                self._poke.connect(str(self.beat_socket))
-            self._poke.send(line.encode() + b"\n")
-        except OSError:
-            self.close_poke()
+        self.send_port(line.encode() + b"\n")
 
     def poke(self):
         """Every POKE_SECONDS, a byte into the host's second serial port
@@ -375,16 +368,23 @@ class Host:
         if time.monotonic() - self._poked_at < POKE_SECONDS or self.killed:
             return
         self._poked_at = time.monotonic()
+        if self.send_port(b"\n"):
+            self.pokes += 1
+            self.drain_poke()
+
+    def send_port(self, data):
+        """Writes `data` to the host's second serial port, connecting to it
+        first if need be; whether it went (a host that exited refuses)."""
         try:
             if self._poke is None:
                 self._poke = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 self._poke.setblocking(False)
                 self._poke.connect(str(self.beat_socket))
-            self._poke.send(b"\n")
-            self.pokes += 1
-            self.drain_poke()
+            self._poke.send(data)
+            return True
         except OSError:
             self.close_poke()
+            return False
 
     def drain_poke(self):
         """Reads and drops what the host wrote to the port while connected
