@@ -758,7 +758,10 @@ impl<'a> ChunkFilter<'a> {
 
     /// The sum of the chunk so far.
     fn sum(&self) -> [u8; 32] {
-        let zeroes = self.pieces.iter().all(|(_, e)| matches!(e, Extent::Zero(_)));
+        let zeroes = self
+            .pieces
+            .iter()
+            .all(|(_, e)| matches!(e, Extent::Zero(_)));
         if zeroes && self.bytes.len() == EXTENT_MAX {
             self.zero_sum
         } else {
@@ -1141,7 +1144,11 @@ mod tests {
         // The backup holds chunk 0 as zeroes, chunk 1 as `data`, chunk 2 as
         // zeroes; the primary has zeroes (in two pieces), other data, and
         // data where the backup has zeroes.
-        let held = [sum(&vec![0; EXTENT_MAX]), sum(&data), sum(&vec![0; EXTENT_MAX])];
+        let held = [
+            sum(&vec![0; EXTENT_MAX]),
+            sum(&data),
+            sum(&vec![0; EXTENT_MAX]),
+        ];
         let mut filter = ChunkFilter::new(Some(&held));
         let mut sent = Vec::new();
         let mut out = |start: u64, e: Extent| {
@@ -1151,9 +1158,19 @@ mod tests {
         let half = chunk / 2;
         filter.push(0, Extent::Zero(half), &mut out).unwrap();
         filter.push(half, Extent::Zero(half), &mut out).unwrap();
-        filter.push(chunk, Extent::Data(vec![8; EXTENT_MAX]), &mut out).unwrap();
-        filter.push(2 * chunk, Extent::Zero(half), &mut out).unwrap();
-        filter.push(2 * chunk + half, Extent::Data(vec![1; EXTENT_MAX / 2]), &mut out).unwrap();
+        filter
+            .push(chunk, Extent::Data(vec![8; EXTENT_MAX]), &mut out)
+            .unwrap();
+        filter
+            .push(2 * chunk, Extent::Zero(half), &mut out)
+            .unwrap();
+        filter
+            .push(
+                2 * chunk + half,
+                Extent::Data(vec![1; EXTENT_MAX / 2]),
+                &mut out,
+            )
+            .unwrap();
         filter.flush(&mut out).unwrap();
         let starts: Vec<u64> = sent.iter().map(|(s, _)| *s).collect();
         assert_eq!(starts, [chunk, 2 * chunk, 2 * chunk + half]);
