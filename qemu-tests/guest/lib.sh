@@ -299,11 +299,41 @@ vm_net_up() {
 	ip link set br0 address "$(cat /sys/class/net/eth1/address)"
 	ip link set br0 up
 	[ -z "${1:-}" ] || ip addr add "$1" dev br0
+	# QEMU's bridge helper (a standby of a libvirt domain's bridged
+	# interface, hagctl backup --libvirt-domain) may join br0.
+	mkdir -p "$HOST_ROOT/etc/qemu"
+	echo "allow br0" >"$HOST_ROOT/etc/qemu/bridge.conf"
 	cat >/hag/vm-ifup <<'SH'
 #!/bin/sh
 ip link set "$1" master br0 && ip link set "$1" up
 SH
 	chmod +x /hag/vm-ifup
+}
+
+# The guest's client: hag-guest listen on host 1's br0 (GUEST_CLIENT), where
+# a guest given GUEST_REPORT in its arguments reports its progress and
+# verdict from whichever host runs it (both hosts' br0 join eth1; VM_NET=1
+# with VM_APPEND=$GUEST_NET_WORDS, or DOMAIN_NET=1). guest_client_up (host
+# 1, after vm_net_up "$GUEST_CLIENT/24") starts it, logging to
+# /tmp/client.log; guest_finish then has the guest end its run at its next
+# progress line, verified as at its end, so that a scenario that has seen
+# what it waits for need not wait out the guest's --seconds (an upper
+# bound, kept generous for slow machines).
+GUEST_CLIENT=203.0.113.1
+GUEST_CLIENT_PORT=7400
+GUEST_REPORT="--report,$GUEST_CLIENT:$GUEST_CLIENT_PORT"
+# The client is br0 on host 1, whose MAC is its eth1's (the harness's
+# 52:54:00:4a:48:HOST).
+GUEST_NET_WORDS="hag_vm_ip=203.0.113.50/24 hag_vm_neigh=$GUEST_CLIENT,52:54:00:4a:48:01"
+guest_client_up() {
+	rm -f /tmp/guest-finish
+	hag-guest listen --port "$GUEST_CLIENT_PORT" --finish-file /tmp/guest-finish \
+		>/tmp/client.log 2>/tmp/client.err &
+	guest_client=$!
+}
+guest_finish() {
+	step "host $HAG_HOST: the guest is asked to end its run (verified as at its end)"
+	: >/tmp/guest-finish
 }
 
 # vm_wait_console NAME SECONDS PATTERN: waits for PATTERN on NAME's console.
@@ -459,10 +489,9 @@ hook_libvirt_up() {
 # DOMAIN_DEBIAN_DISK=FILE boots the Debian guest from that qcow2 disk (vda;
 # debian_disk makes one), DOMAIN_NET=1 adds vm_words' VM_NET NIC (virtio,
 # MAC 52:54:00:56:4d:01) on the bridge br0 (vm_net_up; libvirt makes the
-# tap) and gives the guest a permanent neighbour entry for the client on
-# host 1's br0 (hag_vm_neigh=203.0.113.1,52:54:00:4a:48:01, as
-# qemu_protect_once's VMs have; the Debian guest's eth0 has its own
-# address, 203.0.113.50/24), DOMAIN_XML_EXTRA elements (<metadata>,
+# tap) and gives the guest GUEST_NET_WORDS: its address and a permanent
+# neighbour entry for the guest's client on host 1's br0 (the Debian
+# guest's eth0 has its own address, 203.0.113.50/24), DOMAIN_XML_EXTRA elements (<metadata>,
 # <qemu:commandline>) at the end.
 domain_xml() {
 	local backing= serial="<serial type='file'><source path='/tmp/$1.console' append='on'/></serial>"
@@ -473,7 +502,12 @@ domain_xml() {
 	fi
 	if [ "${DOMAIN_NET:-0}" = 1 ]; then
 		nic="<interface type='bridge'><source bridge='br0'/><mac address='52:54:00:56:4d:01'/><model type='virtio'/></interface>"
-		words="$words hag_vm_neigh=203.0.113.1,52:54:00:4a:48:01"
+		# The Debian guest configures its own address.
+		if [ -n "${DOMAIN_DEBIAN_DISK:-}" ]; then
+			words="$words hag_vm_neigh=$GUEST_CLIENT,52:54:00:4a:48:01"
+		else
+			words="$words $GUEST_NET_WORDS"
+		fi
 	fi
 	[ "${DOMAIN_SHARED_RAM:-0}" != 1 ] ||
 		backing="<memoryBacking><source type='file'/><access mode='shared'/><locked/></memoryBacking>"

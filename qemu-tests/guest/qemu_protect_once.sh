@@ -161,14 +161,11 @@ plug_gone() {
 	*plug*) fail "the output gate is still on eth1: $qdiscs" ;;
 	esac
 }
-CLIENT=203.0.113.1
-PORT=7400
+CLIENT=$GUEST_CLIENT
 VM_NET=1
 VM_ADDR=203.0.113.50
-# The client is br0 on host 1, whose MAC is its eth1's (the harness's
-# 52:54:00:4a:48:HOST).
-VM_APPEND="hag_vm_ip=203.0.113.50/24 hag_vm_neigh=$CLIENT,52:54:00:4a:48:01"
-GUEST_ARGS="$GUEST_ARGS,--report,$CLIENT:$PORT"
+VM_APPEND=$GUEST_NET_WORDS
+GUEST_ARGS="$GUEST_ARGS,$GUEST_REPORT"
 if [ "${CONSOLE:-0}" = 1 ]; then
 	VM_CONSOLE_SOCKET=1
 	CP_ARGS="${CP_ARGS:-} --console /tmp/vm.console.sock --console-log /tmp/vm.console.held"
@@ -203,9 +200,8 @@ wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
 
 if [ "$HAG_HOST" = 1 ]; then
 	vm_net_up "$CLIENT/24"
-	step "host 1: client on $CLIENT:$PORT, backup on $backup (standby QEMU with vGPU $uuid)"
-	hag-guest listen --port "$PORT" >/tmp/client.log 2>/tmp/client.err &
-	client=$!
+	step "host 1: client on $CLIENT:$GUEST_CLIENT_PORT, backup on $backup (standby QEMU with vGPU $uuid)"
+	guest_client_up
 	if [ "${DEBIAN:-0}" = 1 ]; then
 		: >/tmp/db.log
 		# chroot itself, not in_root: $! must be the client's own pid.
@@ -273,15 +269,29 @@ if [ "$HAG_HOST" = 1 ]; then
 			quiet=0 size=$now
 		fi
 		# The Debian guest is checked once it has run 20 s after the
-		# takeover (reported progress), or once its workload ended.
-		if [ "${DEBIAN:-0}" = 1 ] && [ -z "$since" ] && grep -q 'takeover: generation' /tmp/backup.err; then
+		# takeover (reported progress), or once its workload ended; the
+		# other guest is asked to end its run (verified as at its end)
+		# once it has run 10 s after the takeover: its --seconds is what
+		# it may need before the fault comes.
+		if [ -z "$since" ] && grep -q 'takeover: generation' /tmp/backup.err; then
 			since=$(wc -l </tmp/client.log)
+		fi
+		if [ "${DEBIAN:-0}" != 1 ] && [ -n "$since" ] && [ ! -e /tmp/guest-finish ] &&
+			[ "$(wc -l </tmp/client.log)" -ge $((since + 10)) ]; then
+			echo "the guest has run 10 s after the takeover"
+			guest_finish
 		fi
 		[ -n "$protected_at" ] || ! grep -q 'epoch 1 applied' /tmp/backup.err || protected_at=$(up)
 		[ -n "$taken_at" ] || ! grep -q 'taking over from epoch' /tmp/backup.err || taken_at=$(up)
+		# A guest whose kernel died or hung where that may happen
+		# (GUEST_MAY_CRASH) has shown what the scenario waits for once its
+		# report is out, or once it has been silent for 20 s.
 		if grep -q HAG-GUEST-EXIT /tmp/vm.console 2>/dev/null || [ "$quiet" -gt 60 ] || [ "$n" -gt 700 ] ||
+			{ [ "${GUEST_MAY_CRASH:-0}" = 1 ] && [ "$quiet" -gt 20 ]; } ||
+			{ [ "${GUEST_MAY_CRASH:-0}" = 1 ] && [ "$quiet" -gt 5 ] &&
+				grep -q 'BUG:\|Oops\|Kernel panic' /tmp/vm.console 2>/dev/null; } ||
 			{ [ "${DEBIAN:-0}" = 1 ] && grep -q HAG-GUEST-RESULT /tmp/client.log; } ||
-			{ [ -n "$since" ] && [ "$(wc -l </tmp/client.log)" -ge $((since + 20)) ]; }; then
+			{ [ "${DEBIAN:-0}" = 1 ] && [ -n "$since" ] && [ "$(wc -l </tmp/client.log)" -ge $((since + 20)) ]; }; then
 			[ "${DEBIAN:-0}" != 1 ] || debian_checks
 			qemu=$(sed -n 's/.*takeover: QEMU (pid \([0-9]*\)).*/\1/p' /tmp/backup.err)
 			[ -z "$qemu" ] || kill -TERM "$qemu" 2>/dev/null || true
@@ -307,7 +317,7 @@ if [ "$HAG_HOST" = 1 ]; then
 	done
 	# The client hears the guest's last packets shortly after it ends.
 	sleep 2
-	kill "$client" 2>/dev/null || true
+	kill "$guest_client" 2>/dev/null || true
 	echo "--- what the client saw:"
 	cat /tmp/client.log
 	check_backup "$rc"

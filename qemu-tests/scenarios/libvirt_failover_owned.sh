@@ -15,10 +15,11 @@
 # again by its own configuration (backup='HOST0:7200,HOST1:7200': host 0's
 # backup, which stands by once its VM was handed over) at the takeover's
 # generation: epochs must be acknowledged. The guest must verify on host
-# 1; when it powers off, libvirt must record the domain shut off, and both
-# backups must end.
+# 1 (asked to end its run once those checks passed: guest_finish); when
+# it powers off, libvirt must record the domain shut off, and both backups
+# must end.
 DOM=gpu-guest
-GUEST_ARGS="--seconds=105,--mib=8,--cpu-mib=8"
+GUEST_ARGS="--seconds=300,--mib=8,--cpu-mib=8,--progress=1,$GUEST_REPORT"
 HOOK_LOG=$HOST_ROOT/var/log/hag/libvirt-hook.log
 CP_LOG=$HOST_ROOT/var/log/hag/checkpoint-$DOM.log
 backup=$(host_ip 1):7200
@@ -37,7 +38,13 @@ DOMAIN_XML_EXTRA="<uuid>8a6c0000-4a47-4000-8000-00000000b001</uuid>
 # The hook gives hagctl checkpoint 90 s to end by itself after libvirt
 # reports QEMU gone: the hand-over waits for the backup's restore.
 hook_libvirt_up STOP_TIMEOUT=90 RETRY=3
-domain_xml "$DOM" "$uuid" "$GUEST_ARGS" >"$HOST_ROOT/tmp/$DOM.xml"
+if [ "$HAG_HOST" = 1 ]; then
+	vm_net_up "$GUEST_CLIENT/24"
+	guest_client_up
+else
+	vm_net_up
+fi
+DOMAIN_NET=1 domain_xml "$DOM" "$uuid" "$GUEST_ARGS" >"$HOST_ROOT/tmp/$DOM.xml"
 if [ "$HAG_HOST" = 1 ]; then
 	in_root virsh define "/tmp/$DOM.xml"
 	step "host 1: backup on $backup; a takeover is a libvirt restore of the domain"
@@ -71,6 +78,7 @@ print(caps["x-ignore-shared"])')
 	grep "$DOM takeover/-: protecting vGPU" "$HOOK_LOG" || fail "the takeover did not start protection through the hook's configuration"
 	in_root /usr/local/bin/hagctl status | tee /tmp/status.out
 	grep -q "protected, last epoch .*backup $backup0 (generation 1" /tmp/status.out || fail "not protected at the takeover's generation"
+	guest_finish
 	step "host 1: the guest's verdict"
 	vm_result "$DOM" 600
 	grep -q 'HAG-GUEST-RESULT PASS' "/tmp/$DOM.console" || { tail -20 "/tmp/$DOM.console"; fail "the guest did not verify on host 1"; }

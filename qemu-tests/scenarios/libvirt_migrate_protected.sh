@@ -11,13 +11,14 @@
 # with host 1's backup, which ends without a takeover; on host 1 the hook
 # protects the arrived domain with host 0's backup, and the guest's
 # verdict reaches host 1's console log only through that protection (its
-# epochs acknowledged by host 0). A virsh migrate that meets an epoch's
+# epochs acknowledged by host 0; the guest is asked to end its run once
+# host 1's protection is seen: guest_finish). A virsh migrate that meets an epoch's
 # save is refused by QEMU ("migration process in progress"), or cancelled
 # by hagctl if it began while the save had x-ignore-shared on: the domain
 # runs on protected, and it is tried again.
 DOM=gpu-guest
 UUID=8a6c0000-4a47-4000-8000-00000000a002
-GUEST_ARGS="--seconds=115,--mib=8,--cpu-mib=8"
+GUEST_ARGS="--seconds=300,--mib=8,--cpu-mib=8,--progress=1,$GUEST_REPORT"
 HOOK_LOG=$HOST_ROOT/var/log/hag/libvirt-hook.log
 CP_LOG=$HOST_ROOT/var/log/hag/checkpoint-$DOM.log
 CONSOLE_LOG=$HOST_ROOT/var/log/hag/console-$DOM.log
@@ -36,7 +37,13 @@ DOMAIN_XML_EXTRA="<metadata><hag:protect xmlns:hag='https://hag.example/1' backu
 # A failed protection (the other host's backup not there yet) is
 # retried every 3 s.
 hook_libvirt_up RETRY=3
-domain_xml "$DOM" "$UUID" "$GUEST_ARGS" >"$HOST_ROOT/tmp/$DOM.xml"
+if [ "$HAG_HOST" = 1 ]; then
+	vm_net_up "$GUEST_CLIENT/24"
+	guest_client_up
+else
+	vm_net_up
+fi
+DOMAIN_NET=1 domain_xml "$DOM" "$UUID" "$GUEST_ARGS" >"$HOST_ROOT/tmp/$DOM.xml"
 
 # This host's backup for the domain while it runs on the other host.
 step "host $HAG_HOST: hagctl backup on $me:7200 (the domain's backup while it runs on the other host)"
@@ -66,6 +73,7 @@ if [ "$HAG_HOST" = 1 ]; then
 	grep -q -- "--backup $(host_ip 0):7200" "$HOOK_LOG" || { cat "$HOOK_LOG"; fail "the hook did not choose host 0's backup"; }
 	in_root /usr/local/bin/hagctl status | tee /tmp/status.out
 	grep -q "protected, last epoch" /tmp/status.out || fail "hagctl status does not show the VM protected on host 1"
+	guest_finish
 	step "host 1: the guest's verdict, released by host 1's protection"
 	wait_for 600 grep -q HAG-GUEST-RESULT "$CONSOLE_LOG" || { cat "$CP_LOG"; fail "no verdict in $CONSOLE_LOG"; }
 	grep HAG-GUEST-RESULT "$CONSOLE_LOG"

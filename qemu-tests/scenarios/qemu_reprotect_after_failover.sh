@@ -14,8 +14,11 @@
 # seed holds it). Then host 1's
 # QEMU is killed: the re-protecting checkpoint hands the VM over and host
 # 0's backup takes over at generation 2, from an epoch of host 1's run; the
-# guest must verify all of its memory there.
-GUEST_ARGS="--seconds=115,--mib=4,--cpu-mib=4"
+# guest must verify all of its memory there (asked to end its run then:
+# guest_finish, through its client on host 1).
+GUEST_ARGS="--seconds=300,--mib=4,--cpu-mib=4,--progress=1,$GUEST_REPORT"
+VM_NET=1
+VM_APPEND=$GUEST_NET_WORDS
 backup0=$(host_ip 0):7200
 backup1=$(host_ip 1):7200
 peer=$(host_ip $((1 - HAG_HOST)))
@@ -25,6 +28,12 @@ ha_key
 host_root_up
 mdev_create "$uuid"
 wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
+if [ "$HAG_HOST" = 1 ]; then
+	vm_net_up "$GUEST_CLIENT/24"
+	guest_client_up
+else
+	vm_net_up
+fi
 # The standby's command line: the VM's, with this host's vGPU and its RAM
 # locked as the primary's (hagctl adds the RAM backend itself).
 eval "set -- $(vm_words vm "$uuid" "$GUEST_ARGS") -overcommit mem-lock=on"
@@ -67,6 +76,8 @@ if [ "$HAG_HOST" = 1 ]; then
 	tail -n 15 /tmp/backup.err
 	expect_eq "hagctl backup exit status (its VM killed)" "$rc" 7
 	grep -q 'handed-over' /tmp/backup.out || fail "the re-protecting checkpoint did not hand the VM over"
+	await_ready "$(host_ip 0)" 7103 600
+	guest_finish
 	await_ready "$(host_ip 0)" 7102
 else
 	step "host 0: VM with hag-guest on vGPU $uuid, protected by $backup1"
@@ -91,6 +102,7 @@ else
 	grep -m1 'synchronised\|first checkpoint\|epoch 1 applied' /tmp/backup.err || true
 	wait_for 600 grep -q 'takeover: generation 2' /tmp/backup.err || fail "no takeover on host 0"
 	step "host 0: took over again; the guest's verdict"
+	signal_ready 7103
 	vm_result vm 600
 	grep -q 'HAG-GUEST-RESULT PASS' /tmp/vm.console || { vm_show vm; fail "the guest did not verify on host 0"; }
 	qemu=$(sed -n 's/.*takeover: QEMU (pid \([0-9]*\)).*/\1/p' /tmp/backup.err)

@@ -124,7 +124,10 @@ NETWORK
   state sends other bytes under the same seq). Sent before the line is
   printed. A failed send is said once on the console; the run goes on.
   'hag-guest listen --port P' (on another host) logs them, one line each:
-  '<arrival secs.micros> <from> <payload>'.
+  '<arrival secs.micros> <from> <payload>'. A datagram HAG-GUEST-FINISH
+  from that address ends the run at its next progress line, verified as at
+  its end (as SIGTERM does); 'listen --finish-file F' answers so once F
+  exists.
 
 EXIT STATUS
   0 PASS, 1 FAIL, 2 could not run (one line on stderr:
@@ -201,6 +204,10 @@ enum Command {
         /// datagrams logged so far ('N' and a newline)
         #[arg(long = "query-port", value_name = "Q")]
         query_port: Option<u16>,
+        /// Once this file exists, answer each datagram with
+        /// HAG-GUEST-FINISH: the guest ends its run early, verified
+        #[arg(long = "finish-file", value_name = "F")]
+        finish_file: Option<std::path::PathBuf>,
     },
 }
 
@@ -261,10 +268,13 @@ fn run_cpu_only(cli: &Cli, reporter: &mut Reporter) -> anyhow::Result<Outcome> {
             std::thread::sleep(due - elapsed);
         }
         if start.elapsed() >= next_progress {
-            reporter.line(&format!(
-                "hag-guest: iteration {done}, {:.1} s",
-                start.elapsed().as_secs_f64()
-            ));
+            report(
+                reporter,
+                &format!(
+                    "hag-guest: iteration {done}, {:.1} s",
+                    start.elapsed().as_secs_f64()
+                ),
+            );
             next_progress += progress;
         }
     }
@@ -350,8 +360,8 @@ fn run(cli: &Cli, reporter: &mut Reporter) -> anyhow::Result<Outcome> {
             cpu.as_ref(),
             plan,
             &mut |l: &str| match &disk {
-                Some(d) => reporter.line(&format!("{l}, disk {} records", d.committed())),
-                None => reporter.line(l),
+                Some(d) => report(reporter, &format!("{l}, disk {} records", d.committed())),
+                None => report(reporter, l),
             },
         )?;
     let now = pagemap::frames(ram.host_addr(), ram.pages()).context("GPU memory")?;
@@ -478,8 +488,18 @@ fn verify<R: Registers>(
     Ok(failures)
 }
 
-/// Raised by SIGTERM: the run ends early, verified as at its end.
+/// Raised by SIGTERM or the listener's HAG-GUEST-FINISH: the run ends
+/// early, verified as at its end.
 static STOP: AtomicBool = AtomicBool::new(false);
+
+/// A progress line, on the console and to the listener, which may answer
+/// that the run should end.
+fn report(reporter: &mut Reporter, line: &str) {
+    reporter.line(line);
+    if reporter.finish_asked() {
+        STOP.store(true, Ordering::Relaxed);
+    }
+}
 
 fn stop_requested() -> bool {
     STOP.load(Ordering::Relaxed)
@@ -520,9 +540,10 @@ fn main() -> ExitCode {
         port,
         bind,
         query_port,
+        finish_file,
     }) = cli.command
     {
-        return match listen(SocketAddr::new(bind, port), query_port) {
+        return match listen(SocketAddr::new(bind, port), query_port, finish_file) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 fail(&format!("listen: {e:#}"));
@@ -554,8 +575,15 @@ fn main() -> ExitCode {
 }
 
 /// `hag-guest listen`: logs datagrams to stdout until killed.
-fn listen(at: SocketAddr, query_port: Option<u16>) -> anyhow::Result<()> {
-    let listener = Listener::bind(at).with_context(|| format!("binding UDP {at}"))?;
+fn listen(
+    at: SocketAddr,
+    query_port: Option<u16>,
+    finish_file: Option<std::path::PathBuf>,
+) -> anyhow::Result<()> {
+    let mut listener = Listener::bind(at).with_context(|| format!("binding UDP {at}"))?;
+    if let Some(f) = finish_file {
+        listener.finish_when(f);
+    }
     if let Some(q) = query_port {
         let query = SocketAddr::new(at.ip(), q);
         listener.serve_count(

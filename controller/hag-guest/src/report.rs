@@ -22,11 +22,16 @@
 //! With `--query-port Q` it also answers every TCP connection on Q with
 //! the number of datagrams logged so far (`N\n`), so a test can ask what
 //! the client has seen. `qemu-tests/guest/client_check.py` judges such a
-//! log.
+//! log. With `--finish-file F` it answers every datagram with
+//! `HAG-GUEST-FINISH` once F exists: the guest then ends its run at its
+//! next progress line, verified as at its end (as SIGTERM ends it), so a
+//! test that has seen what it waited for (a takeover and some progress
+//! after it) need not wait out the run's --seconds.
 
 use std::fmt::Write as _;
 use std::io::{self, Write};
 use std::net::{SocketAddr, TcpListener, UdpSocket};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -36,11 +41,16 @@ use nix::time::{clock_gettime, ClockId};
 /// The largest datagram the listener takes whole.
 const MAX_DATAGRAM: usize = 65536;
 
+/// The listener's answer that ends the guest's run.
+pub const FINISH: &[u8] = b"HAG-GUEST-FINISH";
+
 /// The console, and with `--report` the network.
 pub struct Reporter {
     target: Option<(UdpSocket, SocketAddr)>,
     seq: u64,
     failures: u64,
+    /// The listener answered [`FINISH`].
+    finish: bool,
 }
 
 impl Reporter {
@@ -54,14 +64,29 @@ impl Reporter {
                 } else {
                     "[::]:0".parse().expect("a literal address")
                 };
-                Some((UdpSocket::bind(any)?, addr))
+                let socket = UdpSocket::bind(any)?;
+                socket.set_nonblocking(true)?;
+                Some((socket, addr))
             }
         };
         Ok(Reporter {
             target,
             seq: 0,
             failures: 0,
+            finish: false,
         })
+    }
+
+    /// Whether the listener has answered [`FINISH`] (from the report
+    /// address; anything else is ignored).
+    pub fn finish_asked(&mut self) -> bool {
+        if let Some((socket, addr)) = &self.target {
+            let mut buf = [0u8; 64];
+            while let Ok((n, from)) = socket.recv_from(&mut buf) {
+                self.finish |= from == *addr && &buf[..n] == FINISH;
+            }
+        }
+        self.finish
     }
 
     /// Sends `line` as the next datagram (if reporting), then prints it.
@@ -136,6 +161,8 @@ pub fn log_line(arrival: SystemTime, from: SocketAddr, payload: &[u8]) -> String
 pub struct Listener {
     socket: UdpSocket,
     count: Arc<AtomicU64>,
+    /// Once this file exists, each datagram is answered with [`FINISH`].
+    finish_file: Option<PathBuf>,
 }
 
 /// The client's receive buffer: a protected VM's output comes in bursts,
@@ -159,7 +186,13 @@ impl Listener {
         Ok(Listener {
             socket,
             count: Arc::new(AtomicU64::new(0)),
+            finish_file: None,
         })
+    }
+
+    /// Answers every datagram with [`FINISH`] once `file` exists.
+    pub fn finish_when(&mut self, file: PathBuf) {
+        self.finish_file = Some(file);
     }
 
     /// The address it listens on.
@@ -182,7 +215,12 @@ impl Listener {
     pub fn next_line(&self) -> io::Result<String> {
         let mut buf = vec![0u8; MAX_DATAGRAM];
         let (n, from) = self.socket.recv_from(&mut buf)?;
-        Ok(log_line(SystemTime::now(), from, &buf[..n]))
+        let line = log_line(SystemTime::now(), from, &buf[..n]);
+        if self.finish_file.as_ref().is_some_and(|f| f.exists()) {
+            // Lost, it is sent again at the next datagram.
+            let _ = self.socket.send_to(FINISH, from);
+        }
+        Ok(line)
     }
 
     /// Logs every datagram to `out`, a flushed line each, for ever (or
@@ -261,6 +299,32 @@ mod tests {
             .read_line(&mut answer)
             .unwrap();
         assert_eq!(answer, "2\n");
+    }
+
+    #[test]
+    fn the_listener_asks_for_the_end_once_its_file_exists() {
+        let file = std::env::temp_dir().join(format!("hag-guest-finish-{}", std::process::id()));
+        let _ = std::fs::remove_file(&file);
+        let mut listener = Listener::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        listener.finish_when(file.clone());
+        let mut r = Reporter::new(Some(listener.local_addr().unwrap())).unwrap();
+        let wait_for_answer = |r: &mut Reporter| {
+            for _ in 0..100 {
+                if r.finish_asked() {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            false
+        };
+        r.line("hag-guest: iteration 1, 1.0 s");
+        listener.next_line().unwrap();
+        assert!(!wait_for_answer(&mut r), "asked before the file exists");
+        std::fs::write(&file, b"").unwrap();
+        r.line("hag-guest: iteration 2, 2.0 s");
+        listener.next_line().unwrap();
+        assert!(wait_for_answer(&mut r));
+        std::fs::remove_file(&file).unwrap();
     }
 
     #[test]

@@ -29,6 +29,20 @@ pub struct Domain {
     pub mdevs: Vec<String>,
     /// The attributes of `<hag:protect>` in `<metadata>`, if there is one.
     pub protect: Option<Protect>,
+    /// Each `<interface>`, in the order of the XML (libvirt's order of
+    /// their `-netdev`s).
+    pub interfaces: Vec<Interface>,
+}
+
+/// A `<interface>`: where its packets go on the host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Interface {
+    /// Its `type` (`bridge`, `network`, `direct`, `user`, …).
+    pub kind: String,
+    /// `<source bridge=…>` or `<source network=…>`, whichever it has.
+    pub source: Option<String>,
+    /// `<mac address=…>`, if written.
+    pub mac: Option<String>,
 }
 
 /// `<hag:protect>`'s attributes, as written (checked by [`Protect::settings`]).
@@ -73,6 +87,18 @@ pub fn parse(xml: &str) -> Result<Domain, String> {
             if let Some(uuid) = uuid {
                 domain.mdevs.push(uuid.to_owned());
             }
+        }
+        for interface in devices.children().filter(|n| n.has_tag_name("interface")) {
+            let source = child(interface, "source");
+            domain.interfaces.push(Interface {
+                kind: interface.attribute("type").unwrap_or_default().to_owned(),
+                source: source
+                    .and_then(|s| s.attribute("bridge").or_else(|| s.attribute("network")))
+                    .map(str::to_owned),
+                mac: child(interface, "mac")
+                    .and_then(|m| m.attribute("address"))
+                    .map(str::to_owned),
+            });
         }
     }
     let protect = child(root, "metadata").and_then(|m| {
@@ -409,6 +435,13 @@ mod tests {
       <source><address uuid='83b8f4f2-509f-382f-3c1e-e6bfe0fa1001'/></source>
       <address type='pci' domain='0x0000' bus='0x07' slot='0x00' function='0x0'/>
     </hostdev>
+    <interface type='bridge'>
+      <mac address='52:54:00:56:4d:01'/>
+      <source bridge='br0'/>
+      <target dev='vnet0'/>
+      <model type='virtio'/>
+    </interface>
+    <interface type='network'><source network='default'/><model type='virtio'/></interface>
   </devices>
 </domain>"#;
 
@@ -435,6 +468,21 @@ mod tests {
         let d = parse(LIVE).unwrap();
         assert_eq!(d.id, Some(7));
         assert_eq!(d.mdevs, ["83b8f4f2-509f-382f-3c1e-e6bfe0fa1001"]);
+        assert_eq!(
+            d.interfaces,
+            [
+                Interface {
+                    kind: "bridge".into(),
+                    source: Some("br0".into()),
+                    mac: Some("52:54:00:56:4d:01".into())
+                },
+                Interface {
+                    kind: "network".into(),
+                    source: Some("default".into()),
+                    mac: None
+                },
+            ]
+        );
         let s = d.protect.unwrap().settings("web1", &defaults()).unwrap();
         assert_eq!(s.socket, VmSocket::Qmp("/run/hag/web1.qmp".into()));
         assert_eq!(

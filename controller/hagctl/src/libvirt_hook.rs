@@ -1047,6 +1047,7 @@ mod tests {
                 backup: Some("b:7200".into()),
                 ..Default::default()
             }),
+            interfaces: Vec::new(),
         };
         let hag = |u: &str| u == "hag0";
         let err = |d: &Domain, dev| settings_for("web1", d, &conf, hag, dev).unwrap_err();

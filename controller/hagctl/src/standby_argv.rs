@@ -300,31 +300,140 @@ pub fn without_libvirt_runtime(argv: &[String]) -> Vec<String> {
     out
 }
 
+/// `argv` with each network backend that libvirt opens and passes as
+/// file descriptors (`-netdev` with `fd` or `fds`: only a QEMU libvirt
+/// starts has them) opened by QEMU itself, as a `bridge` backend (QEMU's
+/// bridge helper: the host's `/etc/qemu/bridge.conf` must allow the
+/// bridge) on the host bridge of the domain's `<interface>`. The
+/// interface is found by the MAC address of the `-device` that uses the
+/// backend; `bridge_of(MAC)` names its bridge, or says why a standby
+/// cannot join one. Other backends are kept as they are.
+pub fn with_bridged_netdevs(
+    argv: &[String],
+    bridge_of: impl Fn(&str) -> Result<String, String>,
+) -> Result<Vec<String>, String> {
+    let opts_of = |value: &str| -> Result<Opts, String> {
+        if value.starts_with('{') {
+            serde_json::from_str::<Ordered>(value)
+                .map(|Ordered(fields)| Opts::Json(fields))
+                .map_err(|e| format!("-netdev {value}: {e}"))
+        } else {
+            Ok(Opts::KeyValue(split_key_values(value)))
+        }
+    };
+    let option = |word: &str| word.trim_start_matches('-').to_owned();
+    let mut macs: HashMap<String, String> = HashMap::new();
+    for w in argv.windows(2).filter(|w| option(&w[0]) == "device") {
+        let dev = opts_of(&w[1])?;
+        if let (Some(netdev), Some(mac)) = (dev.get("netdev"), dev.get("mac")) {
+            macs.insert(netdev, mac.to_ascii_lowercase());
+        }
+    }
+    let mut out = argv.to_vec();
+    for i in 1..argv.len() {
+        if option(&argv[i - 1]) != "netdev" || !argv[i - 1].starts_with('-') {
+            continue;
+        }
+        let netdev = opts_of(&argv[i])?;
+        if netdev.get("fd").is_none() && netdev.get("fds").is_none() {
+            continue;
+        }
+        let id = netdev
+            .get("id")
+            .ok_or_else(|| format!("-netdev {} has no id", argv[i]))?;
+        let mac = macs.get(&id).ok_or_else(|| {
+            format!("-netdev {id}: no -device with a MAC address uses it, so no <interface> can be told for it")
+        })?;
+        let br = bridge_of(mac).map_err(|why| format!("the interface with MAC {mac}: {why}"))?;
+        let bridged = match netdev {
+            Opts::Json(_) => Opts::Json(vec![
+                ("type".into(), Value::from("bridge")),
+                ("br".into(), Value::from(br)),
+                ("id".into(), Value::from(id)),
+            ]),
+            Opts::KeyValue(_) => Opts::KeyValue(vec![
+                ("type".into(), Some("bridge".into())),
+                ("br".into(), Some(br)),
+                ("id".into(), Some(id)),
+            ]),
+        };
+        out[i] = bridged.render();
+    }
+    Ok(out)
+}
+
 /// The QEMU command line libvirt would start the domain of the file `xml`
 /// with: `virsh [--connect URI] domxml-to-native qemu-argv XML`, without
-/// what ties it to a running domain ([`without_libvirt_runtime`]).
+/// what ties it to a running domain ([`without_libvirt_runtime`]), and
+/// its network interfaces on their host bridges
+/// ([`with_bridged_netdevs`]).
 pub fn libvirt_domain_argv(xml: &Path, uri: Option<&str>) -> Result<Vec<String>, String> {
+    let what = format!("virsh domxml-to-native qemu-argv {}", xml.display());
+    let text = virsh(uri, &["domxml-to-native", "qemu-argv"], Some(xml))
+        .map_err(|e| format!("{what}: {e}"))?;
+    let argv = native_argv(&text)
+        .map(|argv| without_libvirt_runtime(&argv))
+        .map_err(|e| format!("{what}: {e}"))?;
+    let domain = std::fs::read_to_string(xml)
+        .map_err(|e| format!("{}: {e}", xml.display()))
+        .and_then(|text| crate::libvirt_domain::parse(&text))
+        .map_err(|e| format!("{}: {e}", xml.display()))?;
+    let bridge_of = |mac: &str| -> Result<String, String> {
+        let interface = domain
+            .interfaces
+            .iter()
+            .find(|i| {
+                i.mac
+                    .as_deref()
+                    .is_some_and(|m| m.eq_ignore_ascii_case(mac))
+            })
+            .ok_or_else(|| format!("no <interface> of {} has it", xml.display()))?;
+        let source = interface.source.clone();
+        match (interface.kind.as_str(), source) {
+            ("bridge", Some(bridge)) => Ok(bridge),
+            ("network", Some(network)) => network_bridge(uri, &network),
+            (kind, _) => Err(format!(
+                "a standby started by hagctl joins only a host bridge (<interface type='bridge'>, or type='network' \
+                 with a bridge), not <interface type='{kind}'>"
+            )),
+        }
+    };
+    with_bridged_netdevs(&argv, bridge_of)
+}
+
+/// The host bridge of libvirt network `network` (`<bridge name=…>` of
+/// `virsh net-dumpxml`).
+fn network_bridge(uri: Option<&str>, network: &str) -> Result<String, String> {
+    let text = virsh(uri, &["net-dumpxml", network], None)
+        .map_err(|e| format!("virsh net-dumpxml {network}: {e}"))?;
+    let doc = roxmltree::Document::parse(&text)
+        .map_err(|e| format!("virsh net-dumpxml {network}: {e}"))?;
+    doc.descendants()
+        .find(|n| n.has_tag_name("bridge"))
+        .and_then(|b| b.attribute("name"))
+        .map(str::to_owned)
+        .ok_or_else(|| format!("libvirt network '{network}' has no bridge"))
+}
+
+/// What `virsh [--connect URI] ARGS [FILE]` prints, or what went wrong.
+fn virsh(uri: Option<&str>, args: &[&str], file: Option<&Path>) -> Result<String, String> {
     let mut cmd = Command::new("virsh");
     if let Some(uri) = uri {
         cmd.args(["--connect", uri]);
     }
-    cmd.args(["domxml-to-native", "qemu-argv"]).arg(xml);
-    let what = format!("virsh domxml-to-native qemu-argv {}", xml.display());
-    let out = cmd
-        .output()
-        .map_err(|e| format!("cannot run {what}: {e}"))?;
+    cmd.args(args);
+    if let Some(file) = file {
+        cmd.arg(file);
+    }
+    let out = cmd.output().map_err(|e| format!("cannot run virsh: {e}"))?;
     if !out.status.success() {
         return Err(format!(
-            "{what}: {}: {}",
+            "{}: {}",
             out.status,
             String::from_utf8_lossy(&out.stderr).trim()
         ));
     }
-    let text =
-        String::from_utf8(out.stdout).map_err(|_| format!("{what}: its output is not UTF-8"))?;
-    native_argv(&text)
-        .map(|argv| without_libvirt_runtime(&argv))
-        .map_err(|e| format!("{what}: {e}"))
+    String::from_utf8(out.stdout).map_err(|_| "its output is not UTF-8".to_owned())
 }
 
 /// Rewrites the block node `n`, the drive of the disk device `id`, to
@@ -1215,6 +1324,54 @@ mod tests {
         );
         assert!(native_argv("LC_ALL=C\n").is_err());
         assert!(native_argv("qemu '-m").is_err());
+    }
+
+    #[test]
+    fn libvirts_passed_taps_join_their_interfaces_bridge() {
+        let line = argv(&[
+            "qemu-system-x86_64",
+            "-netdev",
+            r#"{"type":"tap","fd":"17","vhost":true,"vhostfd":"19","id":"hostnet0"}"#,
+            "-device",
+            r#"{"driver":"virtio-net-pci","netdev":"hostnet0","id":"net0","mac":"52:54:00:56:4D:01","bus":"pcie.0","addr":"0x2"}"#,
+            "-netdev",
+            "tap,fds=20:21,id=hostnet1",
+            "-device",
+            "e1000,netdev=hostnet1,id=net1,mac=52:54:00:00:00:02",
+            "-netdev",
+            r#"{"type":"user","id":"hostnet2"}"#,
+            "-device",
+            r#"{"driver":"virtio-net-pci","netdev":"hostnet2","id":"net2","mac":"52:54:00:00:00:03"}"#,
+        ]);
+        let bridges = |mac: &str| match mac {
+            "52:54:00:56:4d:01" => Ok("br0".to_owned()),
+            "52:54:00:00:00:02" => Ok("virbr0".to_owned()),
+            _ => Err(format!("unknown {mac}")),
+        };
+        let out = with_bridged_netdevs(&line, bridges).unwrap();
+        assert_eq!(out[2], r#"{"type":"bridge","br":"br0","id":"hostnet0"}"#);
+        assert_eq!(out[6], "type=bridge,br=virbr0,id=hostnet1");
+        // A backend QEMU opens itself is kept; so is everything else.
+        assert_eq!(out[10], line[10]);
+        assert_eq!(
+            out.iter()
+                .enumerate()
+                .filter(|(i, w)| line[*i] != **w)
+                .count(),
+            2
+        );
+        // An interface a standby cannot join is named, with why.
+        let none = |_: &str| Err("<interface type='direct'>".to_owned());
+        let err = with_bridged_netdevs(&line, none).unwrap_err();
+        assert!(
+            err.contains("52:54:00:56:4d:01") && err.contains("direct"),
+            "{err}"
+        );
+        // A backend no device with a MAC uses cannot be told.
+        let orphan = argv(&["qemu-system-x86_64", "-netdev", "tap,fd=3,id=n9"]);
+        assert!(with_bridged_netdevs(&orphan, bridges)
+            .unwrap_err()
+            .contains("n9"));
     }
 
     #[test]
