@@ -7,6 +7,10 @@
 #   check_target RECEIVE-STATUS   host 1's verdict (/tmp/vm.console, /tmp/recv.*)
 #   check_source MIGRATE-STATUS   host 0's verdict (/tmp/vm.console, /tmp/mig.*,
 #                                 $vm_pid: the source QEMU's pid)
+# The guest reports to its client on host 1 wherever it runs; once the
+# migration has ended (either way) and the guest has reported 5 more
+# seconds of progress, it is asked to end its run (guest_finish): its
+# --seconds is only an upper bound.
 # shellcheck disable=SC2086
 load_hag $HAG_PARAMS
 host_root_up
@@ -15,8 +19,13 @@ mdev_create "$uuid"
 target=$(host_ip 1)
 peer=$(host_ip $((1 - HAG_HOST)))
 wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
+GUEST_ARGS="$GUEST_ARGS,--progress=1,$GUEST_REPORT"
+VM_NET=1
+VM_APPEND=$GUEST_NET_WORDS
 
 if [ "$HAG_HOST" = 1 ]; then
+	vm_net_up "$GUEST_CLIENT/24"
+	guest_client_up
 	step "host 1: incoming VM (QEMU -incoming defer), receiver on $target:7100"
 	vm_start vm "$uuid" "$GUEST_ARGS" -incoming defer
 	hagctl receive --qmp /tmp/vm.qmp --listen "$target:7100" --json >/tmp/recv.out 2>/tmp/recv.err &
@@ -26,8 +35,13 @@ if [ "$HAG_HOST" = 1 ]; then
 	rc=0
 	wait "$recv" || rc=$?
 	cat /tmp/recv.err /tmp/recv.out
+	lines=$(wc -l </tmp/client.log)
+	wait_for 60 sh -c "[ \$(wc -l </tmp/client.log) -ge $((lines + 5)) ]" ||
+		echo "the guest reported no 5 s of progress after the migration"
+	guest_finish
 	check_target "$rc"
 else
+	vm_net_up
 	step "host 0: VM with hag-guest on vGPU $uuid"
 	vm_start vm "$uuid" "$GUEST_ARGS"
 	# QEMU removes its pidfile when it exits.

@@ -7,7 +7,7 @@
 # context through VFIO migration v2), driven by hagctl over QMP. The guest
 # must verify all of its memory on host 1; QEMU's downtime is printed, and
 # the source QEMU must be gone (the VM never runs twice).
-GUEST_ARGS="--seconds=45,--mib=8,--cpu-mib=8"
+GUEST_ARGS="--seconds=120,--mib=8,--cpu-mib=8"
 check_target() {
 	expect_eq "hagctl receive status" "$1" 0
 	vm_result vm 600

@@ -7,7 +7,7 @@
 # guest's own check must FAIL on host 1. The scenario passes only then, so
 # it shows that qemu_migrate_live can fail.
 HAG_PARAMS=withhold_gpu_dirty=1
-GUEST_ARGS="--seconds=45,--mib=8,--cpu-mib=8"
+GUEST_ARGS="--seconds=120,--mib=8,--cpu-mib=8"
 check_target() {
 	expect_eq "hagctl receive status" "$1" 0
 	vm_result vm 600
