@@ -14,16 +14,18 @@
 # both hosts' br0 share). On host 1: every acknowledged commit is in the
 # table, PostgreSQL neither restarted nor ran crash recovery, the guest's
 # hag-guest verifies (GPU, memory, records it synced to a file on the
-# disk); the domain runs on host 1 and is gone from host 0.
+# disk; asked to end its run once the client has stopped: guest_finish);
+# the domain runs on host 1 and is gone from host 0.
 DOM=gpu-guest
 # Both hosts create the vGPU under one UUID, as libvirt's migration expects.
 UUID=8a6c0000-4a47-4000-8000-00000000a002
 DISK=/tmp/$DOM.qcow2
-CLIENT=203.0.113.1
+CLIENT=$GUEST_CLIENT
 VM_ADDR=203.0.113.50
 VM_MIB=512
-# Long enough to span the migration (its disk mirror and RAM copy).
-GUEST_ARGS="--seconds=150,--mib=8,--cpu-mib=8,--progress=1,--disk,/var/lib/hag-guest-records"
+# Long enough to span the migration (its disk mirror and RAM copy); it is
+# asked to end once the client has seen the guest answer on host 1.
+GUEST_ARGS="--seconds=400,--mib=8,--cpu-mib=8,--progress=1,--disk,/var/lib/hag-guest-records,$GUEST_REPORT"
 load_hag
 mdev_create "$UUID"
 libvirt_up
@@ -39,6 +41,7 @@ domstate() { chroot "$HOST_ROOT" virsh domstate "$DOM" 2>/dev/null | head -1; }
 
 if [ "$HAG_HOST" = 1 ]; then
 	vm_net_up "$CLIENT/24"
+	guest_client_up
 	step "host 1: waiting for the guest to run on host 0"
 	await_ready "$source" 7102 600
 	cap=$(in_root virsh -c qemu+tcp://testhost0/system domblkinfo "$DOM" vda | sed -n 's/^Capacity: *\([0-9]*\)$/\1/p')
@@ -72,7 +75,8 @@ if [ "$HAG_HOST" = 1 ]; then
 	wait "$db_client" || true
 	! kill -0 "$db_client" 2>/dev/null || fail "the client runs on after SIGTERM"
 	sed 's/^/[db client] /' /tmp/db.err
-	step "host 1: client stopped after $(acked) commits ($at_move before the guest ran here); waiting for hag-guest's end"
+	step "host 1: client stopped after $(acked) commits ($at_move before the guest ran here)"
+	guest_finish
 	vm_result "$DOM" 600
 	rc=0
 	step "host 1: the database's verdict"

@@ -162,10 +162,13 @@ if [ "$HAG_HOST" = 0 ]; then
 	pcs_f constraint location vgpu-vm-clone rule role=Promoted score=50 '#uname' eq host0
 	in_root pcs cluster cib-push "$cib" || fail "pcs cluster cib-push"
 	wait_for 300 promoted_on host0 || { pacemaker_log; fail "the VM was not promoted on host 0"; }
+	step "host 0: promoted"
 	wait_for 120 role_is primary || { pacemaker_log; fail "no hagctl checkpoint protects the VM on host 0"; }
 	vm_wait_console vm 300 HAG-GUEST-READY
+	step "host 0: the VM runs, protected"
 	wait_for 300 grep -q '^epoch 4:' "$HOST_ROOT/var/log/hag/ocf-vm.log" ||
 		{ pacemaker_log; fail "no 4 epochs acknowledged"; }
+	step "host 0: 4 epochs acknowledged"
 	in_root crm_mon -1
 	in_root /usr/local/bin/hagctl job --name vm
 	grep -v '^epoch\|^round' "$HOST_ROOT/var/log/hag/ocf-vm.log" | cut -c1-200
