@@ -86,7 +86,7 @@ gvt)
 	# that kernel plus i915, so it is built incrementally from a copy of
 	# it (kbuild rebuilds what the changed settings and the patches touch;
 	# about a third of a whole build's time).
-	seed=$(env -u HAG_KERNEL_FRAGMENT "$0" --flavour test --cached-dir 2>/dev/null || true)
+	seed=$(env -u HAG_KERNEL_FRAGMENT "$here/build-kernel.sh" --flavour test --cached-dir 2>/dev/null || true)
 	;;
 debug)
 	make_args=(LLVM=1)
