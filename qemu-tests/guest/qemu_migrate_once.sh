@@ -7,6 +7,11 @@
 #   check_target RECEIVE-STATUS   host 1's verdict (/tmp/vm.console, /tmp/recv.*)
 #   check_source MIGRATE-STATUS   host 0's verdict (/tmp/vm.console, /tmp/mig.*,
 #                                 $vm_pid: the source QEMU's pid)
+#   COPY_STORAGE=1  the VM has a local disk (virtio-blk vda, a 64 MiB qcow2
+#                   in /tmp) that hag-guest commits synced records to, moved
+#                   with it (hagctl migrate/receive --copy-storage; the
+#                   target QEMU starts with -S and an empty qcow2 of the
+#                   same size)
 # The guest reports to its client on host 1 wherever it runs; once the
 # migration has ended (either way) and the guest has reported 5 more
 # seconds of progress, it is asked to end its run (guest_finish): its
@@ -22,13 +27,21 @@ wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
 GUEST_ARGS="$GUEST_ARGS,--progress=1,$GUEST_REPORT"
 VM_NET=1
 VM_APPEND=$GUEST_NET_WORDS
+storage=
+if [ "${COPY_STORAGE:-0}" = 1 ]; then
+	VM_DISK=/tmp/vm-disk.qcow2
+	GUEST_ARGS="$GUEST_ARGS,--disk,/dev/vda"
+	storage=--copy-storage
+	in_root qemu-img create -q -f qcow2 "$VM_DISK" 64M || fail "cannot make the VM's disk"
+fi
 
 if [ "$HAG_HOST" = 1 ]; then
 	vm_net_up "$GUEST_CLIENT/24"
 	guest_client_up
 	step "host 1: incoming VM (QEMU -incoming defer), receiver on $target:7100"
-	vm_start vm "$uuid" "$GUEST_ARGS" -incoming defer
-	hagctl receive --qmp /tmp/vm.qmp --listen "$target:7100" --json >/tmp/recv.out 2>/tmp/recv.err &
+	# shellcheck disable=SC2046
+	vm_start vm "$uuid" "$GUEST_ARGS" -incoming defer $([ -z "$storage" ] || echo -S)
+	hagctl receive --qmp /tmp/vm.qmp --listen "$target:7100" $storage --json >/tmp/recv.out 2>/tmp/recv.err &
 	recv=$!
 	wait_for 60 port_listening 7100 || fail "QEMU does not listen on 7100: $(cat /tmp/recv.err)"
 	signal_ready 7101
@@ -52,7 +65,7 @@ else
 	await_ready "$target" 7101
 	step "host 0: hagctl migrate --qmp to $target:7100"
 	rc=0
-	hagctl migrate --qmp /tmp/vm.qmp --to "$target:7100" --json >/tmp/mig.out 2>/tmp/mig.err || rc=$?
+	hagctl migrate --qmp /tmp/vm.qmp --to "$target:7100" $storage --json >/tmp/mig.out 2>/tmp/mig.err || rc=$?
 	cat /tmp/mig.err /tmp/mig.out
 	check_source "$rc"
 fi

@@ -108,6 +108,15 @@ else
 	done
 	[ -n "$migrated" ] || fail "virsh migrate met an epoch's save 5 times"
 	cat /tmp/mig.out
+	# Begun in an epoch's pause, libvirt migrates the domain as paused
+	# (it saw QEMU's STOP) and leaves it paused on host 1: a known gap
+	# (docs/libvirt.md, Limitations); the operator resumes it there, and
+	# the hook's protection, retrying, then starts.
+	there=$(in_root virsh -c qemu+tcp://testhost1/system domstate "$DOM" | head -1)
+	if [ "$there" = paused ]; then
+		echo "the domain arrived paused on host 1 (virsh migrate began in an epoch's pause): virsh resume there"
+		in_root virsh -c qemu+tcp://testhost1/system resume "$DOM" || fail "virsh resume on host 1"
+	fi
 	! in_root virsh domstate "$DOM" 2>/dev/null || fail "the domain is still defined on host 0"
 	wait_for 120 grep -q "$DOM supervise/-: protection ended" "$HOOK_LOG" || { cat "$HOOK_LOG" "$CP_LOG"; fail "protection on host 0 did not end"; }
 	cat "$HOOK_LOG" "$CP_LOG"

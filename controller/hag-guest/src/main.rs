@@ -401,7 +401,7 @@ fn work<R: Registers>(
         }
         if stop_requested() {
             say(&format!(
-                "hag-guest: SIGTERM: ending the run at {done} iterations after {:.1} s",
+                "hag-guest: asked to end (SIGTERM or HAG-GUEST-FINISH): ending the run at {done} iterations after {:.1} s",
                 elapsed.as_secs_f64()
             ));
             break;
