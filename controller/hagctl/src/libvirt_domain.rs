@@ -29,8 +29,8 @@ pub struct Domain {
     pub mdevs: Vec<String>,
     /// The attributes of `<hag:protect>` in `<metadata>`, if there is one.
     pub protect: Option<Protect>,
-    /// Each `<interface>`, in the order of the XML (libvirt's order of
-    /// their `-netdev`s).
+    /// Each `<interface>` (told apart by MAC address: see
+    /// `standby_argv::with_bridged_netdevs`).
     pub interfaces: Vec<Interface>,
 }
 

@@ -22,7 +22,9 @@ use std::path::{Path, PathBuf};
 
 use std::collections::BTreeSet;
 
-use crate::wire::{disk_chunk_sum, DiskExtent, DiskInfo, DISK_DATA_MAX, MAX_PAYLOAD};
+use crate::wire::{
+    disk_chunk_sum, zero_chunk_sum, DiskExtent, DiskInfo, DISK_DATA_MAX, MAX_PAYLOAD,
+};
 
 /// What an offset and length of disk data must be a multiple of (except
 /// at the disk's end).
@@ -342,14 +344,13 @@ impl Replicas {
             };
             let sums = r.sums.get_or_insert_with(|| vec![[0; 32]; chunks as usize]);
             let mut buf = vec![0u8; DISK_DATA_MAX];
-            let zero_sum = disk_chunk_sum(&buf);
             for k in todo {
                 let at = k * DISK_DATA_MAX as u64;
                 let n = (r.info.size - at).min(DISK_DATA_MAX as u64) as usize;
                 // A replica is mostly holes (a 2 GiB disk with 400 MiB on
                 // it): a whole chunk in one is not read.
                 if n == DISK_DATA_MAX && in_hole(&r.file, at, n as u64) {
-                    sums[k as usize] = zero_sum;
+                    sums[k as usize] = zero_chunk_sum();
                     continue;
                 }
                 r.file

@@ -252,15 +252,7 @@ fn is_assignment(word: &str) -> bool {
 /// (hagctl's standby puts guest RAM on its standby image under the same
 /// id). Options it cannot read are kept as they are.
 pub fn without_libvirt_runtime(argv: &[String]) -> Vec<String> {
-    let opts = |value: &str| -> Option<Opts> {
-        if value.starts_with('{') {
-            serde_json::from_str::<Ordered>(value)
-                .ok()
-                .map(|Ordered(fields)| Opts::Json(fields))
-        } else {
-            Some(Opts::KeyValue(split_key_values(value)))
-        }
-    };
+    let opts = |value: &str| Opts::parse(value).ok();
     let option = |word: &str| word.trim_start_matches('-').to_owned();
     let ram_backend = argv.windows(2).find_map(|w| {
         (option(&w[0]) == "machine")
@@ -312,15 +304,7 @@ pub fn with_bridged_netdevs(
     argv: &[String],
     bridge_of: impl Fn(&str) -> Result<String, String>,
 ) -> Result<Vec<String>, String> {
-    let opts_of = |value: &str| -> Result<Opts, String> {
-        if value.starts_with('{') {
-            serde_json::from_str::<Ordered>(value)
-                .map(|Ordered(fields)| Opts::Json(fields))
-                .map_err(|e| format!("-netdev {value}: {e}"))
-        } else {
-            Ok(Opts::KeyValue(split_key_values(value)))
-        }
-    };
+    let opts_of = |value: &str| Opts::parse(value).map_err(|e| format!("{value}: {e}"));
     let option = |word: &str| word.trim_start_matches('-').to_owned();
     let mut macs: HashMap<String, String> = HashMap::new();
     for w in argv.windows(2).filter(|w| option(&w[0]) == "device") {
@@ -676,16 +660,15 @@ fn parse_args(argv: &[String]) -> Result<Vec<Arg>, StandbyArgvError> {
         let value = argv.get(i + 1).ok_or_else(|| StandbyArgvError::NoValue {
             option: argv[i].clone(),
         })?;
-        let opts = if kind != Kind::Drive && value.starts_with('{') {
-            let Ordered(fields) =
-                serde_json::from_str(value).map_err(|e| StandbyArgvError::Malformed {
-                    option: argv[i].clone(),
-                    value: value.clone(),
-                    why: e.to_string(),
-                })?;
-            Opts::Json(fields)
-        } else {
+        // -drive takes key=value only.
+        let opts = if kind == Kind::Drive {
             Opts::KeyValue(split_key_values(value))
+        } else {
+            Opts::parse(value).map_err(|e| StandbyArgvError::Malformed {
+                option: argv[i].clone(),
+                value: value.clone(),
+                why: e.to_string(),
+            })?
         };
         args.push(Arg {
             kind,
@@ -718,6 +701,16 @@ enum Child {
 }
 
 impl Opts {
+    /// An option's value as QEMU reads it: JSON if it starts with `{`,
+    /// else key=value.
+    fn parse(value: &str) -> Result<Opts, serde_json::Error> {
+        if value.starts_with('{') {
+            serde_json::from_str::<Ordered>(value).map(|Ordered(fields)| Opts::Json(fields))
+        } else {
+            Ok(Opts::KeyValue(split_key_values(value)))
+        }
+    }
+
     /// The value of `key` (dotted for a nested one: `file.driver`) as a
     /// string, if a string, number or boolean (`on`/`off`).
     fn get(&self, key: &str) -> Option<String> {

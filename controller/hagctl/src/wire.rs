@@ -553,6 +553,14 @@ pub fn disk_chunk_sum(chunk: &[u8]) -> [u8; 32] {
     Blake2b::<U32>::digest(chunk).into()
 }
 
+/// [`disk_chunk_sum`] of a whole chunk of zeroes ([`DISK_DATA_MAX`]
+/// bytes), computed once: most of a disk reads as zeroes, which a map or a
+/// hole says without reading, and neither side hashes them.
+pub fn zero_chunk_sum() -> [u8; 32] {
+    static SUM: std::sync::OnceLock<[u8; 32]> = std::sync::OnceLock::new();
+    *SUM.get_or_init(|| disk_chunk_sum(&vec![0; DISK_DATA_MAX]))
+}
+
 /// What a DISK_DATA says is at its offset.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DiskExtent {
