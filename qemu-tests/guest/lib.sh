@@ -487,7 +487,8 @@ hook_libvirt_up() {
 # the unix socket /tmp/NAME.console.sock instead of the file
 # /tmp/NAME.console (what hagctl checkpoint --console holds),
 # DOMAIN_DEBIAN_DISK=FILE boots the Debian guest from that qcow2 disk (vda;
-# debian_disk makes one), DOMAIN_NET=1 adds vm_words' VM_NET NIC (virtio,
+# debian_disk makes one), DOMAIN_DISK=FILE gives the guest that qcow2 as a
+# data disk (vda, libvirt's default alias virtio-disk0), DOMAIN_NET=1 adds vm_words' VM_NET NIC (virtio,
 # MAC 52:54:00:56:4d:01) on the bridge br0 (vm_net_up; libvirt makes the
 # tap) and gives the guest GUEST_NET_WORDS: its address and a permanent
 # neighbour entry for the guest's client on host 1's br0 (the Debian
@@ -499,6 +500,8 @@ domain_xml() {
 	if [ -n "${DOMAIN_DEBIAN_DISK:-}" ]; then
 		disk="<disk type='file' device='disk'><driver name='qemu' type='qcow2'/><source file='$DOMAIN_DEBIAN_DISK'/><target dev='vda' bus='virtio'/><alias name='ua-vda'/></disk>"
 		words=$DEBIAN_BOOT_WORDS
+	elif [ -n "${DOMAIN_DISK:-}" ]; then
+		disk="<disk type='file' device='disk'><driver name='qemu' type='qcow2'/><source file='$DOMAIN_DISK'/><target dev='vda' bus='virtio'/></disk>"
 	fi
 	if [ "${DOMAIN_NET:-0}" = 1 ]; then
 		nic="<interface type='bridge'><source bridge='br0'/><mac address='52:54:00:56:4d:01'/><model type='virtio'/></interface>"

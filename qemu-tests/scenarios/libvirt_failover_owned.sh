@@ -2,24 +2,29 @@
 # timeout: 900
 # vms: yes
 # A takeover of a libvirt domain leaves it a libvirt domain on the
-# survivor. Host 0's domain (hag-sim vGPU, guest RAM in a shared file,
-# hagctl's own QMP socket) is protected by hag's hook against host 1's
+# survivor, on its disk's replica. Host 0's domain (hag-sim vGPU, guest RAM
+# in a shared file, hagctl's own QMP socket, a qcow2 data disk hag-guest
+# commits synced records to) is protected by hag's hook against host 1's
 # `hagctl backup --libvirt-domain DOMAIN.xml --takeover-by-libvirt`. Host
 # 0's QEMU is killed (SIGKILL): its checkpoint hands the VM over, and host
 # 1's backup writes the last acknowledged epoch as a libvirt save image of
 # the domain (defined on both hosts, one UUID) and has libvirtd restore it
 # paused (the hook links guest RAM to the standby image), then resumes it
 # with virsh. On host 1 `virsh list` must show the domain running, with
-# x-ignore-shared off (asked through libvirt's own monitor); `virsh
-# suspend` and `virsh resume` must work on it. The domain is protected
+# x-ignore-shared off (asked through libvirt's own monitor), its disk on
+# host 1's replica (host 1 has no copy of host 0's image), in the running
+# domain and in its definition; `virsh suspend` and `virsh resume` must
+# work on it. The domain is protected
 # again by its own configuration (backup='HOST0:7200,HOST1:7200': host 0's
 # backup, which stands by once its VM was handed over) at the takeover's
-# generation: epochs must be acknowledged. The guest must verify on host
-# 1 (asked to end its run once those checks passed: guest_finish); when
+# generation: epochs must be acknowledged, and host 0's backup must
+# receive the disk. The guest must verify on host 1, its records read
+# back from the disk (asked to end its run once those checks passed: guest_finish); when
 # it powers off, libvirt must record the domain shut off, and both backups
 # must end.
 DOM=gpu-guest
-GUEST_ARGS="--seconds=300,--mib=8,--cpu-mib=8,--progress=1,$GUEST_REPORT"
+GUEST_ARGS="--seconds=300,--mib=8,--cpu-mib=8,--progress=1,--disk,/dev/vda,$GUEST_REPORT"
+DOMAIN_DISK=/tmp/$DOM-data.qcow2
 HOOK_LOG=$HOST_ROOT/var/log/hag/libvirt-hook.log
 CP_LOG=$HOST_ROOT/var/log/hag/checkpoint-$DOM.log
 backup=$(host_ip 1):7200
@@ -69,6 +74,11 @@ if [ "$HAG_HOST" = 1 ]; then
 caps = {c["capability"]: c["state"] for c in json.load(sys.stdin)["return"]}
 print(caps["x-ignore-shared"])')
 	expect_eq "x-ignore-shared on the restored domain" "$on" False
+	in_root virsh domblklist "$DOM" | tee /tmp/blk
+	grep -q "^ *vda */tmp/hag-backup/.*virtio-disk0.raw *$" /tmp/blk || fail "the restored domain's vda is not host 1's replica"
+	in_root virsh dumpxml --inactive "$DOM" | grep "<source file=" | tee /tmp/defined
+	grep -q "/tmp/hag-backup/.*virtio-disk0.raw" /tmp/defined || fail "the domain's definition does not name the replica"
+	grep "runs on its disks' replicas" /tmp/backup.err || fail "the backup did not say the domain runs on its replicas"
 	in_root virsh suspend "$DOM"
 	expect_eq "virsh domstate after virsh suspend" "$(in_root virsh domstate "$DOM" | head -1)" paused
 	in_root virsh resume "$DOM"
@@ -82,6 +92,8 @@ print(caps["x-ignore-shared"])')
 	step "host 1: the guest's verdict"
 	vm_result "$DOM" 600
 	grep -q 'HAG-GUEST-RESULT PASS' "/tmp/$DOM.console" || { tail -20 "/tmp/$DOM.console"; fail "the guest did not verify on host 1"; }
+	grep 'disk [0-9]* records' "/tmp/$DOM.console" || fail "the guest did not say how many records it read back from its disk"
+	grep -q 'disk [1-9][0-9]* records' "/tmp/$DOM.console" || fail "the guest committed no records to its disk"
 	step "host 1: the guest powered off: libvirt ends the domain, and the backup ends"
 	wait_for 60 sh -c "chroot $HOST_ROOT virsh domstate $DOM | grep -q 'shut off'" ||
 		fail "libvirt does not show the domain shut off: $(in_root virsh domstate --reason "$DOM")"
@@ -92,10 +104,12 @@ print(caps["x-ignore-shared"])')
 	kill "$live" 2>/dev/null || true
 	cat /tmp/backup.out
 	tail -3 /tmp/backup.err
+	tail -8 "$CP_LOG"
 	expect_eq "hagctl backup exit status" "$rc" 0
 	await_ready "$(host_ip 0)" 7102
 else
 	step "host 0: virsh define + start; the hook protects the domain with $backup"
+	in_root qemu-img create -q -f qcow2 "$DOMAIN_DISK" 64M || fail "cannot make the domain's disk"
 	in_root virsh define "/tmp/$DOM.xml"
 	in_root virsh start "$DOM" || fail "virsh start: $(tail -5 "$HOST_ROOT/var/log/libvirt/qemu/$DOM.log")"
 	grep -o 'memory-backend-file[^ ]*' "$HOST_ROOT/var/log/libvirt/qemu/$DOM.log" | head -2
@@ -114,6 +128,7 @@ else
 	cat /tmp/backup.err /tmp/backup.out
 	expect_eq "hagctl backup exit status" "$rc" 0
 	grep -q 'epoch [0-9]* applied' /tmp/backup.err || fail "no epoch of the restored domain reached host 0"
+	grep -q 'disk replicas summed' /tmp/backup.err || fail "host 0's backup did not replicate the restored domain's disk"
 	! grep -q '^takeover' /tmp/backup.out || fail "host 0's backup took over"
 	signal_ready 7102
 fi

@@ -2422,6 +2422,25 @@ impl VmSteps for LibvirtTakeover<'_> {
         self.owned.virsh(&["resume", &name])?;
         self.report.restore_ms += t.elapsed().as_secs_f64() * 1e3;
         self.report.takeover_ms = self.d.detected.elapsed().as_secs_f64() * 1e3;
+        if !self.owned.replicas.is_empty() {
+            let file = self.d.opts.status_dir.join("takeover-define.xml");
+            let disks: Vec<String> = self
+                .owned
+                .replicas
+                .iter()
+                .map(|r| format!("{} on {}", r.id, r.replica.display()))
+                .collect();
+            match self.owned.define_on_replicas(&name, &file) {
+                Ok(()) => info!(
+                    "domain {name} runs on its disks' replicas ({}); its definition names them now",
+                    disks.join(", ")
+                ),
+                Err(e) => warning!(
+                    "domain {name} runs on its disks' replicas ({}), but its definition still names its own images, which its next start would boot from: {e}",
+                    disks.join(", ")
+                ),
+            }
+        }
         Ok(())
     }
     fn abandon_vm(&mut self) {

@@ -1258,11 +1258,8 @@ impl Primary {
 
     /// Pause, capture, resume.
     fn capture(&mut self) -> Result<Captured, EpochError> {
-        self.src
-            .vm
-            .prepare_disks()
-            .map_err(|e| EpochError::Retry(format!("cannot prepare the disks' capture: {e}")))?;
-        let t0 = Instant::now();
+        // The VM's state first: a VM that shut down must end protection,
+        // not fail the disks' preparation at every interval.
         let st = self
             .src
             .vm
@@ -1298,6 +1295,11 @@ impl Primary {
                 return Err(EpochError::Vm(format!("the VM is {other}")));
             }
         };
+        self.src
+            .vm
+            .prepare_disks()
+            .map_err(|e| EpochError::Retry(format!("cannot prepare the disks' capture: {e}")))?;
+        let t0 = Instant::now();
         let mut report = EpochReport {
             epoch: self.link.lock().policy.next_epoch(),
             iteration,

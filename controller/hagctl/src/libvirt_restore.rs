@@ -26,12 +26,19 @@
 //!   restored QEMU answers there, before it writes the stream, and off
 //!   again before the VM runs, so that a later `virsh migrate` carries
 //!   guest RAM.
+//! - **Disks are the replicas.** The image's XML is the domain's with each
+//!   writable file disk's `<source file>` the backup's replica, raw, with
+//!   no backing chain ([`on_replicas`]): the domain's own image on this
+//!   host is a stale copy or missing. Once the VM runs, the domain's
+//!   persistent definition is changed the same way, so that its next
+//!   `virsh start` boots from the disk it was running on.
 //! - The rest is the QEMU takeover's: the VM stays paused until the old
 //!   primary is fenced, then `virsh resume`.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::standby_argv::ReplicatedDisk;
 use crate::vmm::qemu::Qemu;
 use crate::vmm::qemu_copy::ignore_shared;
 
@@ -79,6 +86,78 @@ pub struct Owned {
     pub xml: PathBuf,
     /// virsh's `--connect` URI (none: virsh's default).
     pub uri: Option<String>,
+    /// The domain's writable disks and their replicas here.
+    pub replicas: Vec<ReplicatedDisk>,
+}
+
+/// Domain XML `xml` with each writable file disk on its replica in
+/// `replicas` (matched by its image, `<source file>`): the source is the
+/// replica, the `<driver>`'s format `raw`, and any `<backingStore>` goes.
+/// Read-only disks, CD-ROMs, floppies and disks with no source are left
+/// alone; a writable file disk with no replica is an error naming it.
+pub fn on_replicas(xml: &str, replicas: &[ReplicatedDisk]) -> Result<String, String> {
+    let doc = roxmltree::Document::parse(xml).map_err(|e| e.to_string())?;
+    // (range replaced, its replacement), applied from the end.
+    let mut edits: Vec<(std::ops::Range<usize>, String)> = Vec::new();
+    let disks = doc
+        .root_element()
+        .children()
+        .filter(|n| n.has_tag_name("devices"))
+        .flat_map(|d| d.children())
+        .filter(|n| n.has_tag_name("disk"));
+    for disk in disks {
+        let child = |name: &str| disk.children().find(|n| n.has_tag_name(name));
+        let device = disk.attribute("device").unwrap_or("disk");
+        let Some(source) = child("source").filter(|s| s.attribute("file").is_some()) else {
+            continue;
+        };
+        if disk.attribute("type") != Some("file")
+            || matches!(device, "cdrom" | "floppy")
+            || child("readonly").is_some()
+        {
+            continue;
+        }
+        let image = source.attribute("file").unwrap_or_default();
+        let target = child("target")
+            .and_then(|t| t.attribute("dev"))
+            .unwrap_or("?");
+        let replica = replicas.iter().find(|r| r.image == image).ok_or_else(|| {
+            format!(
+                "disk {target} ({image}) has no replica in the standby's command line: a takeover would run it on a copy that is not the VM's"
+            )
+        })?;
+        let file = source.attribute_node("file").expect("checked above");
+        edits.push((
+            file.range_value(),
+            xml_attr(&replica.replica.to_string_lossy()),
+        ));
+        if let Some(driver) = child("driver") {
+            match driver.attribute_node("type") {
+                Some(t) => edits.push((t.range_value(), "raw".into())),
+                None => {
+                    let at = driver.range().start + "<driver".len();
+                    edits.push((at..at, " type='raw'".into()));
+                }
+            }
+        }
+        for backing in disk.children().filter(|n| n.has_tag_name("backingStore")) {
+            edits.push((backing.range(), String::new()));
+        }
+    }
+    edits.sort_by_key(|(range, _)| std::cmp::Reverse(range.start));
+    let mut out = xml.to_owned();
+    for (range, text) in edits {
+        out.replace_range(range, &text);
+    }
+    Ok(out)
+}
+
+/// `text` as an XML attribute's value (in either quotes).
+fn xml_attr(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('\'', "&apos;")
+        .replace('"', "&quot;")
 }
 
 /// What a takeover needs from the domain XML: its name, its text, and
@@ -91,7 +170,8 @@ pub struct DomainFacts {
 }
 
 impl Owned {
-    /// Reads the domain XML and what a takeover needs from it.
+    /// Reads the domain XML and what a takeover needs from it; the XML
+    /// is the one restored, with its disks on their replicas.
     pub fn facts(&self) -> Result<DomainFacts, String> {
         let xml = std::fs::read_to_string(&self.xml)
             .map_err(|e| format!("{}: {e}", self.xml.display()))?;
@@ -115,11 +195,25 @@ impl Owned {
                     self.xml.display()
                 )
             })?;
+        let xml = on_replicas(&xml, &self.replicas)
+            .map_err(|e| format!("{}: {e}", self.xml.display()))?;
         Ok(DomainFacts {
             name,
             xml,
             qmp: PathBuf::from(qmp),
         })
+    }
+
+    /// Has domain `name`'s persistent definition name its replicas, as
+    /// the running domain restored from [`DomainFacts::xml`] does, so that
+    /// its next start boots from them; `file` holds the new definition.
+    pub fn define_on_replicas(&self, name: &str, file: &Path) -> Result<(), String> {
+        let xml = self.virsh(&["dumpxml", "--inactive", name])?;
+        let xml = on_replicas(&xml, &self.replicas)
+            .map_err(|e| format!("domain {name}'s definition: {e}"))?;
+        std::fs::write(file, xml).map_err(|e| format!("{}: {e}", file.display()))?;
+        self.virsh(&["define", &file.display().to_string()])
+            .map(|_| ())
     }
 
     /// `virsh ARGS` on this connection, not started.
@@ -327,6 +421,60 @@ mod tests {
         assert!(img[36..92].iter().all(|&b| b == 0));
         assert_eq!(&img[92..102], b"<domain/>\0");
         assert_eq!(&img[102..], b"QEVM");
+    }
+
+    #[test]
+    fn writable_file_disks_run_on_their_replicas() {
+        let xml = "<domain type='kvm'><name>vm</name><devices>\
+            <disk type='file' device='disk'><driver name='qemu' type='qcow2' cache='none'/>\
+            <source file='/img/a.qcow2'/><backingStore type='file'><format type='qcow2'/>\
+            <source file='/img/base.qcow2'/></backingStore><target dev='vda' bus='virtio'/></disk>\
+            <disk type=\"file\" device=\"disk\"><driver name=\"qemu\"/><source file=\"/img/b&amp;c.img\"/>\
+            <target dev=\"sda\" bus=\"sata\"/></disk>\
+            <disk type='file' device='disk'><source file='/img/ro.img'/><target dev='vdb'/><readonly/></disk>\
+            <disk type='file' device='cdrom'><source file='/iso/x.iso'/><target dev='sdb'/></disk>\
+            <disk type='block' device='disk'><source dev='/dev/sdz'/><target dev='vdc'/><readonly/></disk>\
+            </devices></domain>";
+        let replicas = [
+            ReplicatedDisk {
+                id: "virtio-disk0".into(),
+                image: "/img/a.qcow2".into(),
+                replica: "/var/lib/hag/vm/replicas/virtio-disk0.raw".into(),
+            },
+            ReplicatedDisk {
+                id: "sata0-0-0".into(),
+                image: "/img/b&c.img".into(),
+                replica: "/r/it's.raw".into(),
+            },
+        ];
+        let out = on_replicas(xml, &replicas).unwrap();
+        assert_eq!(
+            out,
+            "<domain type='kvm'><name>vm</name><devices>\
+            <disk type='file' device='disk'><driver name='qemu' type='raw' cache='none'/>\
+            <source file='/var/lib/hag/vm/replicas/virtio-disk0.raw'/><target dev='vda' bus='virtio'/></disk>\
+            <disk type=\"file\" device=\"disk\"><driver type='raw' name=\"qemu\"/><source file=\"/r/it&apos;s.raw\"/>\
+            <target dev=\"sda\" bus=\"sata\"/></disk>\
+            <disk type='file' device='disk'><source file='/img/ro.img'/><target dev='vdb'/><readonly/></disk>\
+            <disk type='file' device='cdrom'><source file='/iso/x.iso'/><target dev='sdb'/></disk>\
+            <disk type='block' device='disk'><source dev='/dev/sdz'/><target dev='vdc'/><readonly/></disk>\
+            </devices></domain>"
+        );
+        // Its own rewrite, once on the replicas.
+        let on = |image: &str, r: &ReplicatedDisk| ReplicatedDisk {
+            image: image.into(),
+            ..r.clone()
+        };
+        let again = [
+            on("/var/lib/hag/vm/replicas/virtio-disk0.raw", &replicas[0]),
+            on("/r/it's.raw", &replicas[1]),
+        ];
+        assert_eq!(on_replicas(&out, &again).unwrap(), out);
+        let err = on_replicas(xml, &replicas[..1]).unwrap_err();
+        assert!(
+            err.contains("disk sda (/img/b&c.img) has no replica"),
+            "{err}"
+        );
     }
 
     #[test]

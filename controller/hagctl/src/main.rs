@@ -1263,28 +1263,37 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let vm_name = dirs.name.clone();
             let dirs = dirs.resolve();
             let replica_dir = replica_dir.unwrap_or_else(|| dirs.replicas());
-            let libvirt_owned = takeover_by_libvirt.then(|| libvirt_restore::Owned {
-                xml: libvirt_domain.clone().unwrap_or_default(),
-                uri: libvirt_uri.clone(),
-            });
-            if libvirt_owned.is_some() && reprotect.is_some() {
+            if takeover_by_libvirt && reprotect.is_some() {
                 anyhow::bail!("--reprotect and --takeover-by-libvirt: a domain libvirt restored is protected again by the hook's configuration, not by this backup");
             }
-            let qemu = match libvirt_domain {
+            let standby = match &libvirt_domain {
                 Some(xml) => {
-                    let argv = standby_argv::libvirt_domain_argv(&xml, libvirt_uri.as_deref())
+                    let argv = standby_argv::libvirt_domain_argv(xml, libvirt_uri.as_deref())
                         .map_err(anyhow::Error::msg)?;
-                    let argv = standby_argv::standby_argv(&argv, &replica_dir).map_err(|e| {
+                    let standby = standby_argv::standby(&argv, &replica_dir).map_err(|e| {
                         anyhow::anyhow!("the standby's command line from {}: {e}", xml.display())
                     })?;
                     info!(
                         "the standby's QEMU command line: {}",
-                        shell_words::join(&argv)
+                        shell_words::join(&standby.argv)
                     );
-                    argv
+                    standby
                 }
-                None => qemu,
+                None => standby_argv::Standby {
+                    argv: qemu,
+                    disks: Vec::new(),
+                },
             };
+            let libvirt_owned = takeover_by_libvirt.then(|| libvirt_restore::Owned {
+                xml: libvirt_domain.clone().unwrap_or_default(),
+                uri: libvirt_uri.clone(),
+                replicas: standby.disks,
+            });
+            if let Some(owned) = &libvirt_owned {
+                // Said now, not at the takeover.
+                owned.facts().map_err(anyhow::Error::msg)?;
+            }
+            let qemu = standby.argv;
             if reprotect.is_some() && qemu.is_empty() {
                 anyhow::bail!("--reprotect protects a QEMU VM taken over here: give the standby's QEMU command line (-- QEMU ARGS or --libvirt-domain)");
             }

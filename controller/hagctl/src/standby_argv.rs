@@ -50,7 +50,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
@@ -163,9 +163,32 @@ pub enum StandbyArgvError {
     },
 }
 
+/// A writable disk [`standby`] gave its replica.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicatedDisk {
+    /// Its device's id, which names the replica.
+    pub id: String,
+    /// The image file the VM's own command line opens for it.
+    pub image: String,
+    /// The file the standby opens instead.
+    pub replica: PathBuf,
+}
+
+/// A standby's command line and the disks it opens replicas of.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Standby {
+    pub argv: Vec<String>,
+    pub disks: Vec<ReplicatedDisk>,
+}
+
 /// The QEMU command line `argv` with each writable disk device opening
 /// its replica in `dir` as a raw image (see the module's documentation).
 pub fn standby_argv(argv: &[String], dir: &Path) -> Result<Vec<String>, StandbyArgvError> {
+    standby(argv, dir).map(|s| s.argv)
+}
+
+/// [`standby_argv`], with the disks it rewrote.
+pub fn standby(argv: &[String], dir: &Path) -> Result<Standby, StandbyArgvError> {
     let mut args = parse_args(argv)?;
     let referenced_before = references(&args);
     let nodes: HashMap<String, usize> = args
@@ -181,6 +204,7 @@ pub fn standby_argv(argv: &[String], dir: &Path) -> Result<Vec<String>, StandbyA
         .filter_map(|(i, a)| Some((a.opts.get("id")?, i)))
         .collect();
     let mut used_drives = HashSet::new();
+    let mut disks = Vec::new();
     for i in 0..args.len() {
         let dev = &args[i];
         if dev.kind != Kind::Device
@@ -194,10 +218,10 @@ pub fn standby_argv(argv: &[String], dir: &Path) -> Result<Vec<String>, StandbyA
         };
         let id = dev.opts.get("id");
         if let Some(&n) = nodes.get(&drive) {
-            rewrite_node(&mut args, n, &nodes, id, &drive, dir)?;
+            disks.extend(rewrite_node(&mut args, n, &nodes, id, &drive, dir)?);
         } else if let Some(&d) = drives.get(&drive) {
             used_drives.insert(d);
-            rewrite_drive(&mut args[d], id, &drive, dir)?;
+            disks.extend(rewrite_drive(&mut args[d], id, &drive, dir)?);
         } else {
             return Err(StandbyArgvError::UnknownDrive {
                 id: id.unwrap_or_else(|| "(no id)".into()),
@@ -220,7 +244,10 @@ pub fn standby_argv(argv: &[String], dir: &Path) -> Result<Vec<String>, StandbyA
         }
     }
     drop_orphans(&mut args, &referenced_before);
-    Ok(render(argv, &args))
+    Ok(Standby {
+        argv: render(argv, &args),
+        disks,
+    })
 }
 
 /// The words of a command line printed by `virsh domxml-to-native
@@ -422,7 +449,8 @@ fn virsh(uri: Option<&str>, args: &[&str], file: Option<&Path>) -> Result<String
 
 /// Rewrites the block node `n`, the drive of the disk device `id`, to
 /// open the replica as raw: itself if it is a file node, else the file
-/// node under it and it as the raw format node over that.
+/// node under it and it as the raw format node over that. `None`: a
+/// read-only disk, left alone.
 fn rewrite_node(
     args: &mut [Arg],
     n: usize,
@@ -430,13 +458,19 @@ fn rewrite_node(
     id: Option<String>,
     drive: &str,
     dir: &Path,
-) -> Result<(), StandbyArgvError> {
+) -> Result<Option<ReplicatedDisk>, StandbyArgvError> {
     let top = &args[n].opts;
     if top.get("read-only").is_some_and(|v| is_true(&v)) {
-        return Ok(());
+        return Ok(None);
     }
     let id = disk_id(id, drive)?;
-    let path = replica_path(dir, &id).to_string_lossy().into_owned();
+    let replica = replica_path(dir, &id);
+    let path = replica.to_string_lossy().into_owned();
+    let replicated = |image: Option<String>| ReplicatedDisk {
+        id: id.clone(),
+        image: image.unwrap_or_default(),
+        replica: replica.clone(),
+    };
     let driver = top.get("driver").unwrap_or_default();
     let not_a_file = |node: &str, driver: String| StandbyArgvError::NotAFile {
         id: id.clone(),
@@ -445,10 +479,12 @@ fn rewrite_node(
     };
     if driver == "file" {
         // A raw image: libvirt puts the device straight on its file node.
+        let disk = replicated(args[n].opts.get("filename"));
         args[n].opts.set("filename", &path);
         args[n].names_replica = true;
-        return Ok(());
+        return Ok(Some(disk));
     }
+    let disk;
     match top.child("file") {
         Child::Ref(file) => {
             let &f = nodes
@@ -458,6 +494,7 @@ fn rewrite_node(
             if file_driver != "file" {
                 return Err(not_a_file(&file, file_driver));
             }
+            disk = replicated(args[f].opts.get("filename"));
             args[f].opts.set("filename", &path);
             args[f].names_replica = true;
         }
@@ -466,6 +503,7 @@ fn rewrite_node(
             if file_driver != "file" {
                 return Err(not_a_file(&format!("{drive}'s file"), file_driver));
             }
+            disk = replicated(args[n].opts.get("file.filename"));
             args[n].opts.set("file.filename", &path);
             args[n].names_replica = true;
         }
@@ -476,20 +514,20 @@ fn rewrite_node(
     opts.retain(|key| NODE_OPTIONS.contains(&first_segment(key)));
     opts.set("driver", "raw");
     args[n].changed = true;
-    Ok(())
+    Ok(Some(disk))
 }
 
 /// Rewrites the `-drive` of the disk device `id` to open the replica as
-/// raw.
+/// raw. `None`: not a writable disk, left alone.
 fn rewrite_drive(
     arg: &mut Arg,
     id: Option<String>,
     drive: &str,
     dir: &Path,
-) -> Result<(), StandbyArgvError> {
+) -> Result<Option<ReplicatedDisk>, StandbyArgvError> {
     let opts = &mut arg.opts;
     if !drive_is_writable(opts) {
-        return Ok(());
+        return Ok(None);
     }
     let id = disk_id(id, drive)?;
     let file = opts.get("file.filename").or_else(|| opts.get("file"));
@@ -504,7 +542,9 @@ fn rewrite_drive(
             driver,
         });
     }
-    let path = replica_path(dir, &id).to_string_lossy().into_owned();
+    let replica = replica_path(dir, &id);
+    let path = replica.to_string_lossy().into_owned();
+    let image = file.unwrap_or_default();
     opts.retain(|key| {
         DRIVE_OPTIONS.contains(&key) || DRIVE_OPTION_PREFIXES.iter().any(|p| key.starts_with(p))
     });
@@ -519,7 +559,7 @@ fn rewrite_drive(
         opts.set("format", "raw");
     }
     arg.changed = true;
-    Ok(())
+    Ok(Some(ReplicatedDisk { id, image, replica }))
 }
 
 /// The protocol QEMU would open `-drive file=NAME` with, when not a
@@ -1004,6 +1044,15 @@ mod tests {
             .collect::<Vec<_>>())
         );
         assert!(opens_replica(&out, "virtio-disk0"));
+        // The one writable disk, with the image it replaces.
+        assert_eq!(
+            standby(&argv(&cmd), Path::new(DIR)).unwrap().disks,
+            [ReplicatedDisk {
+                id: "virtio-disk0".into(),
+                image: "/img/a.qcow2".into(),
+                replica: PathBuf::from(DIR).join("virtio-disk0.raw"),
+            }]
+        );
         // A rewritten command line is its own rewrite.
         assert_eq!(standby_argv(&out, Path::new(DIR)).unwrap(), out);
     }
@@ -1093,6 +1142,22 @@ mod tests {
             "file=/var/lib/hag/replicas/sata0.raw,format=raw,if=none,id=drive0,cache=none"
         );
         assert!(opens_replica(&out, "sata0"));
+        let disks = standby(
+            &argv(&[
+                "qemu",
+                "-drive",
+                "file=/srv/vm.qcow2,if=none,id=d",
+                "-device",
+                "ide-hd,drive=d,id=sata0",
+            ]),
+            Path::new(DIR),
+        )
+        .unwrap()
+        .disks;
+        assert_eq!(
+            (disks[0].id.as_str(), disks[0].image.as_str()),
+            ("sata0", "/srv/vm.qcow2")
+        );
         // No format given: raw, said.
         let out = rewrite(&[
             "qemu",
