@@ -2,7 +2,7 @@
 # timeout: 3600
 # vms: yes
 # debian: yes
-# memory: 3072
+# memory: 4096
 # The database benchmark's scenario (not a test: qemu-tests/eval/qemu-database
 # runs it, with PLAN, WINDOW and WARM set in front of this text). One
 # Debian guest after another (QEMU 10/KVM, 512 MiB in a shared file,
@@ -48,6 +48,10 @@ bhost=$(host_ip 1)
 load_hag
 bench_hosts_up "$CLIENT"
 
+# item_says TEXT: a progress line the driver shows (item and mode from
+# the caller's $id and $mode).
+item_says() { echo "item $id ($mode): $*"; }
+
 interval() {
 	case $1 in
 	none) echo - ;;
@@ -83,6 +87,7 @@ primary() {
 	VM_DISK=/tmp/vm-disk.qcow2 VM_SHARED_RAM=1 vm_start "vm$id" "$uuid" "$GUEST_ARGS"
 	qpid=$(cat "/tmp/vm$id.pid")
 	vm_wait_console "vm$id" 600 HAG-GUEST-READY
+	item_says "the guest is ready; waiting for host 1"
 	await_ready "$bhost" $((7600 + id)) 600
 	# Host 1 has loaded the database and started the load.
 	signal_ready $((7700 + id))
@@ -92,13 +97,18 @@ primary() {
 	else
 		rm -rf /tmp/hag-deltas
 		t=$(up)
+		item_says "hagctl checkpoint --interval $iv: first synchronisation"
 		hagctl checkpoint --qmp "/tmp/vm$id.qmp" --backup "$bhost:$((7200 + id))" --plug eth1 \
 			--interval "$iv" --delta-dir /tmp/hag-deltas --json >"/tmp/cp$id.out" 2>"/tmp/cp$id.err" &
 		cp=$!
+		# What the first synchronisation says, as it says it.
+		tail -f "/tmp/cp$id.err" 2>/dev/null | sed -u "s/^/item $id ($mode): /" &
+		said=$!
 		wait_for 900 grep -q '^epoch 1:' "/tmp/cp$id.err" || {
 			cat "/tmp/cp$id.err"
 			fail "item $id ($mode): no epoch 1"
 		}
+		kill "$said" 2>/dev/null || true
 		echo "QDBSYNC $id $(echo "$(up) $t" | awk '{print $1 - $2}')"
 		wait_for 300 grep -q '^epoch 2:' "/tmp/cp$id.err" || {
 			cat "/tmp/cp$id.err"
@@ -148,6 +158,7 @@ backup() {
 	mkdir -p /tmp/hag-replicas
 	if [ "$iv" != - ]; then
 		# The template both hosts hold, except for a bare backup.
+		[ "$mode" = bare ] || item_says "the replica starts as the template image"
 		[ "$mode" = bare ] || in_root qemu-img convert -O raw "$(debian_image)" /tmp/hag-replicas/vda.raw ||
 			fail "item $id: cannot copy the template into the replica"
 		eval "set -- $(VM_DISK=/tmp/hag-replicas/vda.raw VM_DISK_FORMAT=raw vm_words "vm$id" "$uuid" "$GUEST_ARGS")"
@@ -156,6 +167,7 @@ backup() {
 			>"/tmp/backup$id.out" 2>"/tmp/backup$id.err" &
 		bk=$!
 		wait_for 60 port_listening $((7200 + id)) || fail "item $id: the backup does not listen"
+		item_says "hagctl backup listens"
 	fi
 	signal_ready $((7600 + id))
 	# The guest is up: its database gets pgbench's tables, the load starts.
@@ -181,6 +193,7 @@ backup() {
 	db=$!
 	wait_for 120 grep -q '^acked ' "/tmp/db$id.log" ||
 		fail "item $id: the client commits nothing: $(tail -3 "/tmp/db$id.err")"
+	item_says "pgbench and the client commit"
 	await_ready "$peer" $((7700 + id)) 60
 	case $mode in
 	loss)
