@@ -83,39 +83,52 @@ pub(crate) struct GvtStats {
     pub(crate) changed_batches: u64,
 }
 
-/// hag's [`Reach`] storage: an rbtree of guest frame to mapping count.
-pub(crate) struct Frames(RBTree<u64, u32>);
+/// hag's [`Reach`] storage: an rbtree of guest frame to mapping count,
+/// and how many frames it holds (the rbtree counts only by walking).
+pub(crate) struct Frames {
+    tree: RBTree<u64, u32>,
+    len: usize,
+}
+
+impl Frames {
+    fn new() -> Self {
+        Frames {
+            tree: RBTree::new(),
+            len: 0,
+        }
+    }
+}
 
 impl FrameCounts for Frames {
     fn count_mut(&mut self, gfn: u64) -> Option<&mut u32> {
-        self.0.get_mut(&gfn)
+        self.tree.get_mut(&gfn)
     }
 
     fn insert(&mut self, gfn: u64) -> bool {
-        self.0.try_create_and_insert(gfn, 1, GFP_KERNEL).is_ok()
+        let inserted = self.tree.try_create_and_insert(gfn, 1, GFP_KERNEL).is_ok();
+        self.len += usize::from(inserted);
+        inserted
     }
 
     fn remove(&mut self, gfn: u64) {
-        self.0.remove(&gfn);
+        if self.tree.remove(&gfn).is_some() {
+            self.len -= 1;
+        }
     }
 
     fn for_each(&self, f: &mut dyn FnMut(u64)) {
-        self.0.keys().for_each(|&gfn| f(gfn));
+        self.tree.keys().for_each(|&gfn| f(gfn));
     }
 
     fn len(&self) -> usize {
-        self.0.iter().count()
+        self.len
     }
 }
 
-/// Marks the reachable set in `log`; returns how many pages were logged.
-fn mark_reach(reach: &Reach<Frames>, log: &mut DirtyLog) -> u64 {
-    let mut marked = 0u64;
-    match reach.mark(|gfn| marked += u64::from(log.mark(gfn.saturating_mul(abi::DIRTY_PAGE_SIZE)))) {
-        Marked::Frames(_) => marked,
-        Marked::Everything => log.mark_all(),
-    }
-}
+/// The bit of `/dev/hag`'s log, and of VFIO DMA logging's, in the masks
+/// [`Reach::cover`] and [`Logs::mark_gfn_in`] take.
+const DEV_LOG: u8 = 1;
+const VFIO_LOG: u8 = 2;
 
 /// The vGPU's dirty logs: `/dev/hag`'s and VFIO DMA logging's. Every GPU
 /// write goes to both; each reader reads and clears its own.
@@ -128,27 +141,39 @@ pub(crate) struct Logs {
 }
 
 impl Logs {
-    /// Marks guest frame `gfn` in both; whether either logs it.
-    fn mark_gfn(&mut self, gfn: u64) -> bool {
-        let gpa = gfn.saturating_mul(abi::DIRTY_PAGE_SIZE);
-        let dev = self.dev.as_mut().is_some_and(|log| log.mark(gpa));
-        let vfio = self.vfio.as_mut().is_some_and(|log| log.mark(gpa));
-        dev || vfio
+    /// The logs there are, as [`DEV_LOG`] and [`VFIO_LOG`] bits.
+    fn present(&self) -> u8 {
+        (if self.dev.is_some() { DEV_LOG } else { 0 }) | (if self.vfio.is_some() { VFIO_LOG } else { 0 })
     }
 
-    /// Marks the reachable set in both; returns the pages marked in the
-    /// larger count.
-    fn mark_reach(&mut self, reach: &Reach<Frames>) -> u64 {
-        let dev = self.dev.as_mut().map_or(0, |log| mark_reach(reach, log));
-        let vfio = self.vfio.as_mut().map_or(0, |log| mark_reach(reach, log));
-        dev.max(vfio)
+    /// Marks guest frame `gfn` in both; whether either logs it.
+    fn mark_gfn(&mut self, gfn: u64) -> bool {
+        self.mark_gfn_in(gfn, DEV_LOG | VFIO_LOG)
+    }
+
+    /// Marks guest frame `gfn` in the logs of `which`; whether either logs
+    /// it.
+    fn mark_gfn_in(&mut self, gfn: u64, which: u8) -> bool {
+        let gpa = gfn.saturating_mul(abi::DIRTY_PAGE_SIZE);
+        let mark = |log: &mut Option<DirtyLog>, bit: u8| {
+            which & bit != 0 && log.as_mut().is_some_and(|log| log.mark(gpa))
+        };
+        let dev = mark(&mut self.dev, DEV_LOG);
+        let vfio = mark(&mut self.vfio, VFIO_LOG);
+        dev || vfio
     }
 
     /// Marks every page of both; returns the larger count.
     fn mark_all(&mut self) -> u64 {
-        let dev = self.dev.as_mut().map_or(0, |log| log.mark_all());
-        let vfio = self.vfio.as_mut().map_or(0, |log| log.mark_all());
-        dev.max(vfio)
+        self.mark_all_in(DEV_LOG | VFIO_LOG)
+    }
+
+    /// Marks every page of the logs of `which`; returns the larger count.
+    fn mark_all_in(&mut self, which: u8) -> u64 {
+        let mark = |log: &mut Option<DirtyLog>, bit: u8| {
+            log.as_mut().filter(|_| which & bit != 0).map_or(0, |log| log.mark_all())
+        };
+        mark(&mut self.dev, DEV_LOG).max(mark(&mut self.vfio, VFIO_LOG))
     }
 }
 
@@ -174,12 +199,14 @@ impl GvtInner {
     /// a migration copies everything anyway).
     pub(crate) fn start_dirty_log(&mut self, mut log: DirtyLog) -> Result {
         log.mark_all();
+        self.reach.taken(DEV_LOG);
         self.logs.dev = Some(log);
         Ok(())
     }
 
     /// Stops `/dev/hag`'s log; returns it, to be freed without the lock.
     pub(crate) fn stop_dirty_log(&mut self) -> Option<DirtyLog> {
+        self.reach.taken(DEV_LOG);
         self.logs.dev.take()
     }
 
@@ -194,20 +221,24 @@ impl GvtInner {
         if self.logs.vfio.is_some() {
             return Err(log);
         }
-        self.remark(&mut log);
+        self.reach.taken(VFIO_LOG);
+        self.remark(&mut log, VFIO_LOG);
         self.logs.vfio = Some(log);
         Ok(())
     }
 
-    /// Marks in `log` what the workloads in flight may still write.
-    fn remark(&self, log: &mut DirtyLog) {
+    /// Marks in `log` (the one of bit `which`, out of [`Logs`] while its
+    /// bits are taken) what the workloads in flight may still write.
+    fn remark(&mut self, log: &mut DirtyLog, which: u8) {
         let mark = |log: &mut DirtyLog, gfn: u64| {
             log.mark(gfn.saturating_mul(abi::DIRTY_PAGE_SIZE));
         };
         let remark = self.inflight.remark(|gfn| mark(log, gfn));
         self.remapped.iter().for_each(|&gfn| mark(log, gfn));
         if remark == Remark::Reachable || self.remapped_lost {
-            mark_reach(&self.reach, log);
+            if let Some((_, Marked::Everything)) = self.reach.cover(which, |gfn, _| mark(log, gfn)) {
+                log.mark_all();
+            }
         }
     }
 
@@ -223,7 +254,8 @@ impl GvtInner {
             log.read_and_clear(words)
         };
         if read.is_ok() {
-            self.remark(&mut log);
+            self.reach.taken(DEV_LOG);
+            self.remark(&mut log, DEV_LOG);
         }
         self.logs.dev = Some(log);
         read
@@ -235,7 +267,8 @@ impl GvtInner {
     pub(crate) fn vfio_take(&mut self, iova: u64, length: u64) -> Result<DirtyLog> {
         let mut log = self.logs.vfio.take().ok_or(EINVAL)?;
         let taken = log.take_range(iova, length);
-        self.remark(&mut log);
+        self.reach.taken(VFIO_LOG);
+        self.remark(&mut log, VFIO_LOG);
         self.logs.vfio = Some(log);
         taken
     }
@@ -246,9 +279,18 @@ impl GvtInner {
         self.inflight.coverage()
     }
 
-    /// Marks the reachable set for a workload not modelled.
+    /// Marks the reachable set for a workload not modelled, in the logs
+    /// that do not hold it yet (each walks it once per read cycle).
     fn mark_reachable(&mut self) {
-        self.stats.pages_marked += self.logs.mark_reach(&self.reach);
+        let logs = &mut self.logs;
+        let mut marked = 0u64;
+        let cover = self.reach.cover(logs.present(), |gfn, which| {
+            marked += u64::from(logs.mark_gfn_in(gfn, which));
+        });
+        if let Some((which, Marked::Everything)) = cover {
+            marked = logs.mark_all_in(which);
+        }
+        self.stats.pages_marked += marked;
     }
 }
 
@@ -284,7 +326,7 @@ impl GvtVgpu {
                 GvtInner {
                     logs: Logs::default(),
                     inflight: InFlight::new(),
-                    reach: Reach::new(Frames(RBTree::new())),
+                    reach: Reach::new(Frames::new()),
                     remapped: KVVec::new(),
                     remapped_lost: false,
                     vfio_stopped: false,
@@ -415,14 +457,14 @@ impl GvtVgpu {
     pub(crate) fn pages_mapped(&self, gfn: u64, nr: u64, map: bool) {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
+        let logs = &mut inner.logs;
+        let mut marked = 0;
         if map {
-            inner.reach.map(gfn, nr);
+            inner.reach.map(gfn, nr, |page, which| marked += u64::from(logs.mark_gfn_in(page, which)));
         } else {
-            let logs = &mut inner.logs;
-            let mut marked = 0;
             inner.reach.unmap(gfn, nr, |page| marked += u64::from(logs.mark_gfn(page)));
-            inner.stats.pages_marked += marked;
         }
+        inner.stats.pages_marked += marked;
     }
 
     /// Marks the reachable set for a workload not modelled.
@@ -619,7 +661,11 @@ impl GvtVgpu {
 
     /// VFIO DMA logging stops.
     pub(crate) fn dma_log_stop(&self) {
-        let log = self.inner.lock().logs.vfio.take();
+        let log = {
+            let mut inner = self.inner.lock();
+            inner.reach.taken(VFIO_LOG);
+            inner.logs.vfio.take()
+        };
         drop(log);
     }
 

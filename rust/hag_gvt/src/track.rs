@@ -238,16 +238,50 @@ pub enum Marked {
 /// cannot model may write. A page is held while any mapping holds it, and
 /// is marked when the last mapping goes, since the GPU may have written it
 /// until then.
+///
+/// The set can be 10^5-10^6 frames, and walking it happens under the
+/// vGPU's lock, so it is walked at most once per dirty log per read cycle:
+/// [`Reach::cover`] marks it in the logs that do not hold it yet (the
+/// caller names its logs by bit), and remembers that they do until their
+/// bits are taken ([`Reach::taken`]); meanwhile a frame mapped is marked
+/// in them as it is mapped ([`Reach::map`]), so they keep holding it.
 #[derive(Debug)]
 pub struct Reach<M> {
     pages: M,
     lost: bool,
+    /// The logs (a bit each) that hold every frame of the set.
+    covered: u8,
 }
 
 impl<M: FrameCounts> Reach<M> {
     /// An empty set in `pages`.
     pub fn new(pages: M) -> Self {
-        Reach { pages, lost: false }
+        Reach {
+            pages,
+            lost: false,
+            covered: 0,
+        }
+    }
+
+    /// Marks the set, in one walk, in those of the logs `logs` (a bit
+    /// each) that do not hold it yet: `mark(gfn, which)` marks `gfn` in
+    /// the logs of `which`. Returns `which` and what the walk found
+    /// ([`Marked::Everything`]: the caller marks those logs whole), or
+    /// `None` if every log asked for holds the set already. They hold it
+    /// from then on, until [`Reach::taken`].
+    pub fn cover(&mut self, logs: u8, mut mark: impl FnMut(u64, u8)) -> Option<(u8, Marked)> {
+        let which = logs & !self.covered;
+        if which == 0 {
+            return None;
+        }
+        self.covered |= which;
+        Some((which, self.mark(|gfn| mark(gfn, which))))
+    }
+
+    /// The bits of the logs `logs` were taken (read and cleared, a range
+    /// of them reported) or the logs replaced: they no longer hold the set.
+    pub fn taken(&mut self, logs: u8) {
+        self.covered &= !logs;
     }
 
     /// Whether the set is not known any more (a map report could not be
@@ -266,18 +300,31 @@ impl<M: FrameCounts> Reach<M> {
         self.pages.is_empty()
     }
 
-    /// GVT mapped `nr` pages from `gfn`.
-    pub fn map(&mut self, gfn: u64, nr: u64) {
+    /// GVT mapped `nr` pages from `gfn`. Each goes to `mark` with the logs
+    /// that hold the set ([`Reach::cover`]), if any, so that they go on
+    /// holding it.
+    pub fn map(&mut self, gfn: u64, nr: u64, mut mark: impl FnMut(u64, u8)) {
         if nr > MAX_MAP_PAGES {
-            self.lost = true;
+            self.set_lost();
             return;
         }
         for page in gfn..gfn.saturating_add(nr) {
             if let Some(count) = self.pages.count_mut(page) {
                 *count = count.saturating_add(1);
             } else if !self.pages.insert(page) {
-                self.lost = true;
+                self.set_lost();
             }
+            if self.covered != 0 {
+                mark(page, self.covered);
+            }
+        }
+    }
+
+    /// The set is not known any more: no log holds "everything" yet.
+    fn set_lost(&mut self) {
+        if !self.lost {
+            self.lost = true;
+            self.covered = 0;
         }
     }
 

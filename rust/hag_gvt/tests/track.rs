@@ -289,9 +289,9 @@ fn marked(reach: &Reach<Counts>) -> (Marked, BTreeSet<u64>) {
 #[test]
 fn reachable_set_is_what_gvt_mapped() {
     let mut reach = Reach::new(Counts::with_room(1 << 20));
-    reach.map(0x100, 1);
-    reach.map(0x200, 16); // a 64K page
-    reach.map(0x100, 1); // a second mapping of the same page
+    reach.map(0x100, 1, |_, _| {});
+    reach.map(0x200, 16, |_, _| {}); // a 64K page
+    reach.map(0x100, 1, |_, _| {}); // a second mapping of the same page
     let (m, pages) = marked(&reach);
     assert_eq!(m, Marked::Frames(17));
     assert!(pages.contains(&0x100) && pages.contains(&0x20f) && !pages.contains(&0x210));
@@ -318,13 +318,54 @@ fn reachable_set_is_what_gvt_mapped() {
 #[test]
 fn lost_reach_marks_everything() {
     let mut reach = Reach::new(Counts::with_room(2));
-    reach.map(1, 3);
+    reach.map(1, 3, |_, _| {});
     assert!(reach.lost());
     assert_eq!(marked(&reach).0, Marked::Everything);
 
     let mut reach = Reach::new(Counts::with_room(1 << 20));
-    reach.map(0, MAX_MAP_PAGES); // a 2 MiB page
+    reach.map(0, MAX_MAP_PAGES, |_, _| {}); // a 2 MiB page
     assert_eq!(marked(&reach).0, Marked::Frames(MAX_MAP_PAGES));
-    reach.map(0, MAX_MAP_PAGES + 1);
+    reach.map(0, MAX_MAP_PAGES + 1, |_, _| {});
     assert_eq!(marked(&reach).0, Marked::Everything);
+}
+
+/// A fallback walks the set once per log per read cycle: a log that holds
+/// it (covered, its bits not taken since) is not walked again, and a page
+/// mapped meanwhile is marked in it as it is mapped.
+#[test]
+fn the_set_is_walked_once_per_log_until_its_bits_are_taken() {
+    const DEV: u8 = 1;
+    const VFIO: u8 = 2;
+    let mut reach = Reach::new(Counts::with_room(1 << 20));
+    reach.map(0x10, 4, |_, _| panic!("no log holds the set yet"));
+    let mut walked = Vec::new();
+    let cover = reach.cover(DEV | VFIO, |g, which| walked.push((g, which)));
+    assert_eq!(cover, Some((DEV | VFIO, Marked::Frames(4))));
+    assert_eq!(
+        walked,
+        [(0x10, 3), (0x11, 3), (0x12, 3), (0x13, 3)],
+        "one walk, both logs"
+    );
+    // Held: no second walk, for either log.
+    assert_eq!(reach.cover(DEV | VFIO, |_, _| panic!("walked again")), None);
+    // A page mapped now goes to both logs at once.
+    let mut mapped = Vec::new();
+    reach.map(0x20, 1, |g, which| mapped.push((g, which)));
+    assert_eq!(mapped, [(0x20, DEV | VFIO)]);
+    // /dev/hag's log read and cleared: only it is walked again.
+    reach.taken(DEV);
+    let mut again = Vec::new();
+    assert_eq!(
+        reach.cover(DEV | VFIO, |g, which| again.push((g, which))),
+        Some((DEV, Marked::Frames(5)))
+    );
+    assert!(again.iter().all(|&(_, which)| which == DEV) && again.len() == 5);
+    // A lost set: no log holds "everything" until it is covered again.
+    reach.map(0, MAX_MAP_PAGES + 1, |_, _| {
+        panic!("a lost set marks nothing page by page")
+    });
+    assert_eq!(
+        reach.cover(VFIO, |_, _| panic!("a lost set is not walked")),
+        Some((VFIO, Marked::Everything))
+    );
 }
