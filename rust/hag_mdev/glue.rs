@@ -1068,9 +1068,10 @@ impl GvtHandle {
         Ok(call(live.0))
     }
 
-    /// Waits until GVT has no workload of the vGPU in flight (GVT's
-    /// `intel_gvt_wait_vgpu_idle`). GVT deactivates (and so idles) a vGPU
-    /// before removing it, so a removal waiting for this returns soon.
+    /// Waits until GVT has no workload of the vGPU queued or running
+    /// (`intel_gvt_audit_wait_idle`: killable, `EBUSY` after 5 s, `EINTR`
+    /// on a fatal signal). GVT deactivates (and so idles) a vGPU before
+    /// removing it, so a removal waiting for this returns soon.
     pub(crate) fn wait_idle(&self) -> Result {
         // SAFETY: `with_live` passes a vGPU GVT has not removed.
         check(self.with_live(|vgpu| unsafe { hag_gvt_wait_idle(vgpu) })?)

@@ -530,7 +530,7 @@ impl GvtVgpu {
 
     /// Writes the vGPU's snapshot into `out`; returns the bytes used. The
     /// caller keeps the VM from submitting (its vCPUs paused): GVT cannot
-    /// hold workloads, so this only waits for those in flight.
+    /// hold workloads, so this waits for those queued or running.
     pub(crate) fn save(&self, out: &mut [u8]) -> Result<usize> {
         self.handle.wait_idle()?;
         let mut w = Writer::new(out, abi::VGPU_SOURCE_GVT as u16, self.ggtt_size).map_err(errno)?;
