@@ -32,6 +32,7 @@
 //! functions the patch exports, each in a section of hag's snapshot format;
 //! GVT checks what it is given back.
 
+use kernel::alloc::flags::GFP_KERNEL_ACCOUNT;
 use kernel::prelude::*;
 use kernel::rbtree::RBTree;
 use kernel::sync::Mutex;
@@ -105,7 +106,9 @@ impl FrameCounts for Frames {
     }
 
     fn insert(&mut self, gfn: u64) -> bool {
-        let inserted = self.tree.try_create_and_insert(gfn, 1, GFP_KERNEL).is_ok();
+        // About 64 bytes a mapped page: charged to the task mapping it
+        // (the VM's QEMU, through VFIO), as the mapping itself is.
+        let inserted = self.tree.try_create_and_insert(gfn, 1, GFP_KERNEL_ACCOUNT).is_ok();
         self.len += usize::from(inserted);
         inserted
     }
@@ -360,7 +363,7 @@ impl GvtVgpu {
                 if logs.mark_gfn(gfn) {
                     marked += 1;
                 }
-                if kept && pages.push(gfn, GFP_KERNEL).is_err() {
+                if kept && pages.push(gfn, GFP_KERNEL_ACCOUNT).is_err() {
                     kept = false;
                 }
             };
@@ -426,7 +429,7 @@ impl GvtVgpu {
         for page in gfn..gfn.saturating_add(nr.min(MAX_MAP_PAGES)) {
             inner.stats.pages_marked += u64::from(inner.logs.mark_gfn(page));
             if !inner.remapped_lost
-                && (inner.remapped.len() >= MAX_REMAPPED || inner.remapped.push(page, GFP_KERNEL).is_err())
+                && (inner.remapped.len() >= MAX_REMAPPED || inner.remapped.push(page, GFP_KERNEL_ACCOUNT).is_err())
             {
                 inner.remapped_lost = true;
             }
