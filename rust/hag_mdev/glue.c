@@ -1133,6 +1133,11 @@ static void hag_gvt_workload_done(struct intel_vgpu *vgpu, u64 cookie,
 	hag_ops->gvt_workload_done(hag_ctx, vgpu, cookie, changed);
 }
 
+static bool hag_gvt_batch_check(struct intel_vgpu *vgpu)
+{
+	return hag_ops->gvt_batch_check(hag_ctx, vgpu);
+}
+
 static void hag_gvt_gtt_mapped(struct intel_vgpu *vgpu, u64 gfn, u64 nr)
 {
 	hag_ops->gvt_gtt_mapped(hag_ctx, vgpu, gfn, nr);
@@ -1157,6 +1162,7 @@ static const struct intel_gvt_audit_ops hag_gvt_ops = {
 	.guest_written = hag_gvt_guest_written,
 	.pages_mapped = hag_gvt_pages_mapped,
 	.gtt_mapped = hag_gvt_gtt_mapped,
+	.batch_check = hag_gvt_batch_check,
 	.owner = THIS_MODULE,
 	.vfio = &hag_gvt_vfio_ops,
 };

@@ -86,6 +86,7 @@ struct hag_rs_ops {
 			     const struct hag_gvt_wl *w);
 	void (*gvt_workload_done)(const void *ctx, void *vgpu, u64 cookie,
 				  bool changed);
+	bool (*gvt_batch_check)(const void *ctx, void *vgpu);
 	void (*gvt_guest_written)(const void *ctx, void *vgpu, u64 gpa,
 				  u64 len);
 	void (*gvt_pages_mapped)(const void *ctx, void *vgpu, u64 gfn, u64 nr,

@@ -104,6 +104,9 @@ pub(crate) trait GvtObserver {
     /// any more; `changed`: a PPGTT batch it ran differs from what was
     /// handed over.
     fn gvt_workload_done(&self, vgpu: usize, cookie: u64, changed: bool);
+    /// Whether GVT should check, for the workloads of the vGPU at `vgpu`,
+    /// that no PPGTT batch changed under them (it reads each back).
+    fn gvt_batch_check(&self, vgpu: usize) -> bool;
     /// GVT itself wrote `len` bytes of the vGPU's guest memory at `gpa`.
     fn gvt_guest_written(&self, vgpu: usize, gpa: u64, len: u64);
     /// GVT mapped (`map`) or is unmapping `nr` guest pages from `gfn` for
@@ -144,6 +147,7 @@ pub(crate) struct RsOps {
     gvt_vgpu_removed: extern "C" fn(*const c_void, *mut c_void),
     gvt_workload: extern "C" fn(*const c_void, *const c_void, *mut c_void, *const CGvtWl),
     gvt_workload_done: extern "C" fn(*const c_void, *mut c_void, u64, bool),
+    gvt_batch_check: extern "C" fn(*const c_void, *mut c_void) -> bool,
     gvt_guest_written: extern "C" fn(*const c_void, *mut c_void, u64, u64),
     gvt_pages_mapped: extern "C" fn(*const c_void, *mut c_void, u64, u64, bool),
     gvt_gtt_mapped: extern "C" fn(*const c_void, *mut c_void, u64, u64),
@@ -177,6 +181,7 @@ impl<T: Driver> Vtable<T> {
         gvt_vgpu_removed: gvt_vgpu_removed::<T>,
         gvt_workload: gvt_workload::<T>,
         gvt_workload_done: gvt_workload_done::<T>,
+        gvt_batch_check: gvt_batch_check::<T>,
         gvt_guest_written: gvt_guest_written::<T>,
         gvt_pages_mapped: gvt_pages_mapped::<T>,
         gvt_gtt_mapped: gvt_gtt_mapped::<T>,
@@ -1184,6 +1189,12 @@ extern "C" fn gvt_workload<T: Driver>(ctx: *const c_void, wl: *const c_void, vgp
 extern "C" fn gvt_workload_done<T: Driver>(ctx: *const c_void, vgpu: *mut c_void, cookie: u64, changed: bool) {
     // SAFETY: as in `gvt_vgpu_added`.
     unsafe { state::<T>(ctx) }.gvt_workload_done(vgpu as usize, cookie, changed);
+}
+
+/// Whether GVT should read a workload's PPGTT batches back at its end.
+extern "C" fn gvt_batch_check<T: Driver>(ctx: *const c_void, vgpu: *mut c_void) -> bool {
+    // SAFETY: as in `gvt_vgpu_added`.
+    unsafe { state::<T>(ctx) }.gvt_batch_check(vgpu as usize)
 }
 
 /// A GTT entry now maps guest pages.

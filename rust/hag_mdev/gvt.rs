@@ -416,6 +416,13 @@ impl GvtVgpu {
         drop(writes);
     }
 
+    /// Whether a dirty log of the vGPU is on: only then does a workload's
+    /// done need to know whether a PPGTT batch changed under it (GVT reads
+    /// every such batch back to tell).
+    pub(crate) fn logging(&self) -> bool {
+        self.inner.lock().logs.present() != 0
+    }
+
     /// A GTT entry now maps `nr` pages from `gfn`. A workload in flight
     /// was translated before: it may write these pages through addresses
     /// that mapped others then. They are marked, and again after every
@@ -759,6 +766,11 @@ impl glue::GvtObserver for State {
         if let Some(gvt) = self.gvt_vgpu(vgpu) {
             gvt.gtt_mapped(gfn, nr);
         }
+    }
+
+    fn gvt_batch_check(&self, vgpu: usize) -> bool {
+        // A vGPU hag does not know: GVT decides as without the hook.
+        self.gvt_vgpu(vgpu).is_none_or(|gvt| gvt.logging())
     }
 
     fn gvt_guest_written(&self, vgpu: usize, gpa: u64, len: u64) {
