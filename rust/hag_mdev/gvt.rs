@@ -188,10 +188,14 @@ pub(crate) struct GvtInner {
     /// Every page the GPU can reach.
     reach: Reach<Frames>,
     /// Pages GTT entries were made to map while workloads were in flight
-    /// (see [`GvtVgpu::gtt_mapped`]), marked again after every read.
-    remapped: KVVec<u64>,
-    /// More of them than kept: the reachable set stands in.
-    remapped_lost: bool,
+    /// (see [`GvtVgpu::gtt_mapped`]), each with when ([`InFlight::now`]),
+    /// oldest first; marked again after every read until every workload
+    /// scanned before it is done. Those before `remapped_from` are.
+    remapped: KVVec<(u64, u64)>,
+    remapped_from: usize,
+    /// Since when more of them came than are kept: until every workload
+    /// scanned before then is done, the reachable set stands in.
+    remapped_lost: Option<u64>,
     /// Stopped by VFIO migration (the VMM stopped the VM, hag drained it).
     pub(crate) vfio_stopped: bool,
     pub(crate) stats: GvtStats,
@@ -237,8 +241,8 @@ impl GvtInner {
             log.mark(gfn.saturating_mul(abi::DIRTY_PAGE_SIZE));
         };
         let remark = self.inflight.remark(|gfn| mark(log, gfn));
-        self.remapped.iter().for_each(|&gfn| mark(log, gfn));
-        if remark == Remark::Reachable || self.remapped_lost {
+        self.remapped[self.remapped_from..].iter().for_each(|&(_, gfn)| mark(log, gfn));
+        if remark == Remark::Reachable || self.remapped_lost.is_some() {
             if let Some((_, Marked::Everything)) = self.reach.cover(which, |gfn, _| mark(log, gfn)) {
                 log.mark_all();
             }
@@ -280,6 +284,37 @@ impl GvtInner {
     /// fallback (see [`Coverage`]: counted once each is final).
     pub(crate) fn coverage(&self) -> Coverage {
         self.inflight.coverage()
+    }
+
+    /// Forgets the remapped pages every workload scanned before which is
+    /// done (the oldest first: a prefix), and the loss of them likewise.
+    /// Under constant load the table is never empty, yet each remap stops
+    /// mattering. Returns what the list no longer needs, to be freed
+    /// without the lock.
+    fn forget_outlived_remaps(&mut self) -> Option<KVVec<(u64, u64)>> {
+        let live = &self.inflight;
+        if self.remapped_lost.is_some_and(|at| live.outlived(at)) {
+            self.remapped_lost = None;
+        }
+        let outlived = self.remapped[self.remapped_from..]
+            .iter()
+            .take_while(|&&(at, _)| live.outlived(at))
+            .count();
+        self.remapped_from += outlived;
+        if self.remapped_from == self.remapped.len() {
+            self.remapped_from = 0;
+            return Some(core::mem::replace(&mut self.remapped, KVVec::new()));
+        }
+        // Half of it outlived: the rest is copied down (amortised), if
+        // there is memory for it; else kept as it is.
+        if self.remapped_from > self.remapped.len() / 2 {
+            let mut rest = KVVec::new();
+            if rest.extend_from_slice(&self.remapped[self.remapped_from..], GFP_KERNEL_ACCOUNT).is_ok() {
+                self.remapped_from = 0;
+                return Some(core::mem::replace(&mut self.remapped, rest));
+            }
+        }
+        None
     }
 
     /// Marks the reachable set for a workload not modelled, in the logs
@@ -331,7 +366,8 @@ impl GvtVgpu {
                     inflight: InFlight::new(),
                     reach: Reach::new(Frames::new()),
                     remapped: KVVec::new(),
-                    remapped_lost: false,
+                    remapped_from: 0,
+                    remapped_lost: None,
                     vfio_stopped: false,
                     stats: GvtStats::default(),
                 },
@@ -407,13 +443,10 @@ impl GvtVgpu {
             inner.stats.changed_batches += 1;
             inner.mark_reachable();
         }
-        if inner.inflight.is_empty() {
-            // No workload scanned before these mappings runs any more.
-            inner.remapped = KVVec::new();
-            inner.remapped_lost = false;
-        }
+        let dropped = inner.forget_outlived_remaps();
         drop(guard);
         drop(writes);
+        drop(dropped);
     }
 
     /// Whether a dirty log of the vGPU is on: only then does a workload's
@@ -433,16 +466,18 @@ impl GvtVgpu {
         if inner.inflight.is_empty() {
             return;
         }
+        let now = inner.inflight.now();
         for page in gfn..gfn.saturating_add(nr.min(MAX_MAP_PAGES)) {
             inner.stats.pages_marked += u64::from(inner.logs.mark_gfn(page));
-            if !inner.remapped_lost
-                && (inner.remapped.len() >= MAX_REMAPPED || inner.remapped.push(page, GFP_KERNEL_ACCOUNT).is_err())
+            let kept = inner.remapped.len() - inner.remapped_from;
+            if inner.remapped_lost.is_none()
+                && (kept >= MAX_REMAPPED || inner.remapped.push((now, page), GFP_KERNEL_ACCOUNT).is_err())
             {
-                inner.remapped_lost = true;
+                inner.remapped_lost = Some(now);
             }
         }
         if nr > MAX_MAP_PAGES {
-            inner.remapped_lost = true;
+            inner.remapped_lost.get_or_insert(now);
         }
     }
 

@@ -58,8 +58,14 @@ pub struct Coverage {
 #[derive(Debug)]
 pub struct InFlight<P, const N: usize> {
     slots: [Option<(u64, Writes<P>)>; N],
+    /// When each slot's workload was scanned ([`InFlight::now`] then).
+    slots_at: [u64; N],
     /// The cookies of workloads that found the table full.
     spilled: [Option<u64>; N],
+    /// When each spilled workload was scanned.
+    spilled_at: [u64; N],
+    /// Workloads scanned so far: the clock of [`InFlight::now`].
+    scans: u64,
     /// Workloads that found `spilled` full too: their ends cannot be
     /// told apart, so they count until [`InFlight::clear`].
     lost: u32,
@@ -87,7 +93,10 @@ impl<P, const N: usize> InFlight<P, N> {
     pub const fn new() -> Self {
         InFlight {
             slots: [const { None }; N],
+            slots_at: [0; N],
             spilled: [None; N],
+            spilled_at: [0; N],
+            scans: 0,
             lost: 0,
             coverage: Coverage {
                 precise: 0,
@@ -114,6 +123,36 @@ impl<P, const N: usize> InFlight<P, N> {
         self.len() == 0
     }
 
+    /// The table's clock: how many workloads were scanned so far. Something
+    /// that happens now (a GTT entry remapped) concerns the workloads
+    /// scanned before it: those with a time below `now()`.
+    pub fn now(&self) -> u64 {
+        self.scans
+    }
+
+    /// Whether every workload scanned before time `at` ([`InFlight::now`]
+    /// then) is done. Never, while a workload that found the table and its
+    /// spill full is counted: when it was scanned is not known.
+    pub fn outlived(&self, at: u64) -> bool {
+        if self.lost > 0 {
+            return false;
+        }
+        let slots = self
+            .slots
+            .iter()
+            .zip(&self.slots_at)
+            .filter(|(s, _)| s.is_some());
+        let spilled = self
+            .spilled
+            .iter()
+            .zip(&self.spilled_at)
+            .filter(|(s, _)| s.is_some());
+        slots
+            .map(|(_, &t)| t)
+            .chain(spilled.map(|(_, &t)| t))
+            .all(|t| t >= at)
+    }
+
     /// Records workload `cookie`. If the table is full, the workload is
     /// counted as one that may write anything reachable (the caller marks
     /// the reachable set), and `writes` is handed back for the caller to
@@ -121,14 +160,20 @@ impl<P, const N: usize> InFlight<P, N> {
     /// counts as a fallback now.
     pub fn scanned(&mut self, cookie: u64, writes: Writes<P>) -> Option<Writes<P>> {
         let reachable = matches!(writes, Writes::Reachable);
-        let rest = match self.slots.iter_mut().find(|s| s.is_none()) {
-            Some(slot) => {
-                *slot = Some((cookie, writes));
+        let at = self.scans;
+        self.scans = self.scans.saturating_add(1);
+        let rest = match self.slots.iter().position(Option::is_none) {
+            Some(i) => {
+                self.slots[i] = Some((cookie, writes));
+                self.slots_at[i] = at;
                 None
             }
             None => {
-                match self.spilled.iter_mut().find(|s| s.is_none()) {
-                    Some(spill) => *spill = Some(cookie),
+                match self.spilled.iter().position(Option::is_none) {
+                    Some(i) => {
+                        self.spilled[i] = Some(cookie);
+                        self.spilled_at[i] = at;
+                    }
                     None => self.lost = self.lost.saturating_add(1),
                 }
                 Some(writes)

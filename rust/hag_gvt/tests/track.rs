@@ -369,3 +369,47 @@ fn the_set_is_walked_once_per_log_until_its_bits_are_taken() {
         Some((VFIO, Marked::Everything))
     );
 }
+
+/// What happens at a time (a GTT entry remapped) concerns the workloads
+/// scanned before it, and stops mattering once they are all done, however
+/// many were scanned since: under constant load the table is never empty.
+#[test]
+fn a_remap_is_outlived_once_every_earlier_workload_is_done() {
+    let mut inflight: InFlight<Vec<u64>, 2> = InFlight::new();
+    inflight.scanned(1, Writes::Pages(vec![1]));
+    let t1 = inflight.now();
+    inflight.scanned(2, Writes::Pages(vec![2]));
+    let t2 = inflight.now();
+    assert!(!inflight.outlived(t1), "workload 1 is in flight");
+    inflight.done(1, false);
+    assert!(inflight.outlived(t1), "all before t1 are done");
+    assert!(!inflight.outlived(t2), "workload 2 is in flight");
+    // Constant load: 3 comes before 2 ends; t2 is outlived all the same.
+    inflight.scanned(3, Writes::Reachable);
+    inflight.done(2, false);
+    assert!(inflight.outlived(t2) && !inflight.is_empty());
+    assert!(!inflight.outlived(inflight.now()), "3 is in flight");
+    // Spilled workloads count by their own time.
+    inflight.scanned(4, Writes::Pages(vec![4]));
+    assert!(
+        inflight.scanned(5, Writes::Reachable).is_some(),
+        "the table is full: 5 spills"
+    );
+    let t5 = inflight.now();
+    inflight.done(3, false);
+    inflight.done(4, false);
+    assert!(
+        !inflight.outlived(t5),
+        "spilled 5, scanned before t5, is in flight"
+    );
+    inflight.done(5, false);
+    assert!(inflight.outlived(t5) && inflight.is_empty());
+    // One that found the spill full too: its time is not known.
+    let mut tiny: InFlight<Vec<u64>, 1> = InFlight::new();
+    tiny.scanned(1, Writes::Reachable);
+    tiny.scanned(2, Writes::Reachable);
+    tiny.scanned(3, Writes::Reachable);
+    tiny.done(1, false);
+    tiny.done(2, false);
+    assert!(!tiny.outlived(0), "a lost workload may be from any time");
+}
