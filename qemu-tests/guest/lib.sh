@@ -481,6 +481,16 @@ hook_libvirt_up() {
 	} >"$HOST_ROOT/etc/hag/hag.conf"
 }
 
+# finish_after_takeover SOCK [LOG]: in the background, once LOG (default
+# /tmp/backup.err) says a takeover resumed the VM here and 3 s more of its
+# workload ran, asks that hag-vmm VM (control socket SOCK) to end its run
+# after the iterations done so far (hag-vmm finish): it verifies them all
+# as at its end, so the scenario's --iterations is only an upper bound.
+finish_after_takeover() {
+	(wait_for 300 grep -q 'takeover: generation' "${2:-/tmp/backup.err}" && sleep 3 &&
+		hag-vmm finish --control "$1") >/tmp/finish.out 2>&1 &
+}
+
 # domain_xml NAME MDEV-UUID GUEST-ARGS: a domain like vm_start's VM.
 # DOMAIN_SHARED_RAM=1 adds a shared file memory backing, locked (what hagctl
 # checkpoint --qmp copies and accepts), DOMAIN_CONSOLE_SOCKET=1 a serial console on

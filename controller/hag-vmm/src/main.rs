@@ -318,6 +318,15 @@ state and resume it, then continues the workload where it was.")]
               value_parser = clap::value_parser!(u32).range(0..=i64::from(guest_gpu::frames::MAX_DIRTY_PAGES)))]
         dirty_pages: u32,
     },
+    /// Ask the VM a `serve --control PATH` runs to end its workload after
+    /// the iterations done so far, verified as at its end (it prints its
+    /// PASS/FAIL line then); prints the iteration it was at. For tests
+    /// that end a run once they have seen what they wait for.
+    Finish {
+        /// Path of the VM's control socket
+        #[arg(long, value_name = "PATH")]
+        control: std::path::PathBuf,
+    },
 }
 
 fn workload_name(text: &str) -> Result<String, String> {
@@ -597,6 +606,7 @@ fn main() -> ExitCode {
             progress,
             dirty_pages,
         }),
+        Command::Finish { control } => finish(&control),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -605,6 +615,17 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `hag-vmm finish`: the request, and the iteration the VM was at.
+fn finish(control: &std::path::Path) -> anyhow::Result<()> {
+    let mut vm = vmm_control::VmClient::connect(control)?;
+    let (reply, _) = vm.call(&vmm_control::Request::Finish)?;
+    println!(
+        "finishing after iteration {}",
+        reply.iteration.unwrap_or_default()
+    );
+    Ok(())
 }
 
 #[cfg(test)]

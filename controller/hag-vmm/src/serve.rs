@@ -98,6 +98,8 @@ pub struct Shared {
     want_pause: bool,
     want_resume: bool,
     want_quit: bool,
+    /// A controller asked the workload to end after the iterations done.
+    want_finish: bool,
     iteration: u32,
     iterations: u32,
     result: Option<(bool, String)>,
@@ -313,6 +315,17 @@ impl Ctl {
                     ..Reply::ok()
                 }
             }
+            Request::Finish => {
+                if !matches!(g.run, RunState::Running | RunState::Paused) {
+                    return Reply::err(format!("cannot finish: the VM is {}", g.run.name()));
+                }
+                g.want_finish = true;
+                self.cv.notify_all();
+                Reply {
+                    iteration: Some(g.iteration),
+                    ..Reply::ok()
+                }
+            }
             Request::Quit => {
                 g.want_quit = true;
                 self.cv.notify_all();
@@ -413,6 +426,7 @@ pub fn serve(cfg: &ServeConfig) -> anyhow::Result<Outcome> {
             want_pause: false,
             want_resume: false,
             want_quit: false,
+            want_finish: false,
             iteration: 0,
             iterations: cfg.iterations,
             result: None,
@@ -552,6 +566,17 @@ fn run_loop(
         let Some((drv, frames)) = vm.as_mut() else {
             continue;
         };
+        {
+            // Between iterations only: with one submitted, finish waits
+            // for the next boundary.
+            let mut g = ctl.lock();
+            if g.want_finish {
+                if let Ok(n) = frames.finish(drv) {
+                    g.want_finish = false;
+                    g.iterations = n;
+                }
+            }
+        }
         let step = frames.step(drv);
         let iteration = frames.iteration(&drv.mem()).unwrap_or(0);
         let finished = match step {

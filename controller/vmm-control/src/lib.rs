@@ -21,6 +21,7 @@
 //! | `{"cmd": "hold-output", "hold": true}` | nothing; while held, the VM's console lines (`--progress` lines and the final PASS/FAIL line) are kept back until released (Remus output commit); `"hold": false` prints everything held and stops holding |
 //! | `{"cmd": "mark-epoch", "epoch": N}` | `"released"`: lines tagged; tags the held lines not yet tagged with checkpoint epoch N (call it while the VM is paused or finished, when the epoch is captured) |
 //! | `{"cmd": "release-output", "epoch": N}` | `"released"`: lines printed; prints the held lines of epochs up to N (once N is acknowledged by the backup). A finished VM exits only once its result line is released |
+//! | `{"cmd": "finish"}` | `"iteration"`: the workload ends after the iterations done so far, at its next step boundary, verified as at its end (its PASS/FAIL line counts those); a test's way to end a fixed-length run once it has seen what it waits for; running or paused VMs only |
 //! | `{"cmd": "quit"}` | `"state": "stopped"`, sent once the VM loop stopped and the VFIO device is closed; the process then exits 0 |
 //!
 //! An unknown or malformed request gets `"ok": false` and the connection
@@ -59,6 +60,8 @@ pub enum Request {
         /// Hex of the bytes.
         vm_state: String,
     },
+    /// End the workload after the iterations done so far, verified.
+    Finish,
     /// Stop the VM and close the vGPU.
     Quit,
     /// Hold (or stop holding and flush) the VM's console output.
@@ -90,6 +93,7 @@ impl Request {
             Request::Vgpu => "vgpu",
             Request::GetState => "get-state",
             Request::SetState { .. } => "set-state",
+            Request::Finish => "finish",
             Request::Quit => "quit",
             Request::HoldOutput { .. } => "hold-output",
             Request::MarkEpoch { .. } => "mark-epoch",
