@@ -139,6 +139,31 @@ pacemaker_log() {
 	grep -E 'pacemaker-(controld|schedulerd|fenced).*(notice|warning|error)' "$HOST_ROOT/var/log/pacemaker/pacemaker.log" |
 		grep -v 'Calculated transition' | tail -60
 }
+# configure CIB: host 0's configuration (docs/pacemaker.md's pcs commands)
+# made with pcs -f on a copy of the cluster's CIB, CIB.orig, while the
+# nodes come online (each pcs is a Python start: seconds in a test host);
+# pushed once they are, as a diff against that copy, so that what the
+# cluster wrote meanwhile (its nodes, its own properties) stays.
+configure() {
+	wait_for 120 in_root pcs cluster cib "$1.orig" || { echo "pcs cluster cib never answered"; return 1; }
+	cp "$HOST_ROOT$1.orig" "$HOST_ROOT$1"
+	pcs_f() {
+		local f=$1
+		shift
+		in_root pcs -f "$f" "$@" || { echo "pcs -f $f $*: failed"; return 1; }
+	}
+	pcs_f "$1" property set stonith-enabled=true &&
+		pcs_f "$1" stonith create fence-hosts fence_haghost pcmk_host_list="host0 host1" &&
+		pcs_f "$1" resource create vgpu-vm ocf:hag:vm name=vm hagctl=/usr/local/bin/hagctl vm_start=/tmp/vm-start \
+			vm_stop='kill -TERM $(cat /tmp/vm.pid)' vm_pidfile=/tmp/vm.pid "backup_args=$standby" \
+			op monitor interval=5s role=Promoted monitor interval=6s role=Unpromoted \
+			promotable promoted-max=1 clone-max=2 notify=true &&
+		pcs_f "$1" constraint location vgpu-vm-clone rule role=Promoted score=50 '#uname' eq host0
+}
+cib=/tmp/cib.xml
+if [ "$HAG_HOST" = 0 ]; then
+	(configure "$cib" >/tmp/configure.out 2>&1; echo $? >/tmp/configure.rc) &
+fi
 online() { in_root crm_mon -1 2>/dev/null | grep -q 'Online: \[ host0 host1 \]'; }
 wait_for 240 online || { pacemaker_log; fail "the two nodes did not come online in Pacemaker"; }
 in_root corosync-quorumtool -s | grep -q 'Quorate: *Yes' || { pacemaker_log; fail "no quorum"; }
@@ -150,17 +175,10 @@ promoted_on() { in_root crm_mon -1 2>/dev/null | grep -Eq "(Promoted|Masters): \
 
 if [ "$HAG_HOST" = 0 ]; then
 	step "host 0: the cluster configured with pcs (docs/pacemaker.md): fencing, the promotable VM"
-	cib=/tmp/cib.xml
-	in_root pcs cluster cib "$cib" || fail "pcs cluster cib"
-	pcs_f() { in_root pcs -f "$cib" "$@" || { pacemaker_log; fail "pcs $*"; }; }
-	pcs_f property set stonith-enabled=true
-	pcs_f stonith create fence-hosts fence_haghost pcmk_host_list="host0 host1"
-	pcs_f resource create vgpu-vm ocf:hag:vm name=vm hagctl=/usr/local/bin/hagctl vm_start=/tmp/vm-start \
-		vm_stop='kill -TERM $(cat /tmp/vm.pid)' vm_pidfile=/tmp/vm.pid "backup_args=$standby" \
-		op monitor interval=5s role=Promoted monitor interval=6s role=Unpromoted \
-		promotable promoted-max=1 clone-max=2 notify=true
-	pcs_f constraint location vgpu-vm-clone rule role=Promoted score=50 '#uname' eq host0
-	in_root pcs cluster cib-push "$cib" || fail "pcs cluster cib-push"
+	wait_for 300 test -s /tmp/configure.rc || fail "pcs did not finish the configuration"
+	[ "$(cat /tmp/configure.rc)" = 0 ] || { cat /tmp/configure.out; pacemaker_log; fail "the configuration with pcs failed"; }
+	in_root pcs cluster cib-push "$cib" diff-against="$cib.orig" || fail "pcs cluster cib-push"
+	step "host 0: configuration pushed; waiting for Pacemaker to promote host 0"
 	wait_for 300 promoted_on host0 || { pacemaker_log; fail "the VM was not promoted on host 0"; }
 	step "host 0: promoted"
 	wait_for 120 role_is primary || { pacemaker_log; fail "no hagctl checkpoint protects the VM on host 0"; }
