@@ -1,5 +1,7 @@
 # One live migration of a frames VM from host 0 to host 1, shared by the
-# migration scenarios. Set by the caller: ITERATIONS, MIGRATE_FLAGS, and
+# migration scenarios; on host 1 the VM is asked to end its run 2 s after
+# it arrived (hag-vmm finish). Set by the caller: ITERATIONS (the longest
+# run), MIGRATE_FLAGS, and
 # check_result EXIT_STATUS, which judges the VM's end on host 1
 # (/tmp/vm.out holds its output).
 load_hag
@@ -19,7 +21,10 @@ if [ "$HAG_HOST" = 1 ]; then
 	hagctl receive --listen "$target:7100" --vm "$sock" --json >/tmp/recv.out 2>/tmp/recv.err ||
 		fail "hagctl receive failed: $(cat /tmp/recv.err)"
 	cat /tmp/recv.err /tmp/recv.out
-	step "host 1: the VM runs on here and verifies its guest RAM"
+	step "host 1: the VM runs on here 2 s, ends its run and verifies its guest RAM"
+	sleep 2
+	# A VM that already failed has nothing to finish.
+	hag-vmm finish --control "$sock" || true
 	rc=0
 	wait "$vm" || rc=$?
 	cat /tmp/vm.err /tmp/vm.out

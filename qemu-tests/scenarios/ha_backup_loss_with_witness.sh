@@ -77,11 +77,16 @@ case $HAG_HOST in
 	! grep -q '^PASS frames' /tmp/vm2.out || fail "vm2 finished before the confirmation (make ITERATIONS larger)"
 	step "host 0: the operator confirms vm2's backup down"
 	hagctl confirm-backup-down --name vm2 || fail "vm2's confirmation failed"
+	# Both seen as they must be: the workloads may end (ITERATIONS is
+	# their longest run), vm2 once its protection has.
+	hag-vmm finish --control /tmp/vm1.sock
+	wait_for 60 grep -q 'confirmed the backup down' /tmp/cp2.out || fail "vm2's protection did not end"
+	hag-vmm finish --control /tmp/vm2.sock
 	for vm in vm1 vm2; do
 		rc=0
 		wait "$(cat /tmp/$vm.pid)" || rc=$?
 		expect_eq "$vm's exit status" "$rc" 0
-		grep -q "^PASS frames: $ITERATIONS iterations verified" "/tmp/$vm.out" ||
+		grep -q "^PASS frames: [0-9]* iterations verified" "/tmp/$vm.out" ||
 			fail "$vm's PASS line did not come out: $(tail -3 "/tmp/$vm.out")"
 	done
 	rc=0

@@ -75,10 +75,17 @@ case $HAG_HOST in
 	! grep -q '^PASS frames' /tmp/vm.out || fail "the VM finished before the paths came back (make ITERATIONS larger)"
 	step "host 0: the paths back (host 1's side follows)"
 	cut_paths 1 del
+	# Resynchronised and an epoch acknowledged since: the workload may end
+	# (ITERATIONS is its longest run).
+	wait_for 120 sh -c "[ \$(grep -c 'synchronising with the backup' /tmp/cp.err) -ge 2 ]" ||
+		fail "no resynchronisation after the paths came back: $(cat /tmp/cp.err)"
+	n=$(grep -c '^epoch' /tmp/cp.err)
+	wait_for 120 sh -c "[ \$(grep -c '^epoch' /tmp/cp.err) -gt $n ]" || fail "no epoch after the resynchronisation"
+	hag-vmm finish --control /tmp/vm.sock
 	rc=0
 	wait "$vm" || rc=$?
 	expect_eq "VM exit status" "$rc" 0
-	grep -q "^PASS frames: $ITERATIONS iterations verified" /tmp/vm.out ||
+	grep -q "^PASS frames: [0-9]* iterations verified" /tmp/vm.out ||
 		fail "the PASS line did not come out: $(tail -3 /tmp/vm.out)"
 	rc=0
 	wait "$cp" || rc=$?
