@@ -335,6 +335,25 @@ guest_finish() {
 	step "host $HAG_HOST: the guest is asked to end its run (verified as at its end)"
 	: >/tmp/guest-finish
 }
+# guest_net_up: the VMs' network (vm_net_up), and on host 1 the client's
+# address on it and the client.
+guest_net_up() {
+	if [ "$HAG_HOST" = 1 ]; then
+		vm_net_up "$GUEST_CLIENT/24"
+		guest_client_up
+	else
+		vm_net_up
+	fi
+}
+# guest_finish_after_progress WHERE: guest_finish once the client has 5
+# more of the guest's progress lines (5 s of its run WHERE), or 60 s on.
+guest_finish_after_progress() {
+	local lines
+	lines=$(wc -l </tmp/client.log)
+	wait_for 60 sh -c "[ \$(wc -l </tmp/client.log) -ge $((lines + 5)) ]" ||
+		echo "the guest reported no 5 s of progress $1"
+	guest_finish
+}
 
 # vm_wait_console NAME SECONDS PATTERN: waits for PATTERN on NAME's console.
 vm_wait_console() {

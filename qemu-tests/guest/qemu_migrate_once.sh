@@ -48,10 +48,7 @@ if [ "$HAG_HOST" = 1 ]; then
 	rc=0
 	wait "$recv" || rc=$?
 	cat /tmp/recv.err /tmp/recv.out
-	lines=$(wc -l </tmp/client.log)
-	wait_for 60 sh -c "[ \$(wc -l </tmp/client.log) -ge $((lines + 5)) ]" ||
-		echo "the guest reported no 5 s of progress after the migration"
-	guest_finish
+	guest_finish_after_progress "after the migration"
 	check_target "$rc"
 else
 	vm_net_up

@@ -43,12 +43,7 @@ DOMAIN_XML_EXTRA="<uuid>8a6c0000-4a47-4000-8000-00000000b001</uuid>
 # The hook gives hagctl checkpoint 90 s to end by itself after libvirt
 # reports QEMU gone: the hand-over waits for the backup's restore.
 hook_libvirt_up STOP_TIMEOUT=90 RETRY=3
-if [ "$HAG_HOST" = 1 ]; then
-	vm_net_up "$GUEST_CLIENT/24"
-	guest_client_up
-else
-	vm_net_up
-fi
+guest_net_up
 DOMAIN_NET=1 domain_xml "$DOM" "$uuid" "$GUEST_ARGS" >"$HOST_ROOT/tmp/$DOM.xml"
 if [ "$HAG_HOST" = 1 ]; then
 	in_root virsh define "/tmp/$DOM.xml"

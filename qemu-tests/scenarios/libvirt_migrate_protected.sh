@@ -37,12 +37,7 @@ DOMAIN_XML_EXTRA="<metadata><hag:protect xmlns:hag='https://hag.example/1' backu
 # A failed protection (the other host's backup not there yet) is
 # retried every 3 s.
 hook_libvirt_up RETRY=3
-if [ "$HAG_HOST" = 1 ]; then
-	vm_net_up "$GUEST_CLIENT/24"
-	guest_client_up
-else
-	vm_net_up
-fi
+guest_net_up
 DOMAIN_NET=1 domain_xml "$DOM" "$UUID" "$GUEST_ARGS" >"$HOST_ROOT/tmp/$DOM.xml"
 
 # This host's backup for the domain while it runs on the other host.

@@ -28,12 +28,7 @@ ha_key
 host_root_up
 mdev_create "$uuid"
 wait_for 60 ping -c 1 -W 1 "$peer" || fail "$peer unreachable"
-if [ "$HAG_HOST" = 1 ]; then
-	vm_net_up "$GUEST_CLIENT/24"
-	guest_client_up
-else
-	vm_net_up
-fi
+guest_net_up
 # The standby's command line: the VM's, with this host's vGPU and its RAM
 # locked as the primary's (hagctl adds the RAM backend itself).
 eval "set -- $(vm_words vm "$uuid" "$GUEST_ARGS") -overcommit mem-lock=on"
