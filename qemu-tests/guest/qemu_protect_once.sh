@@ -45,6 +45,10 @@
 #                   may kill the backup to have it restarted: first
 #                   /tmp/backup.restarting, then the kill, then
 #                   /tmp/backup.restart when it should start again
+#   guest_may_finish  if defined: run on host 1 every second; once it
+#                   succeeds the guest is asked to end its run (verified as
+#                   at its end; guest_finish): its --seconds is then only
+#                   an upper bound
 #   during_primary  if defined: run on host 0 alongside hagctl checkpoint
 #                   (its output in /tmp/during.out)
 #   before_fault    if defined: run on host 0 once epoch FAULT_EPOCH is
@@ -279,6 +283,9 @@ if [ "$HAG_HOST" = 1 ]; then
 		if [ "${DEBIAN:-0}" != 1 ] && [ -n "$since" ] && [ ! -e /tmp/guest-finish ] &&
 			[ "$(wc -l </tmp/client.log)" -ge $((since + 10)) ]; then
 			echo "the guest has run 10 s after the takeover"
+			guest_finish
+		fi
+		if [ ! -e /tmp/guest-finish ] && command -v guest_may_finish >/dev/null && guest_may_finish; then
 			guest_finish
 		fi
 		[ -n "$protected_at" ] || ! grep -q 'epoch 1 applied' /tmp/backup.err || protected_at=$(up)
