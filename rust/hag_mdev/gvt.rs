@@ -470,14 +470,18 @@ impl GvtVgpu {
         for page in gfn..gfn.saturating_add(nr.min(MAX_MAP_PAGES)) {
             inner.stats.pages_marked += u64::from(inner.logs.mark_gfn(page));
             let kept = inner.remapped.len() - inner.remapped_from;
-            if inner.remapped_lost.is_none()
-                && (kept >= MAX_REMAPPED || inner.remapped.push((now, page), GFP_KERNEL_ACCOUNT).is_err())
+            // Not kept: the loss's time is the latest such remap's, so
+            // that it lasts until every workload scanned before that one
+            // is done (times only grow).
+            if inner.remapped_lost.is_some()
+                || kept >= MAX_REMAPPED
+                || inner.remapped.push((now, page), GFP_KERNEL_ACCOUNT).is_err()
             {
                 inner.remapped_lost = Some(now);
             }
         }
         if nr > MAX_MAP_PAGES {
-            inner.remapped_lost.get_or_insert(now);
+            inner.remapped_lost = Some(now);
         }
     }
 
