@@ -145,6 +145,10 @@ pacemaker_log() {
 # pushed once they are, as a diff against that copy, so that what the
 # cluster wrote meanwhile (its nodes, its own properties) stays.
 configure() {
+	# The copy once a DC is elected: it has then written the cluster's own
+	# properties, which a diff made from an older copy would create again.
+	wait_for 240 sh -c "chroot $HOST_ROOT crm_mon -1 2>/dev/null | grep -q 'Current DC: host'" ||
+		{ echo "no DC was elected"; return 1; }
 	wait_for 120 in_root pcs cluster cib "$1.orig" || { echo "pcs cluster cib never answered"; return 1; }
 	cp "$HOST_ROOT$1.orig" "$HOST_ROOT$1"
 	pcs_f() {
