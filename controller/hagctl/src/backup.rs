@@ -2431,8 +2431,12 @@ impl VmSteps for LibvirtTakeover<'_> {
                 .map(|r| format!("{} on {}", r.id, r.replica.display()))
                 .collect();
             match self.owned.define_on_replicas(&name, &file) {
-                Ok(()) => info!(
+                Ok(true) => info!(
                     "domain {name} runs on its disks' replicas ({}); its definition names them now",
+                    disks.join(", ")
+                ),
+                Ok(false) => info!(
+                    "domain {name} runs on its disks' replicas ({}); it is transient: no definition to change",
                     disks.join(", ")
                 ),
                 Err(e) => warning!(

@@ -1239,21 +1239,33 @@ impl Primary {
     fn send_disks(&mut self) -> Result<(u64, DeltaStats), EpochError> {
         let Source { vm, stream, .. } = &mut self.src;
         let mut wire = 0u64;
+        let mut link_failed = false;
         let stats = vm.read_disks(&mut |disk, offset, extent| {
             let msg = Msg::DiskData {
                 disk: disk as u32,
                 offset,
                 extent,
             };
-            let n = write_msg(stream, &msg).map_err(|e| format!("sending DISK_DATA: {e}"))?;
+            let n = write_msg(stream, &msg).map_err(|e| {
+                link_failed = true;
+                format!("sending DISK_DATA: {e}")
+            })?;
             wire += n as u64;
             Ok(())
         });
-        // Whatever failed, the session's copy of the disks is now
-        // incomplete: the next synchronisation starts them over.
-        stats
-            .map(|s| (wire, s))
-            .map_err(|e| EpochError::Link(format!("the disks' delta: {e}")))
+        let why = match stats {
+            Ok(s) => return Ok((wire, s)),
+            Err(e) => format!("the disks' delta: {e}"),
+        };
+        // The delta read after the VM resumed: a VM gone meanwhile (shut
+        // down, or crashed) ends protection as it would have at the next
+        // pause, not as a lost backup.
+        if !link_failed && !matches!(vm.status(), Ok(VmStatus::Running { .. })) {
+            return Err(EpochError::Vm(why));
+        }
+        // Else the session's copy of the disks is now incomplete: the next
+        // synchronisation starts them over.
+        Err(EpochError::Link(why))
     }
 
     /// Pause, capture, resume.

@@ -108,7 +108,9 @@ pub fn on_replicas(xml: &str, replicas: &[ReplicatedDisk]) -> Result<String, Str
     for disk in disks {
         let child = |name: &str| disk.children().find(|n| n.has_tag_name(name));
         let device = disk.attribute("device").unwrap_or("disk");
-        let Some(source) = child("source").filter(|s| s.attribute("file").is_some()) else {
+        let Some((source, file)) =
+            child("source").and_then(|s| Some((s, s.attribute_node("file")?)))
+        else {
             continue;
         };
         if disk.attribute("type") != Some("file")
@@ -117,16 +119,26 @@ pub fn on_replicas(xml: &str, replicas: &[ReplicatedDisk]) -> Result<String, Str
         {
             continue;
         }
-        let image = source.attribute("file").unwrap_or_default();
+        let image = file.value();
         let target = child("target")
             .and_then(|t| t.attribute("dev"))
             .unwrap_or("?");
+        // A replica is a raw image of what the guest reads.
+        if disk.descendants().any(|n| n.has_tag_name("encryption")) {
+            return Err(format!(
+                "disk {target} ({image}) is encrypted (<encryption>): its replica would hold it decrypted on this host; hag does not replicate encrypted disks"
+            ));
+        }
+        if source.children().any(|n| n.has_tag_name("dataStore")) {
+            return Err(format!(
+                "disk {target} ({image}) keeps its data in a file of its own (<dataStore>): hag replicates the image, not that file"
+            ));
+        }
         let replica = replicas.iter().find(|r| r.image == image).ok_or_else(|| {
             format!(
                 "disk {target} ({image}) has no replica in the standby's command line: a takeover would run it on a copy that is not the VM's"
             )
         })?;
-        let file = source.attribute_node("file").expect("checked above");
         edits.push((
             file.range_value(),
             xml_attr(&replica.replica.to_string_lossy()),
@@ -138,6 +150,16 @@ pub fn on_replicas(xml: &str, replicas: &[ReplicatedDisk]) -> Result<String, Str
                     let at = driver.range().start + "<driver".len();
                     edits.push((at..at, " type='raw'".into()));
                 }
+            }
+            // qcow2's own settings, which libvirt refuses on a raw image.
+            if let Some(a) = driver.attribute_node("discard_no_unref") {
+                edits.push((a.range(), String::new()));
+            }
+            for cache in driver
+                .children()
+                .filter(|n| n.has_tag_name("metadata_cache"))
+            {
+                edits.push((cache.range(), String::new()));
             }
         }
         for backing in disk.children().filter(|n| n.has_tag_name("backingStore")) {
@@ -206,14 +228,33 @@ impl Owned {
 
     /// Has domain `name`'s persistent definition name its replicas, as
     /// the running domain restored from [`DomainFacts::xml`] does, so that
-    /// its next start boots from them; `file` holds the new definition.
-    pub fn define_on_replicas(&self, name: &str, file: &Path) -> Result<(), String> {
-        let xml = self.virsh(&["dumpxml", "--inactive", name])?;
+    /// its next start boots from them; `file` holds the new definition
+    /// (mode 0600: it has the definition's secrets, which `virsh define`
+    /// must keep). `false`: the domain is transient, with no definition.
+    pub fn define_on_replicas(&self, name: &str, file: &Path) -> Result<bool, String> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let info = self.virsh(&["dominfo", name])?;
+        let persistent = info.lines().any(|l| {
+            l.split_once(':')
+                .is_some_and(|(k, v)| k.trim() == "Persistent" && v.trim() == "yes")
+        });
+        if !persistent {
+            return Ok(false);
+        }
+        let xml = self.virsh(&["dumpxml", "--inactive", "--security-info", name])?;
         let xml = on_replicas(&xml, &self.replicas)
             .map_err(|e| format!("domain {name}'s definition: {e}"))?;
-        std::fs::write(file, xml).map_err(|e| format!("{}: {e}", file.display()))?;
+        let _ = std::fs::remove_file(file);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(file)
+            .and_then(|mut f| f.write_all(xml.as_bytes()))
+            .map_err(|e| format!("{}: {e}", file.display()))?;
         self.virsh(&["define", &file.display().to_string()])
-            .map(|_| ())
+            .map(|_| true)
     }
 
     /// `virsh ARGS` on this connection, not started.
@@ -473,6 +514,25 @@ mod tests {
         let err = on_replicas(xml, &replicas[..1]).unwrap_err();
         assert!(
             err.contains("disk sda (/img/b&c.img) has no replica"),
+            "{err}"
+        );
+        // qcow2's own settings go; an encrypted disk is refused.
+        let qcow2 = "<domain><devices><disk type='file' device='disk'>\
+            <driver name='qemu' type='qcow2' discard_no_unref='on'><metadata_cache><max_size unit='KiB'>1</max_size></metadata_cache></driver>\
+            <source file='/img/a.qcow2'/><target dev='vda'/></disk></devices></domain>";
+        assert_eq!(
+            on_replicas(qcow2, &replicas).unwrap(),
+            "<domain><devices><disk type='file' device='disk'>\
+            <driver name='qemu' type='raw' ></driver>\
+            <source file='/var/lib/hag/vm/replicas/virtio-disk0.raw'/><target dev='vda'/></disk></devices></domain>"
+        );
+        let encrypted =
+            "<domain><devices><disk type='file' device='disk'><source file='/img/a.qcow2'>\
+            <encryption format='luks'><secret type='passphrase' uuid='x'/></encryption></source>\
+            <target dev='vda'/></disk></devices></domain>";
+        let err = on_replicas(encrypted, &replicas).unwrap_err();
+        assert!(
+            err.contains("disk vda (/img/a.qcow2) is encrypted"),
             "{err}"
         );
     }
