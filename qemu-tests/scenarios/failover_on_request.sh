@@ -55,7 +55,7 @@ SH
 		fail "the generation is not stored in vm1's state directory: $(cat /var/lib/hag/vm1/generation.json)"
 	grep -q 'no power switch answers' /tmp/backup.err || fail "the fence agent's output is not in the backup's log"
 	cat /tmp/finish.out
-	grep -q "^PASS frames: [0-9]* iterations verified" /tmp/backup.out ||
+	grep -q "^PASS frames: [1-9][0-9]* iterations verified" /tmp/backup.out ||
 		fail "the workload did not verify on host 1"
 }
 . /hag/host_loss.sh
