@@ -255,9 +255,16 @@ int hag_glue_dma_rw(struct hag_vgpu *vgpu, u64 gpa, void *data, u64 len,
 	return vfio_dma_rw(&vgpu->vdev, gpa, data, len, write);
 }
 
+/*
+ * The engine (the simulated GPU) runs on an unbound workqueue: a GPU is not
+ * the CPU that rang its doorbell, and a bound queue would run it on the
+ * submitting vCPU's CPU, taking that CPU from the VM (and from an isolated
+ * CPU, which the unbound queues' housekeeping mask keeps it off).
+ */
 void hag_glue_kick(struct hag_vgpu *vgpu, u32 delay_ms)
 {
-	mod_delayed_work(system_wq, &vgpu->tick, msecs_to_jiffies(delay_ms));
+	mod_delayed_work(system_unbound_wq, &vgpu->tick,
+			 msecs_to_jiffies(delay_ms));
 }
 
 struct eventfd_ctx *hag_glue_eventfd_get(int fd)
@@ -767,6 +774,7 @@ static int hag_mdev_probe(struct mdev_device *mdev)
 
 err_forget:
 	hag_ops->vgpu_remove(hag_ctx, vgpu->id);
+	cancel_delayed_work_sync(&vgpu->tick);
 err_put:
 	hag_mig_dev_destroy(&vgpu->mig);
 	vfio_put_device(&vgpu->vdev);
@@ -777,11 +785,17 @@ static void hag_mdev_remove(struct mdev_device *mdev)
 {
 	struct hag_vgpu *vgpu = dev_get_drvdata(&mdev->dev);
 
-	/* No VFIO access after this returns, so nothing kicks the tick again. */
+	/* No VFIO access after this returns. */
 	vfio_unregister_group_dev(&vgpu->vdev);
+	/*
+	 * Forgotten before the tick is cancelled: a /dev/hag resume still
+	 * running could otherwise kick it again after the cancel, on memory
+	 * vfio_put_device frees. Once forgotten nothing kicks it, and a tick
+	 * already queued finds no vGPU.
+	 */
+	hag_ops->vgpu_remove(hag_ctx, vgpu->id);
 	cancel_delayed_work_sync(&vgpu->tick);
 	hag_mig_dev_destroy(&vgpu->mig);
-	hag_ops->vgpu_remove(hag_ctx, vgpu->id);
 	vfio_put_device(&vgpu->vdev);
 }
 
