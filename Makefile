@@ -275,8 +275,10 @@ test-debug-test-if-cached:
 # Then the real-VM migration benchmark (qemu-tests/eval/qemu-migration):
 # the same QEMU/KVM VM without a vGPU, with hag's, and with QEMU's fallback;
 # then the real-VM checkpoint benchmark (qemu-tests/eval/qemu-checkpoint):
-# a QEMU/KVM VM unprotected and under hagctl checkpoint --qmp at 100 ms ..
-# 5 s, the pause floor, takeover after a GPU hang and after host loss;
+# a QEMU/KVM VM with its vCPU on a core of its own, unprotected and under
+# hagctl checkpoint --qmp at 2 s and 500 ms and two ablations, as blocks
+# between unprotected runs (6 per mode; 2 in eval-quick), the pause floor,
+# takeover after a GPU hang and after host loss;
 # then the database benchmark (qemu-tests/eval/qemu-database): the Debian
 # guest's pgbench and a client's commit latency unprotected and protected
 # at 2 s and 500 ms, its first synchronisation with and without a template,
@@ -284,8 +286,8 @@ test-debug-test-if-cached:
 eval: deps all
 	qemu-tests/eval/run --out $(EVAL_OUT) --readme README.md
 	qemu-tests/eval/qemu-migration --runs 5 --out $(EVAL_OUT) --readme README.md
-	qemu-tests/eval/qemu-checkpoint --runs 2 --out $(EVAL_OUT) --readme README.md
-	qemu-tests/eval/qemu-database --runs 2 --out $(EVAL_OUT) --readme README.md
+	qemu-tests/eval/qemu-checkpoint --out $(EVAL_OUT) --readme README.md
+	qemu-tests/eval/qemu-database --out $(EVAL_OUT) --readme README.md
 
 eval-quick: deps all
 	qemu-tests/eval/run --quick --out $(EVAL_OUT) --readme README.md

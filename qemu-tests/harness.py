@@ -569,11 +569,15 @@ def vm_host_args(index, vm_initramfs, build, debian_image=None):
     return args, words
 
 
-def run_scenario(build, initramfs, script, logdir, on_output=None):
+def run_scenario(build, initramfs, script, logdir, on_output=None, placement=None):
     """Boots the hosts `script` asks for, runs it on each, and judges it.
 
     `on_output(host_index, text)`, if given, receives each host's serial
-    output as it arrives."""
+    output as it arrives. `placement`, if given, places the hosts' threads
+    on the machine's cores (the checkpoint benchmark's
+    `eval/placement.Placement`): `host_words(i)` adds to host i's kernel
+    command line, `started(processes)` is called once they all run and
+    `stop()` at the end."""
     name = script.stem
     n_hosts = scenario_header(script, "hosts", 1)
     # A scenario's timeout only bounds a hang, so it is scaled generously
@@ -614,8 +618,16 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
                     "-device", f"virtio-net-pci,netdev=net{n},mac=52:54:00:4a:{0x47 + n:02x}:{i:02x}",
                 ]
             extra, words = vm_host_args(i, vm_initramfs.resolve(), build, debian_image) if vms else ([], "")
+            if placement:
+                words += placement.host_words(i)
+            # HAG_HOST_APPEND: more kernel command line words for every host
+            # (loglevel=5 shows a kernel BUG's stack, which quiet hides).
+            words += "".join(" " + w for w in os.environ.get("HAG_HOST_APPEND", "").split())
             cmd = [
-                "qemu-system-x86_64", "-accel", "tcg", "-m", str(memory),
+                # Threads named for what they run ("CPU 1/TCG"): the
+                # benchmark's placement pins them by name.
+                "qemu-system-x86_64", "-name", f"host{i},debug-threads=on",
+                "-accel", "tcg", "-m", str(memory),
                 # -cpu max for every host: its RDRAND seeds the kernel's
                 # random pool at boot. Without it the pool took up to 309 s
                 # to seed on a busy machine, and anything calling
@@ -636,6 +648,8 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
                 start_new_session=True,
             )
             hosts.append(host)
+        if placement:
+            placement.started([h.process.pid for h in hosts])
         shown = [0] * n_hosts
 
         def show_new_output():
@@ -682,6 +696,8 @@ def run_scenario(build, initramfs, script, logdir, on_output=None):
         if on_output:
             show_new_output()
     finally:
+        if placement:
+            placement.stop()
         for h in hosts:
             if h.process.poll() is None:
                 os.killpg(h.process.pid, signal.SIGKILL)

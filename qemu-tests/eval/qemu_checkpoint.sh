@@ -6,17 +6,24 @@
 # in front of this text). One real VM after another (QEMU 10/KVM, Linux
 # guest running hag-guest on a hag-sim vGPU, RAM in a shared file, its
 # progress sent over UDP to a client on host 1) on host 0, once per PLAN
-# line "ID MODE":
-#   none       unprotected: the workload for WINDOW s after WARM s
+# line "ID MODE". Every VM gets the same warm-up: its window of WINDOW s
+# starts WARM s after the guest is ready, or once epoch 2 is acknowledged
+# if that is later (epoch 1 closes the first synchronisation).
+#   none       unprotected
 #   100ms, 500ms, 2s, 5s
 #              protected by hagctl checkpoint --qmp --plug eth1 at that
-#              interval to hagctl backup on host 1; the window of WINDOW s
-#              starts once epoch 2 is acknowledged (epoch 1 closes the
-#              first synchronisation); then SIGTERM ends protection (ABORT,
-#              the backup confirms, no takeover)
-#   idle       protected at 2 s, but hag-guest ends (verified, halted)
-#              before protection starts: epochs with almost nothing dirty,
-#              the pause floor
+#              interval to hagctl backup on host 1; after the window
+#              SIGTERM ends protection (ABORT, the backup confirms, no
+#              takeover)
+#   pause, send
+#              ablations at 2 s (hagctl checkpoint --test-ablation): from
+#              epoch 3 on, pause-only (stop, dirty logs, device state,
+#              page copy, cont; nothing sent) or send-only (no pause: the
+#              dirty pages read and sent while the VM runs)
+#   idle       protected at 2 s, but hag-guest ends (verified) before
+#              protection starts and the guest stays up idle
+#              (hag_vm_stay=1): epochs with almost nothing dirty, the pause
+#              floor
 #   hang       protected at 2 s; after epoch 2 a GPU hang is injected:
 #              host 1 takes over and the guest must verify there
 #   loss       protected at 2 s; host 0 is lost at a random point of an
@@ -27,10 +34,16 @@
 # stamped as it appears, so "hag-guest: iteration N" lines give iterations
 # per host second; the guest's clock stops while QEMU has the VM stopped
 # and would hide the pauses.
-# Lines for the driver, host 0: QCPCON id UPTIME LINE (progress lines),
-# QCPEPOCH id UPTIME LINE (hagctl checkpoint's epoch lines), QCPWIN id T0
-# T1, QCPCP id {checkpoint json}; host 1: QCPTAKE id {backup json},
-# QCPGUEST id RESULT-LINE; both QCPDONE id.
+# With the benchmark's placement (bench_place) the VM's vCPU thread is
+# pinned to this host's CPU 1, alone there.
+# Lines for the driver, host 0: QCPLINK MBIT (the link's speed, once),
+# QCPW0 id / QCPW1 id as the window starts and ends (printed live),
+# QCPINRAW and QCPNET (bench_cpu1: this host's CPU 1, who ran there, TCP
+# retransmits), QCPCON id
+# UPTIME LINE (progress lines), QCPEPOCH id UPTIME LINE (hagctl
+# checkpoint's epoch lines), QCPWIN id T0 T1, QCPCP id {checkpoint json};
+# host 1: QCPTAKE id {backup json}, QCPGUEST id RESULT-LINE; both QCPDONE
+# id.
 CLIENT=203.0.113.1
 PORT=7400
 VM_NET=1
@@ -45,6 +58,38 @@ else
 	load_hag
 fi
 bench_hosts_up "$CLIENT"
+
+# The data link's speed, once: 64 MiB from host 0 to host 1 over TCP.
+cat >/tmp/link.py <<'PY'
+import socket, sys, time
+if sys.argv[1] == "recv":
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", 7599))
+    s.listen(1)
+    c, _ = s.accept()
+    while c.recv(1 << 20):
+        pass
+else:
+    buf, n = bytes(1 << 20), 64
+    for _ in range(600):
+        try:
+            c = socket.create_connection((sys.argv[2], 7599), timeout=5)
+            break
+        except OSError:
+            time.sleep(0.2)
+    t = time.monotonic()
+    for _ in range(n):
+        c.sendall(buf)
+    c.shutdown(socket.SHUT_WR)
+    c.recv(1)
+    print("QCPLINK %.1f" % (n * 8 * 1.048576 / (time.monotonic() - t)))
+PY
+if [ "$HAG_HOST" = 0 ]; then
+	in_root python3 /tmp/link.py send "$bhost" || echo "QCPLINK -"
+else
+	timeout 180 chroot "$HOST_ROOT" python3 /tmp/link.py recv || true
+fi
 
 # stamp FILE PID: FILE's lines as they are written, each after this host's
 # uptime (/proc/uptime, as `up`), until process PID ends: the host root's
@@ -88,8 +133,15 @@ guest() {
 interval() {
 	case $1 in
 	none) echo - ;;
-	idle | hang | loss) echo 2s ;;
+	idle | hang | loss | pause | send) echo 2s ;;
 	*) echo "$1" ;;
+	esac
+}
+
+ablation() {
+	case $1 in
+	pause) echo "--test-ablation pause-only" ;;
+	send) echo "--test-ablation send-only" ;;
 	esac
 }
 
@@ -98,18 +150,21 @@ primary() {
 	iv=$(interval "$mode")
 	uuid=$(new_uuid)
 	mdev_create "$uuid"
-	VM_SHARED_RAM=1 vm_start "vm$id" "$uuid" "$(guest "$mode")"
+	stay=
+	[ "$mode" != idle ] || stay=hag_vm_stay=1
+	VM_APPEND="$VM_APPEND $stay" VM_THREAD_NAMES=1 VM_SHARED_RAM=1 vm_start "vm$id" "$uuid" "$(guest "$mode")"
 	qpid=$(cat "/tmp/vm$id.pid")
 	stamp "/tmp/vm$id.console" "$qpid" >"/tmp/con$id.st" &
 	vm_wait_console "vm$id" 180 HAG-GUEST-READY
+	bench_place "$qpid"
 	[ "$mode" != idle ] || vm_wait_console "vm$id" 120 HAG-GUEST-EXIT
 	await_ready "$bhost" $((7600 + id)) 600
+	ready=$(up)
 	cp=
-	if [ "$iv" = - ]; then
-		sleep "$WARM"
-	else
+	if [ "$iv" != - ]; then
+		# shellcheck disable=SC2046
 		hagctl checkpoint --qmp "/tmp/vm$id.qmp" --backup "$bhost:$((7200 + id))" --plug eth1 \
-			--interval "$iv" --json >"/tmp/cp$id.out" 2>"/tmp/cp$id.err" &
+			--interval "$iv" $(ablation "$mode") --json >"/tmp/cp$id.out" 2>"/tmp/cp$id.err" &
 		cp=$!
 		stamp "/tmp/cp$id.err" "$cp" >"/tmp/ep$id.st" &
 		wait_for 300 grep -q '^epoch 2:' "/tmp/cp$id.err" || {
@@ -130,9 +185,16 @@ primary() {
 		fi
 		;;
 	*)
+		# The same warm-up for every VM, protected or not.
+		rest=$(awk -v r="$ready" -v n="$(up)" -v w="$WARM" 'BEGIN { d = r + w - n; print (d > 0 ? d : 0) }')
+		sleep "$rest"
+		echo "QCPW0 $id"
+		bench_cpu1 QCP "$id" start "$qpid"
 		t0=$(up)
 		if [ "$mode" = idle ]; then sleep "$IDLE_WINDOW"; else sleep "$WINDOW"; fi
 		t1=$(up)
+		echo "QCPW1 $id"
+		bench_cpu1 QCP "$id" end "$qpid"
 		echo "QCPWIN $id $t0 $t1"
 		[ -z "$cp" ] || kill -TERM "$cp" 2>/dev/null || true
 		;;
@@ -161,7 +223,9 @@ backup() {
 	client=$!
 	bk=
 	if [ "$iv" != - ]; then
-		eval "set -- $(vm_words "vm$id" "$uuid" "$(guest "$mode")")"
+		stay=
+		[ "$mode" != idle ] || stay=hag_vm_stay=1
+		eval "set -- $(VM_APPEND="$VM_APPEND $stay" VM_THREAD_NAMES=1 vm_words "vm$id" "$uuid" "$(guest "$mode")")"
 		hagctl backup --listen "$bhost:$((7200 + id))" --failover-timeout 3 --json \
 			--status-dir "/tmp/hag-backup$id" --state-dir "/tmp/hag-backup$id" -- chroot "$HOST_ROOT" "$@" \
 			>"/tmp/backup$id.out" 2>"/tmp/backup$id.err" &

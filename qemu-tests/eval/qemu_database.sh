@@ -9,12 +9,13 @@
 # systemd, PostgreSQL 15, hag-guest's GPU workload as a service, ext4 root
 # on a qcow2 overlay of the cached image) on host 0, once per PLAN line
 # "ID MODE":
-#   none       unprotected: the load for WINDOW s after WARM s
+#   none       unprotected
 #   500ms, 2s  protected by hagctl checkpoint --qmp --plug eth1 at that
 #              interval to hagctl backup on host 1, its disk replicated to
 #              a replica that starts as a copy of the template image (both
-#              hosts hold it); the window starts once epoch 2 is
-#              acknowledged; then SIGTERM ends protection (no takeover)
+#              hosts hold it); then SIGTERM ends protection (no takeover)
+# Every VM gets the same warm-up: its window of WINDOW s starts WARM s
+# after the load started, or once epoch 2 is acknowledged if that is later.
 #   bare       protected at 2 s to a backup whose replica starts empty:
 #              the first synchronisation without a template; ends at
 #              epoch 2
@@ -32,9 +33,13 @@
 # again on one open connection (a query's time is when it was sent: its
 # reply may be held, its execution is not), the client's commit latencies
 # from its log.
+# With the benchmarks' placement (bench_place) the VM's vCPU thread is
+# alone on host 0's CPU 1.
 # Lines for the driver, host 0: QDBSYNC id SECONDS (hagctl checkpoint
 # started to epoch 1 acknowledged), QDBEPOCHS id FIRST LAST (the epochs
-# acknowledged in the window), QDBCP id {checkpoint json}; host 1: QDBWIN id
+# acknowledged in the window), QDBW0 id / QDBW1 id as the window starts and
+# ends (live), QDBINRAW and QDBNET (bench_cpu1), QDBCP id {checkpoint json};
+# host 1: QDBWIN id
 # T0 T1, QDBTPS id SAMPLES RATE, QDBLAT id N P50 P99 MAX (- when there is
 # none), QDBTAKE id {backup json}, QDBCHECK id STATUS; both QDBDONE id.
 CLIENT=203.0.113.1
@@ -84,17 +89,17 @@ primary() {
 	mdev_create "$uuid"
 	rm -f /tmp/vm-disk.qcow2
 	debian_disk /tmp/vm-disk.qcow2
-	VM_DISK=/tmp/vm-disk.qcow2 VM_SHARED_RAM=1 vm_start "vm$id" "$uuid" "$GUEST_ARGS"
+	VM_THREAD_NAMES=1 VM_DISK=/tmp/vm-disk.qcow2 VM_SHARED_RAM=1 vm_start "vm$id" "$uuid" "$GUEST_ARGS"
 	qpid=$(cat "/tmp/vm$id.pid")
 	vm_wait_console "vm$id" 600 HAG-GUEST-READY
+	bench_place "$qpid"
 	item_says "the guest is ready; waiting for host 1"
 	await_ready "$bhost" $((7600 + id)) 600
 	# Host 1 has loaded the database and started the load.
 	signal_ready $((7700 + id))
+	loaded=$(up)
 	cp=
-	if [ "$iv" = - ]; then
-		sleep "$WARM"
-	else
+	if [ "$iv" != - ]; then
 		rm -rf /tmp/hag-deltas
 		t=$(up)
 		item_says "hagctl checkpoint --interval $iv: first synchronisation"
@@ -102,7 +107,8 @@ primary() {
 			--interval "$iv" --delta-dir /tmp/hag-deltas --json >"/tmp/cp$id.out" 2>"/tmp/cp$id.err" &
 		cp=$!
 		# What the first synchronisation says, as it says it.
-		tail -f "/tmp/cp$id.err" 2>/dev/null | sed -u "s/^/item $id ($mode): /" &
+		# (busybox sed has no -u: a read loop passes each line on at once.)
+		tail -f "/tmp/cp$id.err" 2>/dev/null | while IFS= read -r line; do echo "item $id ($mode): $line"; done &
 		said=$!
 		wait_for 900 grep -q '^epoch 1:' "/tmp/cp$id.err" || {
 			cat "/tmp/cp$id.err"
@@ -125,9 +131,15 @@ primary() {
 		;;
 	bare) ;;
 	*)
+		# The same warm-up for every VM, protected or not.
+		sleep "$(awk -v l="$loaded" -v n="$(up)" -v w="$WARM" 'BEGIN { d = l + w - n; print (d > 0 ? d : 0) }')"
 		await_ready "$bhost" $((7900 + id)) 60
 		first=$(($(acked_epochs "$id") + 1))
+		echo "QDBW0 $id"
+		bench_cpu1 QDB "$id" start "$qpid"
 		sleep "$WINDOW"
+		echo "QDBW1 $id"
+		bench_cpu1 QDB "$id" end "$qpid"
 		last=$(acked_epochs "$id")
 		await_ready "$bhost" $((8000 + id)) 60
 		[ -z "$cp" ] || echo "QDBEPOCHS $id $first $last"
@@ -161,7 +173,7 @@ backup() {
 		[ "$mode" = bare ] || item_says "the replica starts as the template image"
 		[ "$mode" = bare ] || in_root qemu-img convert -O raw "$(debian_image)" /tmp/hag-replicas/vda.raw ||
 			fail "item $id: cannot copy the template into the replica"
-		eval "set -- $(VM_DISK=/tmp/hag-replicas/vda.raw VM_DISK_FORMAT=raw vm_words "vm$id" "$uuid" "$GUEST_ARGS")"
+		eval "set -- $(VM_THREAD_NAMES=1 VM_DISK=/tmp/hag-replicas/vda.raw VM_DISK_FORMAT=raw vm_words "vm$id" "$uuid" "$GUEST_ARGS")"
 		hagctl backup --listen "$bhost:$((7200 + id))" --failover-timeout 3 --json \
 			--status-dir "/tmp/hag-backup$id" --state-dir "/tmp/hag-backup$id" --replica-dir /tmp/hag-replicas -- chroot "$HOST_ROOT" "$@" \
 			>"/tmp/backup$id.out" 2>"/tmp/backup$id.err" &

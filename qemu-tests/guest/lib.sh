@@ -179,15 +179,18 @@ VM_MIB=256
 # for spaces), its console in /tmp/NAME.console. VM_CONSOLE_SOCKET=1 gives
 # the console to a socket chardev, /tmp/NAME.console.sock (what hagctl
 # checkpoint --console holds), QEMU still logging all of it, unheld, to
-# /tmp/NAME.console for the scenario. VM_NET=1 adds a virtio-net NIC on tap
+# /tmp/NAME.console for the scenario. VM_THREAD_NAMES=1 names QEMU's threads
+# for what they run ("CPU 0/KVM"; a benchmark pins them). VM_NET=1 adds a
+# virtio-net NIC on tap
 # vmtap0 (joined to br0 by /hag/vm-ifup), VM_APPEND kernel command line
 # words. VM_DISK=FILE adds a virtio-blk disk with device id vda (the
 # guest's /dev/vda) on that image, of format VM_DISK_FORMAT (qcow2 unless
 # set). VM_DEBIAN=1 boots the Debian guest from that disk instead
 # (debian_disk makes one; vm-init switches to its root). The same words start a standby (hagctl backup -- …).
 vm_words() {
-	local name=$1 uuid=$2 gargs=$3 w
-	w="qemu-system-x86_64 -name $name -accel kvm -cpu host -m $VM_MIB -smp 1"
+	local name=$1 uuid=$2 gargs=$3 w names=
+	[ "${VM_THREAD_NAMES:-0}" != 1 ] || names=,debug-threads=on
+	w="qemu-system-x86_64 -name $name$names -accel kvm -cpu host -m $VM_MIB -smp 1"
 	w="$w -machine q35 -nodefaults -no-user-config -display none -no-reboot"
 	w="$w -kernel $(vm_kernel) -initrd $(vm_initrd)"
 	local root=
@@ -639,6 +642,33 @@ bench_backup_ended() {
 	}
 	wait "$2" || echo "item $1: hagctl backup exited $?: $(tail -3 "/tmp/backup$1.err")"
 	grep '^{' "/tmp/backup$1.out" | sed "s/^/${3}TAKE $1 /" || true
+}
+
+# bench_place PID: with the benchmarks' placement (hag_placement=1 and
+# isolcpus=1 on this host's command line: qemu-tests/eval/placement.py),
+# QEMU PID's vCPU thread ("CPU 0/KVM": VM_THREAD_NAMES=1) alone on CPU 1;
+# isolcpus keeps everything else off it. Without, nothing.
+bench_place() {
+	local tid
+	grep -qw hag_placement=1 /proc/cmdline || return 0
+	for tid in /proc/$1/task/*; do
+		[ "$(cat "$tid/comm")" != "CPU 0/KVM" ] || in_root taskset -p -c 1 "${tid##*/}" >/dev/null
+	done
+}
+
+# bench_cpu1 TAG ID WHEN PID: as item ID's window starts or ends (WHEN),
+# this host's CPU 1 ("TAGINRAW ID WHEN cpu1 …", /proc/stat's line), each
+# task that last ran there with its CPU ticks ("TAGINRAW ID WHEN task TID
+# COMM TICKS", QEMU PID's vCPU thread among them) and the TCP retransmits
+# so far ("TAGNET ID WHEN N").
+bench_cpu1() {
+	local tid
+	echo "${1}INRAW $2 $3 $(grep '^cpu1 ' /proc/stat)"
+	for tid in /proc/[0-9]*/task/*; do
+		[ "$(sed 's/.*) //' "$tid/stat" 2>/dev/null | awk '{ print $37 }')" != 1 ] ||
+			echo "${1}INRAW $2 $3 task ${tid##*/} $(cat "$tid/comm" 2>/dev/null) $(sed 's/.*) //' "$tid/stat" 2>/dev/null | awk '{ print $12 + $13 }')"
+	done
+	echo "${1}NET $2 $3 $(in_root nstat -asz TcpRetransSegs 2>/dev/null | awk '$1 == "TcpRetransSegs" { print $2 }')"
 }
 
 # bench_item_ends ID UUID [QEMU-PID]: the end of item ID on this host: its

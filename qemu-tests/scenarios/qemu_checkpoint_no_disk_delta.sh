@@ -3,7 +3,6 @@
 # vms: yes
 # debian: yes
 # memory: 3072
-# by-name: yes
 # qemu_failover_database with every epoch's disk delta withheld
 # (--test-withhold-disk-delta; the first synchronisation's full copy still
 # goes): the takeover resumes the guest's memory on a replica that lacks
@@ -11,10 +10,8 @@
 # passes only then): the records hag-guest synced to its file are not on
 # the disk, and the database, its log or the filesystem show the damage.
 # It shows that qemu_failover_database can fail, and that the epochs' disk
-# deltas are what keep the replica consistent with memory. Run by name
-# (`qemu-tests/run qemu_checkpoint_no_disk_delta`), not in make test: a
-# second Debian boot and first synchronisation (6-8 min) would take
-# make test past CI's 90 minutes.
+# deltas are what keep the replica consistent with memory. A second
+# Debian boot and first synchronisation: about 8 minutes of make test.
 FAULT=host-loss
 FAULT_EPOCH=6
 DEBIAN=1

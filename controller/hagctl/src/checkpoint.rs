@@ -107,6 +107,27 @@ pub struct CheckpointOptions {
     pub key: PathBuf,
     /// The witness (`--witness`), and its key file if not the pair's.
     pub witness: Option<(String, Option<PathBuf>)>,
+    /// For benchmarks: take an epoch's cost apart (test builds only).
+    pub ablation: Option<Ablation>,
+}
+
+/// Half an epoch, for the checkpoint benchmark's ablations (`--test-ablation`,
+/// test builds only): from epoch 3 on, once the first synchronisation and
+/// one epoch are acknowledged, each period does only one of the two costs
+/// an epoch has for the VM. The VM is not protected meanwhile: pause-only
+/// sends nothing (the backup keeps epoch 2) and releases each epoch's output
+/// unacknowledged; send-only's epochs are applied and acknowledged, but
+/// their memory was copied from the running VM and their device state is
+/// epoch 2's, so a takeover from one would resume a torn image.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Ablation {
+    /// The pause (stop, dirty logs, device state, page copy, cont), then
+    /// nothing sent.
+    PauseOnly,
+    /// No pause: the dirty logs read and the pages copied while the VM
+    /// runs, sent with the last device state, applied and acknowledged.
+    SendOnly,
 }
 
 /// The VM `hagctl checkpoint` protects.
@@ -198,6 +219,61 @@ pub struct EpochReport {
     /// Disk delta: milliseconds QEMU's backup jobs ran after the resume
     /// before the delta could be read.
     pub disk_job_ms: u64,
+    /// The sender's part: VM resumed to EPOCH_END written (pages encoded,
+    /// compressed, encrypted and written; the disks' delta read and sent).
+    pub send_ms: f64,
+    /// The backup's part: EPOCH_END written to EPOCH_ACK read (the rest of
+    /// the epoch received and applied, made durable, acknowledged).
+    pub wait_ms: f64,
+    /// `--test-ablation`: which half of an epoch this one was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ablation: Option<Ablation>,
+}
+
+impl EpochReport {
+    /// The epoch's line on stderr (`finished`: the VM's last).
+    fn line(&self, finished: bool) -> String {
+        let r = self;
+        let late = if r.late_ms > 0.0 {
+            format!(
+                " (started {:.0} ms late: the previous epoch overran)",
+                r.late_ms
+            )
+        } else {
+            String::new()
+        };
+        let disk = if r.disk_bytes > 0 || r.disk_job_ms > 0 {
+            format!(
+                ", disk {:.2} MiB (copied in {} ms)",
+                r.disk_bytes as f64 / f64::from(1 << 20),
+                r.disk_job_ms
+            )
+        } else {
+            String::new()
+        };
+        let sent = if r.ablation == Some(Ablation::PauseOnly) {
+            "not sent (ablation: pause only)".to_owned()
+        } else {
+            format!(
+                "{:.2} MiB (VM state {} B{}), acked in {:.1} ms",
+                r.bytes as f64 / f64::from(1 << 20),
+                r.state_bytes,
+                if r.state_patched { " as a patch" } else { "" },
+                r.ack_ms,
+            )
+        };
+        format!(
+            "epoch {}: pause {:.1} ms (quiesce {:.1}), {} pages (cpu {}, gpu {}){disk}, {sent}, period {:.0} ms{late}{}",
+            r.epoch,
+            r.pause_ms,
+            r.quiesce_ms,
+            r.pages,
+            r.cpu_dirty,
+            r.gpu_dirty,
+            r.period_ms,
+            if finished { " (VM finished)" } else { "" }
+        )
+    }
 }
 
 /// What `hagctl checkpoint` reports.
@@ -1053,6 +1129,9 @@ struct Primary {
     /// The backup's witness the last pairing warned about (a mismatch is
     /// said once, not at every resynchronisation).
     backup_witness_warned: Option<Option<u64>>,
+    /// Epochs of a `--test-ablation` taken so far (their numbers in the
+    /// report, as none is acknowledged).
+    ablated: u64,
 }
 
 impl Primary {
@@ -1268,6 +1347,14 @@ impl Primary {
         Err(EpochError::Link(why))
     }
 
+    /// The `--test-ablation` in force for the next epoch: from epoch 3 on,
+    /// once epoch 2 is acknowledged.
+    fn ablation(&self) -> Option<Ablation> {
+        self.opts
+            .ablation
+            .filter(|_| self.acked_state.as_ref().is_some_and(|(e, _)| *e >= 2))
+    }
+
     /// Pause, capture, resume.
     fn capture(&mut self) -> Result<Captured, EpochError> {
         // The VM's state first: a VM that shut down must end protection,
@@ -1371,8 +1458,9 @@ impl Primary {
         finished: bool,
         report: &mut EpochReport,
     ) -> Result<(Vec<u64>, Vec<u8>, Vec<u8>, Vec<u8>), EpochError> {
+        let send_only = self.ablation() == Some(Ablation::SendOnly);
         let ts = Instant::now();
-        if !finished {
+        if !finished && !send_only {
             let at = self
                 .src
                 .vm
@@ -1385,7 +1473,7 @@ impl Primary {
         }
         report.stop_ms = ms_since(ts);
         let tq = Instant::now();
-        if !self.src.vm.pause_stops_vgpu() {
+        if !self.src.vm.pause_stops_vgpu() && !send_only {
             self.src
                 .dev
                 .quiesce(self.src.vgpu_id, self.opts.quiesce_timeout_ms)
@@ -1442,10 +1530,14 @@ impl Primary {
         report.gpu_bytes_written = stats.bytes_written.wrapping_sub(self.written0);
         self.written0 = stats.bytes_written;
         let tv = Instant::now();
-        let vm_state = self.src.vm.vm_state().map_err(|e| match e {
-            VmmError::Unprotectable { .. } => EpochError::Unprotectable(e.to_string()),
-            e => EpochError::Retry(format!("cannot get the VM state: {e}")),
-        })?;
+        let vm_state = match self.acked_state.as_ref().filter(|_| send_only) {
+            // Sent without a pause: the last state again (a save needs one).
+            Some((_, state)) => state.clone(),
+            None => self.src.vm.vm_state().map_err(|e| match e {
+                VmmError::Unprotectable { .. } => EpochError::Unprotectable(e.to_string()),
+                e => EpochError::Retry(format!("cannot get the VM state: {e}")),
+            })?,
+        };
         report.state_ms = ms_since(tv);
         // The disks' point in time, with the memory's: after the save,
         // which leaves them inactive (see vmm::qemu_disks).
@@ -1533,6 +1625,8 @@ impl Primary {
             },
             "epoch",
         )?;
+        let sent_at = Instant::now();
+        cap.report.send_ms = ms_since(cap.resumed_at);
         self.round += 1;
         // A backup that applies but does not answer is given up on (and
         // resynchronised with) after this, output held meanwhile.
@@ -1555,6 +1649,7 @@ impl Primary {
                 cap.report.raw_bytes = cap.report.pages * PAGE as u64;
                 cap.report.bytes = bytes;
                 cap.report.ack_ms = ms_since(cap.resumed_at);
+                cap.report.wait_ms = ms_since(sent_at);
                 Ok(generation)
             }
             Msg::Error { message } => Err(EpochError::Link(format!(
@@ -1594,11 +1689,26 @@ impl Primary {
     fn epoch_once(&mut self) -> Result<(), EpochError> {
         let period = self.schedule.started(Instant::now());
         let captured_unix_ms = unix_ms();
+        let ablation = self.ablation();
         let mut cap = self.capture()?;
         cap.report.period_ms = period.map_or(0.0, |p| p.as_secs_f64() * 1e3);
         cap.report.late_ms = self.late.take().map_or(0.0, |l| l.as_secs_f64() * 1e3);
+        cap.report.ablation = ablation;
         if self.link.hung() {
             return Err(EpochError::Hung(String::new()));
+        }
+        if ablation == Some(Ablation::PauseOnly) {
+            // Nothing goes to the backup; the output goes out as if it
+            // had acknowledged (the benchmark's VM is not protected).
+            cap.report.pages = cap.pages.len() as u64;
+            self.carry.clear();
+            let next = self.link.lock().policy.next_epoch();
+            cap.report.released = self.src.vm.release_output(next).map_err(EpochError::Vm)?;
+            self.ablated += 1;
+            cap.report.epoch = self.epoch + self.ablated;
+            progress!("{}", cap.report.line(false));
+            self.report.record(cap.report);
+            return Ok(());
         }
         let generation = self.send(&mut cap)?;
         self.carry.clear();
@@ -1608,39 +1718,8 @@ impl Primary {
             generation,
         })?;
         cap.report.released = self.released;
+        progress!("{}", cap.report.line(cap.finished));
         let r = &cap.report;
-        let late = if r.late_ms > 0.0 {
-            format!(
-                " (started {:.0} ms late: the previous epoch overran)",
-                r.late_ms
-            )
-        } else {
-            String::new()
-        };
-        let disk = if r.disk_bytes > 0 || r.disk_job_ms > 0 {
-            format!(
-                ", disk {:.2} MiB (copied in {} ms)",
-                r.disk_bytes as f64 / f64::from(1 << 20),
-                r.disk_job_ms
-            )
-        } else {
-            String::new()
-        };
-        progress!(
-            "epoch {}: pause {:.1} ms (quiesce {:.1}), {} pages (cpu {}, gpu {}){disk}, {:.2} MiB (VM state {} B{}), acked in {:.1} ms, period {:.0} ms{late}{}",
-            r.epoch,
-            r.pause_ms,
-            r.quiesce_ms,
-            r.pages,
-            r.cpu_dirty,
-            r.gpu_dirty,
-            r.bytes as f64 / f64::from(1 << 20),
-            r.state_bytes,
-            if r.state_patched { " as a patch" } else { "" },
-            r.ack_ms,
-            r.period_ms,
-            if cap.finished { " (VM finished)" } else { "" }
-        );
         self.status.last_epoch = self.epoch;
         self.status.last_ack_unix_ms = unix_ms();
         self.status.last_captured_unix_ms = captured_unix_ms;
@@ -2235,6 +2314,14 @@ pub fn checkpoint(
         instance,
         shape,
     } = open_vm(&opts.vm)?;
+    if let Some(a) = opts.ablation {
+        // An ablation's epochs leave the disks' captures unsent.
+        anyhow::ensure!(
+            vm.disks().is_empty(),
+            "--test-ablation {a:?}: the VM has disks; the ablations measure a VM without"
+        );
+        info!("TEST: from epoch 3 on, {a:?} (the VM is not protected)");
+    }
     let stats0 = dev.vgpu_stats(vgpu_id)?;
     let mopts = MigrateOptions {
         vm: match &opts.vm {
@@ -2348,6 +2435,7 @@ pub fn checkpoint(
         granted: false,
         witness_error: None,
         backup_witness_warned: None,
+        ablated: 0,
     };
     let result = p.run();
     let _ = p.src.dev.dirty_stop(vgpu_id);
@@ -2442,6 +2530,33 @@ mod tests {
         );
         assert!(line.ends_with("is gone]"), "{line}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_epoch_line_says_what_was_sent_or_that_nothing_was() {
+        let mut r = EpochReport {
+            epoch: 7,
+            pause_ms: 150.04,
+            pages: 2300,
+            cpu_dirty: 2300,
+            gpu_dirty: 386,
+            bytes: 7 << 20,
+            state_bytes: 480,
+            state_patched: true,
+            ack_ms: 1400.0,
+            period_ms: 2001.0,
+            ..EpochReport::default()
+        };
+        assert_eq!(
+            r.line(false),
+            "epoch 7: pause 150.0 ms (quiesce 0.0), 2300 pages (cpu 2300, gpu 386), 7.00 MiB (VM state 480 B as a patch), acked in 1400.0 ms, period 2001 ms"
+        );
+        r.ablation = Some(Ablation::PauseOnly);
+        r.late_ms = 30.0;
+        assert_eq!(
+            r.line(true),
+            "epoch 7: pause 150.0 ms (quiesce 0.0), 2300 pages (cpu 2300, gpu 386), not sent (ablation: pause only), period 2001 ms (started 30 ms late: the previous epoch overran) (VM finished)"
+        );
     }
 
     #[test]

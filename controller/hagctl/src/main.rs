@@ -1223,6 +1223,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     vm_name,
                     key,
                     witness: witness.get(),
+                    ablation: test.ablation(),
                 },
                 stop,
             )?;

@@ -2,10 +2,12 @@
 //! migration stream (`migrate --inject-fault`), a checkpoint that withholds
 //! the CPU dirty log or the disks' deltas (`checkpoint
 //! --test-withhold-cpu-dirty`, `--test-withhold-disk-delta`), a backup
-//! that plays a fault named in a file (`backup --test-fault-file`).
+//! that plays a fault named in a file (`backup --test-fault-file`); and the
+//! checkpoint benchmark's ablations (`checkpoint --test-ablation`: epochs
+//! paused but not sent, or sent without a pause).
 //!
 //! They exist so a scenario can show that a check fails when the thing it
-//! checks is missing. A production hagctl must not be able to lose a VM's
+//! checks is missing, and a benchmark can take an epoch's cost apart. A production hagctl must not be able to lose a VM's
 //! writes on a mistyped flag, so the switches are compiled only with the
 //! `test-switches` feature (`make controller` builds the test hagctl with
 //! it; `cargo build --release` and the packages build without): without
@@ -14,6 +16,7 @@
 
 use std::path::PathBuf;
 
+use crate::checkpoint::Ablation;
 use crate::migrate::Fault;
 
 #[cfg(feature = "test-switches")]
@@ -52,6 +55,17 @@ mod compiled {
         /// delta (a takeover must fail)
         #[arg(long, hide = true, requires = "qmp")]
         test_withhold_disk_delta: bool,
+        /// For benchmarks only: after epoch 2, pause without sending
+        /// (pause-only) or send without pausing (send-only); the VM is
+        /// not protected
+        #[arg(
+            long,
+            value_name = "ABLATION",
+            value_enum,
+            hide = true,
+            requires = "qmp"
+        )]
+        test_ablation: Option<Ablation>,
     }
 
     impl Checkpoint {
@@ -60,6 +74,9 @@ mod compiled {
         }
         pub fn withhold_disk_delta(&self) -> bool {
             self.test_withhold_disk_delta
+        }
+        pub fn ablation(&self) -> Option<Ablation> {
+            self.test_ablation
         }
     }
 
@@ -107,6 +124,9 @@ mod compiled {
         }
         pub fn withhold_disk_delta(&self) -> bool {
             false
+        }
+        pub fn ablation(&self) -> Option<Ablation> {
+            None
         }
     }
 
