@@ -591,7 +591,7 @@ impl Source {
             })
     }
 
-    fn send_raw(&mut self, frame: &[u8], step: &str) -> Result<u64, MigrateError> {
+    pub(crate) fn send_raw(&mut self, frame: &[u8], step: &str) -> Result<u64, MigrateError> {
         use std::io::Write;
         self.stream
             .write_all(frame)

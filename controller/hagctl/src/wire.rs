@@ -333,27 +333,40 @@ pub enum PageData {
     Lz4(Vec<u8>),
 }
 
+/// How a page goes on the wire: its kind byte and, for LZ4, the block's
+/// length in the scratch buffer it was compressed into.
+fn page_kind(page: &[u8], compress: bool, scratch: &mut Vec<u8>) -> (u8, usize) {
+    if !compress {
+        return (1, page.len());
+    }
+    if page.iter().all(|&b| b == 0) {
+        return (0, 0);
+    }
+    scratch.resize(lz4_flex::block::get_maximum_output_size(page.len()), 0);
+    match lz4_flex::block::compress_into(page, scratch) {
+        Ok(n) if n < page.len() => (2, n),
+        _ => (1, page.len()),
+    }
+}
+
 impl PageData {
     /// Encodes a page: zero flag, LZ4 if it is smaller, raw otherwise.
+    #[cfg(test)]
     pub fn encode(page: &[u8]) -> PageData {
-        if page.iter().all(|&b| b == 0) {
-            return PageData::Zero;
-        }
-        let c = lz4_flex::block::compress(page);
-        if c.len() < page.len() {
-            PageData::Lz4(c)
-        } else {
-            PageData::Raw(page.to_vec())
-        }
+        PageData::encode_with(page, true)
     }
 
     /// [`Self::encode`], or with `compress` off every page raw, zero
     /// pages too (the baseline without compression).
     pub fn encode_with(page: &[u8], compress: bool) -> PageData {
-        if compress {
-            PageData::encode(page)
-        } else {
-            PageData::Raw(page.to_vec())
+        let mut scratch = Vec::new();
+        match page_kind(page, compress, &mut scratch) {
+            (0, _) => PageData::Zero,
+            (2, n) => {
+                scratch.truncate(n);
+                PageData::Lz4(scratch)
+            }
+            _ => PageData::Raw(page.to_vec()),
         }
     }
 
@@ -1124,6 +1137,42 @@ pub fn encode_frame(msg: &Msg) -> Vec<u8> {
     f
 }
 
+/// The PAGES frame of `pages` (page indices) whose bytes are `raw`, one
+/// page after another, encoded as [`PageData::encode_with`] would into
+/// `out` (cleared first): the same bytes as
+/// `encode_frame(&Msg::Pages { .. })`, without a buffer per page, so that
+/// an epoch's sender reuses one buffer for all its frames.
+pub fn encode_pages_frame(
+    round: u32,
+    pages: &[u64],
+    raw: &[u8],
+    compress: bool,
+    out: &mut Vec<u8>,
+    scratch: &mut Vec<u8>,
+) {
+    debug_assert_eq!(raw.len(), pages.len() * PAGE);
+    out.clear();
+    out.extend_from_slice(&(MsgType::Pages as u32).to_le_bytes());
+    out.extend_from_slice(&[0; 8]); // length and crc32, once known
+    out.extend_from_slice(&round.to_le_bytes());
+    out.extend_from_slice(&(pages.len() as u32).to_le_bytes());
+    for (&index, page) in pages.iter().zip(raw.chunks_exact(PAGE)) {
+        out.extend_from_slice(&index.to_le_bytes());
+        let (kind, len) = page_kind(page, compress, scratch);
+        out.push(kind);
+        out.extend_from_slice(&(len as u32).to_le_bytes());
+        match kind {
+            0 => {}
+            2 => out.extend_from_slice(&scratch[..len]),
+            _ => out.extend_from_slice(page),
+        }
+    }
+    let len = (out.len() - HEADER_BYTES) as u32;
+    out[4..8].copy_from_slice(&len.to_le_bytes());
+    let crc = frame_crc(&out[..HEADER_BYTES], &out[HEADER_BYTES..]);
+    out[8..12].copy_from_slice(&crc.to_le_bytes());
+}
+
 /// Writes `msg` as one frame; returns the bytes written.
 pub fn write_msg(w: &mut impl Write, msg: &Msg) -> io::Result<usize> {
     let f = encode_frame(msg);
@@ -1577,6 +1626,31 @@ pub(crate) mod tests {
             let (back, n) = read_msg(&mut &bytes[..]).unwrap();
             assert_eq!(back, m);
             assert_eq!(n, bytes.len());
+        }
+    }
+
+    #[test]
+    fn a_pages_frame_encoded_in_place_is_the_message_s_frame() {
+        let mut raw = vec![0u8; 4 * PAGE];
+        raw[PAGE..2 * PAGE].fill(7); // compresses
+        for (i, b) in raw[2 * PAGE..3 * PAGE].iter_mut().enumerate() {
+            *b = (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[1]; // does not
+        }
+        raw[3 * PAGE] = 1;
+        let pages = [9, 3, 70_000, 1 << 40];
+        for compress in [true, false] {
+            let msg = Msg::Pages {
+                round: 5,
+                pages: pages
+                    .iter()
+                    .zip(raw.chunks(PAGE))
+                    .map(|(&p, b)| (p, PageData::encode_with(b, compress)))
+                    .collect(),
+            };
+            let (mut out, mut scratch) = (vec![1, 2, 3], Vec::new());
+            encode_pages_frame(5, &pages, &raw, compress, &mut out, &mut scratch);
+            assert_eq!(out, encode_frame(&msg), "compress {compress}");
+            assert_eq!(read_msg(&mut &out[..]).unwrap().0, msg);
         }
     }
 
