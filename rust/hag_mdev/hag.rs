@@ -34,6 +34,8 @@ pub mod handoff;
 pub mod track;
 #[path = "../hag_ratelimit/src/budget.rs"]
 pub mod ratelimit;
+#[path = "../hag_ratelimit/src/backoff.rs"]
+pub mod backoff;
 mod control;
 mod dirty;
 mod events;

@@ -14,6 +14,8 @@ mod snapshot;
 pub(crate) mod vfio;
 
 use kernel::prelude::*;
+use kernel::fmt;
+use kernel::str::CString;
 use kernel::time::Ktime;
 
 use crate::abi;
@@ -22,6 +24,7 @@ use crate::audit::{self, AddressSpace, AuditConfig, AuditError, GfxMemory, Memor
 use crate::glue;
 use crate::dirty::DirtyLog;
 use crate::events::Event;
+use crate::backoff::HangBackoff;
 use crate::ratelimit::{LeftOut, LogBudget, Verdict};
 use crate::glue::{EventFd, VgpuIo};
 
@@ -134,6 +137,9 @@ pub(crate) struct Sim {
     pub(crate) watchdog_ms: u32,
     /// When `RING_HEAD` last moved (or work started), for the watchdog.
     last_progress_ns: i64,
+    /// Hangs in a row: what the next submissions may do (a guest that
+    /// keeps hanging the vGPU gets less and less engine time).
+    backoff: HangBackoff,
     pub(crate) stats: Stats,
     /// What the guest can make the host's log print (rejections, hangs):
     /// a burst per interval, the rest counted in `stats`.
@@ -160,6 +166,7 @@ impl Sim {
             vfio_dirty: None,
             watchdog_ms: abi::WATCHDOG_DEFAULT_MS,
             last_progress_ns: 0,
+            backoff: HangBackoff::default(),
             stats: Stats::default(),
             log_budget: LogBudget::new(),
         };
@@ -466,7 +473,10 @@ impl Sim {
         self.stats.precise += 1;
         self.mark_running_write_set();
         self.last_progress_ns = Ktime::ktime_get().to_ns();
-        handle.kick(0);
+        // After hangs, a pause before it starts too: a guest resubmitting
+        // at once after each hang and reset gets no more than a slice per
+        // pause.
+        handle.kick(self.backoff.slice_gap_ms());
     }
 
     fn audit_part(&self, handle: &VgpuIo<'_>, gfx: u64, bytes: usize, cmds: &mut KVVec<ValidatedCommand>) -> core::result::Result<(), AuditError> {
@@ -580,17 +590,25 @@ impl Sim {
 
     /// Declares the vGPU hung, as the watchdog does.
     pub(crate) fn hang(&mut self, why: &str) {
-        self.run = None;
+        let work = self.run.take().map_or(0, |run| run.work);
         self.queued_tail = None;
         self.halt = Halt::Hung;
         self.stats.hangs += 1;
         self.regs.error_status = r::ERROR_HANG;
         self.regs.error_addr = u64::from(self.regs.ring_start) + u64::from(self.regs.ring_head);
         self.raise(r::INT_HANG);
+        self.backoff.hung();
+        let next = self.backoff.work_limit(engine::SUBMISSION_OPS, engine::SLICE_OPS.into());
+        let gap = self.backoff.slice_gap_ms();
+        let detail = CString::try_from_fmt(fmt!(
+            "{why} (after {work} operations; hang {} in a row: the next submission may do {next}, its slices {gap} ms apart)",
+            self.backoff.streak()
+        ));
+        let message = detail.as_deref().ok().and_then(|c| c.to_str().ok()).unwrap_or(why);
         if let Some(left_out) = self.may_log() {
-            pr_info!("vGPU {} hung: {}{}\n", self.id, why, left_out);
+            pr_info!("vGPU {} hung: {}{}\n", self.id, message, left_out);
         }
-        Event::new(abi::EVENT_VGPU_HUNG, self.id, &self.uuid).message(why).send();
+        Event::new(abi::EVENT_VGPU_HUNG, self.id, &self.uuid).message(message).send();
     }
 
     /// One tick of the work item: a slice of the engine, then the watchdog.
@@ -604,6 +622,7 @@ impl Sim {
         match outcome {
             engine::Outcome::Finished => {
                 self.run = None;
+                self.backoff.finished();
                 self.regs.ring_head = self.regs.ring_tail;
                 self.start_queued(handle);
                 return;
@@ -622,13 +641,15 @@ impl Sim {
                 if head_moved {
                     self.last_progress_ns = now;
                 }
-                // Busy: run on at once; waiting on memory: poll a bit later.
-                delay_ms = if stalled { 1 } else { 0 };
+                // Busy: run on at once; waiting on memory: poll a bit
+                // later; after hangs, only after a pause (HangBackoff).
+                delay_ms = u32::from(stalled).max(self.backoff.slice_gap_ms());
             }
         }
         // Work, not only the head: a submission that re-runs batches can
         // move its head and still never end.
-        if self.run.as_ref().is_some_and(|run| run.work >= engine::SUBMISSION_OPS) {
+        let limit = self.backoff.work_limit(engine::SUBMISSION_OPS, engine::SLICE_OPS.into());
+        if self.run.as_ref().is_some_and(|run| run.work >= limit) {
             self.hang("the submission did more work than any submission may");
             return;
         }

@@ -83,6 +83,14 @@ pub struct GuestRam {
     frames: Option<Box<[u64]>>,
 }
 
+// SAFETY: a `GuestRam` owns its mapping (unmapped only in its `Drop`) and
+// its fd; nothing in it is tied to the thread that made it, and every
+// access copies through a raw pointer after a bounds check, so moving it
+// to another thread (a backup's session thread) moves that ownership and
+// nothing else. It is not `Sync`: two threads writing the same page at
+// once would race.
+unsafe impl Send for GuestRam {}
+
 /// The length of a mapping of `size` bytes of guest RAM: whole pages, at
 /// least one.
 fn mapping_len(size: u64) -> Result<NonZeroUsize, RamError> {

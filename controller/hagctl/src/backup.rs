@@ -31,7 +31,7 @@ use std::process::{Child, Command, ExitStatus};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use guest_ram::PAGE_SIZE;
+use guest_ram::{GuestRam, PAGE_SIZE};
 use vmm_control::VmClient;
 
 use crate::admission::{self, Admission};
@@ -75,13 +75,13 @@ pub trait Image {
     fn read_page(&self, index: u64, out: &mut [u8; PAGE]) -> Result<(), String>;
 }
 
-/// The standby image's guest RAM: a memfd of the backup's own, written
-/// and read by offset. Its memory is reserved when it is made (fallocate),
-/// so that a pairing the backup cannot hold is refused at HELLO, not
-/// discovered part-way through an epoch.
+/// The standby image's guest RAM: a memfd of the backup's own, mapped
+/// here and written and read through the mapping (a page applied is a
+/// copy, not a system call). Its memory is reserved when it is made
+/// (fallocate), so that a pairing the backup cannot hold is refused at
+/// HELLO, not discovered part-way through an epoch.
 pub struct StandbyRam {
-    file: std::fs::File,
-    size: u64,
+    ram: GuestRam,
     /// Pages ever written (the rest are zero): what a takeover copies.
     written: Vec<u64>,
 }
@@ -94,17 +94,16 @@ impl StandbyRam {
         let fd = memfd_create(c"hag-standby-ram", MFdFlags::MFD_CLOEXEC)?;
         let len = i64::try_from(size).map_err(|_| std::io::ErrorKind::InvalidInput)?;
         fallocate(&fd, FallocateFlags::empty(), 0, len)?;
-        let file = std::fs::File::from(fd);
+        let ram = GuestRam::map_fd(fd, size).map_err(std::io::Error::other)?;
         Ok(StandbyRam {
-            file,
-            size,
+            ram,
             written: vec![0; hag_dev::bitmap_words(size)],
         })
     }
 
     /// Bytes.
     pub fn size(&self) -> u64 {
-        self.size
+        self.ram.size()
     }
 
     /// The pages ever written, ascending.
@@ -114,21 +113,24 @@ impl StandbyRam {
 
     /// The memfd (a standby QEMU maps it as its guest RAM).
     pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        std::os::fd::AsFd::as_fd(&self.file)
+        self.ram
+            .fd()
+            .unwrap_or_else(|| unreachable!("mapped from a memfd in new"))
     }
 
     /// Reads bytes at `offset`.
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-        std::os::unix::fs::FileExt::read_exact_at(&self.file, buf, offset)
+        self.ram.read(offset, buf).map_err(std::io::Error::other)
     }
 }
 
 impl Image for StandbyRam {
     fn ram_size(&self) -> u64 {
-        self.size
+        self.size()
     }
     fn write_page(&mut self, index: u64, bytes: &[u8; PAGE]) -> Result<(), String> {
-        std::os::unix::fs::FileExt::write_all_at(&self.file, bytes, index * PAGE_SIZE)
+        self.ram
+            .write(index * PAGE_SIZE, bytes)
             .map_err(|e| format!("standby image: {e}"))?;
         if let Some(w) = self.written.get_mut((index / 64) as usize) {
             *w |= 1 << (index % 64);

@@ -38,8 +38,8 @@ use crate::vmm::copy::CopyVm;
 use crate::vmm::hagvmm::HagVmm;
 use crate::vmm::{RunKind, Vmm, VmmError};
 use crate::wire::{
-    self, read_msg, write_msg, Msg, PageData, ReceiveError, Received, Receiver, Target,
-    COMMIT_PHASE, PAGE, PAGES_PER_FRAME, VERSION_MAX, VERSION_MIN,
+    self, read_msg, write_msg, Msg, ReceiveError, Received, Receiver, Target, COMMIT_PHASE, PAGE,
+    PAGES_PER_FRAME, VERSION_MAX, VERSION_MIN,
 };
 
 /// Options of `hagctl migrate`.
@@ -668,34 +668,36 @@ impl Source {
     ) -> Result<(), MigrateError> {
         let started = Instant::now();
         let mut batch = Vec::with_capacity(PAGES_PER_FRAME);
-        let mut buf = [0u8; PAGE];
+        let mut raw = vec![0u8; PAGES_PER_FRAME * PAGE];
+        let (mut frame, mut scratch) = (Vec::new(), Vec::new());
         let mut count = 0u64;
         let mut pages = pages.into_iter().peekable();
         while pages.peek().is_some() {
             batch.clear();
-            for p in pages.by_ref().take(PAGES_PER_FRAME) {
-                self.ram.read(p * PAGE_SIZE, &mut buf)?;
+            // The buffer first: a full one takes no page from `pages`.
+            for (buf, p) in raw.chunks_exact_mut(PAGE).zip(pages.by_ref()) {
+                self.ram.read(p * PAGE_SIZE, buf)?;
                 if let Some(h) = &mut self.hashes {
-                    h.record(p, &buf);
+                    h.record(p, buf);
                 }
-                let data = PageData::encode_with(&buf, self.opts.compress);
-                if data == PageData::Zero {
-                    report.zero_pages += 1;
-                }
-                batch.push((p, data));
+                batch.push(p);
             }
             count += batch.len() as u64;
-            let msg = Msg::Pages {
+            let zero = wire::encode_pages_frame(
                 round,
-                pages: std::mem::take(&mut batch),
-            };
+                &batch,
+                &raw[..batch.len() * PAGE],
+                self.opts.compress,
+                &mut frame,
+                &mut scratch,
+            );
+            report.zero_pages += zero;
             if round == 0
                 && pages.peek().is_none()
                 && self.opts.inject_fault == Some(Fault::CorruptPage)
             {
                 // The last byte is page data (or a page header): the
                 // frame's CRC no longer matches.
-                let mut frame = wire::encode_frame(&msg);
                 if let Some(b) = frame.last_mut() {
                     *b ^= 0x5a;
                 }
@@ -703,7 +705,7 @@ impl Source {
                 report.wire_bytes += self.send_raw(&frame, "round 0 (corrupt-page)")?;
                 continue;
             }
-            report.wire_bytes += self.send(&msg, &format!("round {round}"))?;
+            report.wire_bytes += self.send_raw(&frame, &format!("round {round}"))?;
             if let Some(rate) = self.opts.bandwidth {
                 // --bandwidth: never ahead of RATE bytes per second.
                 let due = Duration::from_secs_f64(report.wire_bytes as f64 / rate.max(1) as f64);

@@ -358,6 +358,7 @@ impl PageData {
 
     /// [`Self::encode`], or with `compress` off every page raw, zero
     /// pages too (the baseline without compression).
+    #[cfg(test)]
     pub fn encode_with(page: &[u8], compress: bool) -> PageData {
         let mut scratch = Vec::new();
         match page_kind(page, compress, &mut scratch) {
@@ -1141,7 +1142,8 @@ pub fn encode_frame(msg: &Msg) -> Vec<u8> {
 /// page after another, encoded as [`PageData::encode_with`] would into
 /// `out` (cleared first): the same bytes as
 /// `encode_frame(&Msg::Pages { .. })`, without a buffer per page, so that
-/// an epoch's sender reuses one buffer for all its frames.
+/// an epoch's sender reuses one buffer for all its frames. Returns how
+/// many pages went as zero pages.
 pub fn encode_pages_frame(
     round: u32,
     pages: &[u64],
@@ -1149,16 +1151,18 @@ pub fn encode_pages_frame(
     compress: bool,
     out: &mut Vec<u8>,
     scratch: &mut Vec<u8>,
-) {
+) -> u64 {
     debug_assert_eq!(raw.len(), pages.len() * PAGE);
     out.clear();
     out.extend_from_slice(&(MsgType::Pages as u32).to_le_bytes());
     out.extend_from_slice(&[0; 8]); // length and crc32, once known
     out.extend_from_slice(&round.to_le_bytes());
     out.extend_from_slice(&(pages.len() as u32).to_le_bytes());
+    let mut zero = 0;
     for (&index, page) in pages.iter().zip(raw.chunks_exact(PAGE)) {
         out.extend_from_slice(&index.to_le_bytes());
         let (kind, len) = page_kind(page, compress, scratch);
+        zero += u64::from(kind == 0);
         out.push(kind);
         out.extend_from_slice(&(len as u32).to_le_bytes());
         match kind {
@@ -1171,6 +1175,7 @@ pub fn encode_pages_frame(
     out[4..8].copy_from_slice(&len.to_le_bytes());
     let crc = frame_crc(&out[..HEADER_BYTES], &out[HEADER_BYTES..]);
     out[8..12].copy_from_slice(&crc.to_le_bytes());
+    zero
 }
 
 /// Writes `msg` as one frame; returns the bytes written.
@@ -1648,8 +1653,9 @@ pub(crate) mod tests {
                     .collect(),
             };
             let (mut out, mut scratch) = (vec![1, 2, 3], Vec::new());
-            encode_pages_frame(5, &pages, &raw, compress, &mut out, &mut scratch);
+            let zero = encode_pages_frame(5, &pages, &raw, compress, &mut out, &mut scratch);
             assert_eq!(out, encode_frame(&msg), "compress {compress}");
+            assert_eq!(zero, u64::from(compress), "compress {compress}");
             assert_eq!(read_msg(&mut &out[..]).unwrap().0, msg);
         }
     }

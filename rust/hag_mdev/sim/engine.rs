@@ -6,16 +6,6 @@
 //! right) and checks nothing of the guest's again; what it must still
 //! handle is what the guest can change after the audit: the GTT (a page no
 //! longer mapped is a DMA fault) and memory contents (semaphores, blit
-//! sources). A slice ends after [`SLICE_COMMANDS`] commands or
-//! [`SLICE_BYTES`] bytes of blit, or when a semaphore is not yet satisfied.
-
-//! The simulated vGPU's engine: executes a submission's validated commands
-//! on guest memory, in bounded slices.
-//!
-//! It trusts the auditor (addresses in range, registers allowed, lengths
-//! right) and checks nothing of the guest's again; what it must still
-//! handle is what the guest can change after the audit: the GTT (a page no
-//! longer mapped is a DMA fault) and memory contents (semaphores, blit
 //! sources). Which command runs next is [`flow::Exec`]'s, the auditor's
 //! own model of the walk, so the engine runs exactly the hardware's
 //! sequence of audited commands (calls, chains, returns, batches started
@@ -27,7 +17,9 @@
 //! semaphore is not yet satisfied; a blit is resumed at the chunk it
 //! stopped at, and a blit whose rows all write the same bytes (pitch 0)
 //! runs one row. A submission that has done [`SUBMISSION_OPS`] operations
-//! is declared hung by the watchdog, whether or not its ring head moves.
+//! is declared hung by the watchdog, whether or not its ring head moves
+//! (fewer, and its slices spaced, after hangs in a row:
+//! [`crate::backoff::HangBackoff`]).
 
 use kernel::prelude::*;
 use kernel::time::Ktime;
@@ -39,7 +31,7 @@ use crate::glue::VgpuIo;
 use crate::sim_regs as r;
 
 /// Operations per slice: the vGPU's lock is held for one slice at most.
-const SLICE_OPS: u32 = 1024;
+pub(crate) const SLICE_OPS: u32 = 1024;
 /// Bytes moved per slice.
 const SLICE_BYTES: u64 = 1 << 20;
 /// Operations one submission may do before the watchdog calls it hung.

@@ -10,10 +10,16 @@
 //! were left out. The counters themselves (`IOC_VGPU_STATS`) are never
 //! limited.
 //!
-//! The kernel module includes this file by path (`rust/hag_mdev/hag.rs`);
+//! And what engine time a guest that keeps hanging its vGPU gets
+//! ([`HangBackoff`]): a submission is bounded, but a loop of hangs and
+//! resets would otherwise keep a kernel worker busy for ever.
+//!
+//! The kernel module includes these files by path (`rust/hag_mdev/hag.rs`);
 //! the host tests here run the same code.
 #![no_std]
 
+mod backoff;
 mod budget;
 
+pub use backoff::*;
 pub use budget::*;

@@ -45,7 +45,14 @@ pub struct Qemu {
     mirrors: Option<Mirrors>,
     /// `--copy-storage` on the target: the disks' NBD exports.
     exports: Option<Exports>,
+    /// The `events` capability was set on by [`Qemu::apply`]: QEMU says
+    /// each change of a migration's status in a `MIGRATION` event.
+    migration_events: bool,
 }
+
+/// While a save runs, how often its status is asked for when QEMU sends
+/// no `MIGRATION` events.
+const SAVE_POLL: Duration = Duration::from_millis(5);
 
 /// Whether a QEMU VM that no longer answers or runs has crashed: what
 /// protection must fail over from rather than end. `status` is
@@ -229,6 +236,7 @@ impl Qemu {
             saves: 0,
             mirrors: None,
             exports: None,
+            migration_events: false,
         }
     }
 
@@ -250,6 +258,9 @@ impl Qemu {
                 "migrate-set-capabilities",
                 Some(capabilities_args(&settings.capabilities)),
             )?;
+            if let Some(on) = settings.capability("events") {
+                self.migration_events = on;
+            }
         }
         if let Some(args) = parameters_args(settings) {
             self.qmp.execute("migrate-set-parameters", Some(args))?;
@@ -259,9 +270,33 @@ impl Qemu {
 
     /// Runs a migration into `uri` (the VM paused) to its end.
     fn await_save(&mut self, uri: &str) -> Result<SavedState, VmmError> {
+        // Earlier migrations' events say nothing of this one.
+        self.qmp.discard_events("MIGRATION");
         self.qmp.execute("migrate", Some(json!({ "uri": uri })))?;
         let start = Instant::now();
+        let mut first = true;
         loop {
+            if !std::mem::take(&mut first) {
+                // Its MIGRATION event, when QEMU sends them, ends the wait
+                // as the save ends, and no query competes with the save
+                // for the CPU meanwhile; query-migrate then says how it
+                // ended (and why, if it failed).
+                let wait = if self.migration_events {
+                    SAVE_TIMEOUT.saturating_sub(start.elapsed())
+                } else {
+                    SAVE_POLL
+                };
+                self.qmp.wait_event(
+                    |e| {
+                        e.name == "MIGRATION"
+                            && matches!(
+                                e.data["status"].as_str(),
+                                Some("completed" | "failed" | "cancelled")
+                            )
+                    },
+                    wait,
+                )?;
+            }
             let info = self.migration_info()?;
             match info.status.as_str() {
                 "completed" => {
@@ -283,7 +318,7 @@ impl Qemu {
                         SAVE_TIMEOUT.as_secs()
                     )));
                 }
-                _ => std::thread::sleep(Duration::from_millis(5)),
+                _ => {}
             }
         }
     }

@@ -300,12 +300,14 @@ impl QemuVm {
             .map_err(|e| protocol(&qemu, format!("cannot read the VM's devices: {e}")))?;
         // An epoch's save goes into a pipe: no return path there (a VM
         // that arrived by migration may have it set), nothing that needs
-        // more channels.
+        // more channels; its end is said by a MIGRATION event (as libvirt
+        // has QEMU send them) rather than found by polling.
         qemu.apply(&MigrationSettings {
             capabilities: vec![
                 ("return-path".into(), false),
                 ("multifd".into(), false),
                 ("postcopy-ram".into(), false),
+                ("events".into(), true),
             ],
             ..MigrationSettings::default()
         })?;

@@ -504,6 +504,11 @@ impl Qmp {
         self.events.drain(..).collect()
     }
 
+    /// Drops the buffered events called `name`.
+    pub fn discard_events(&mut self, name: &str) {
+        self.events.retain(|e| e.name != name);
+    }
+
     /// The first buffered event called `name`, left in the buffer.
     pub fn find_event(&self, name: &str) -> Option<&Event> {
         self.events.iter().find(|e| e.name == name)
