@@ -15,6 +15,9 @@ use crate::ratelimit::{AtomicLogBudget, LeftOut, Verdict};
 /// Events not sent, for every vGPU: the log line's budget.
 static NOT_SENT: AtomicLogBudget = AtomicLogBudget::new();
 
+/// The longest message an event carries, bytes (a longer one is cut).
+const MESSAGE_MAX: usize = 255;
+
 /// An event about one vGPU, built then sent.
 pub(crate) struct Event<'a> {
     kind: u32,
@@ -66,9 +69,14 @@ impl<'a> Event<'a> {
         let now = u64::try_from(Ktime::ktime_get().to_ns()).unwrap_or(0);
         msg.put_u64(abi::ATTR_TIMESTAMP_NS, now)?;
         if let Some(text) = self.message {
-            // Netlink strings carry their NUL; build it in a small buffer.
-            let mut buf = [0u8; 64];
-            let len = text.len().min(buf.len() - 1);
+            // Netlink strings carry their NUL; build it in a small buffer
+            // (a hang's message, the longest, is about 170 bytes), cut at
+            // a character's boundary.
+            let mut buf = [0u8; MESSAGE_MAX + 1];
+            let mut len = text.len().min(MESSAGE_MAX);
+            while !text.is_char_boundary(len) {
+                len -= 1;
+            }
             buf[..len].copy_from_slice(&text.as_bytes()[..len]);
             msg.put_bytes(abi::ATTR_MESSAGE, &buf[..=len])?;
         }
