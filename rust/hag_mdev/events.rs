@@ -69,16 +69,18 @@ impl<'a> Event<'a> {
         let now = u64::try_from(Ktime::ktime_get().to_ns()).unwrap_or(0);
         msg.put_u64(abi::ATTR_TIMESTAMP_NS, now)?;
         if let Some(text) = self.message {
-            // Netlink strings carry their NUL; build it in a small buffer
-            // (a hang's message, the longest, is about 170 bytes), cut at
-            // a character's boundary.
-            let mut buf = [0u8; MESSAGE_MAX + 1];
+            // Netlink strings carry their NUL: the text and its NUL in a
+            // buffer of their own (a hang's message, the longest, is about
+            // 170 bytes: on the heap, not on the stack of a doorbell's deep
+            // path), cut at a character's boundary.
             let mut len = text.len().min(MESSAGE_MAX);
             while !text.is_char_boundary(len) {
                 len -= 1;
             }
-            buf[..len].copy_from_slice(&text.as_bytes()[..len]);
-            msg.put_bytes(abi::ATTR_MESSAGE, &buf[..=len])?;
+            let mut buf = KVec::with_capacity(len + 1, GFP_KERNEL)?;
+            buf.extend_from_slice(&text.as_bytes()[..len], GFP_KERNEL)?;
+            buf.push(0, GFP_KERNEL)?;
+            msg.put_bytes(abi::ATTR_MESSAGE, &buf)?;
         }
         msg.send()
     }
