@@ -503,6 +503,15 @@ hook_libvirt_up() {
 	} >"$HOST_ROOT/etc/hag/hag.conf"
 }
 
+# vm_finish SOCK: asks the hag-vmm VM whose control socket is SOCK to end
+# its run after the iterations done so far (hag-vmm finish). A VM that
+# already ended its run on its own (its --iterations all done, its socket
+# removed) needs no asking: the caller checks its exit status and PASS
+# line as for any other end.
+vm_finish() {
+	hag-vmm finish --control "$1" || [ ! -S "$1" ] || fail "hag-vmm finish --control $1 failed"
+}
+
 # finish_after_takeover SOCK [LOG]: in the background, once LOG (default
 # /tmp/backup.err) says a takeover resumed the VM here and 3 s more of its
 # workload ran, asks that hag-vmm VM (control socket SOCK) to end its run

@@ -57,7 +57,7 @@ else
 	grep -q '"outcome":"ended"' /tmp/cp.out || fail "protection did not end"
 	grep -q 'confirmed the backup down' /tmp/cp.out || fail "the end does not say why"
 	# Seen as it must be: the workload may end (ITERATIONS is its longest run).
-	hag-vmm finish --control "$sock"
+	vm_finish "$sock"
 	rc=0
 	wait "$vm" || rc=$?
 	expect_eq "VM exit status" "$rc" 0

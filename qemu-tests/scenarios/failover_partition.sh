@@ -68,7 +68,7 @@ else
 	wait_for 60 grep -q "^epoch $((before + 2)):" /tmp/cp.err ||
 		fail "epochs did not resume after epoch $before: $(cat /tmp/cp.err)"
 	# Protected again: the workload may end (ITERATIONS is its longest run).
-	hag-vmm finish --control "$sock"
+	vm_finish "$sock"
 
 	rc=0
 	wait "$cp" || rc=$?

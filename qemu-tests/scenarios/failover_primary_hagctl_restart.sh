@@ -37,7 +37,7 @@ else
 	cp=$!
 	wait_for 120 grep -q '^epoch 3:' /tmp/cp.err || fail "the restarted run did not protect the VM: $(cat /tmp/cp.err)"
 	# Protected again: the workload may end (ITERATIONS is its longest run).
-	hag-vmm finish --control "$sock"
+	vm_finish "$sock"
 	rc=0
 	wait "$vm" || rc=$?
 	expect_eq "VM exit status" "$rc" 0

@@ -79,9 +79,9 @@ case $HAG_HOST in
 	hagctl confirm-backup-down --name vm2 || fail "vm2's confirmation failed"
 	# Both seen as they must be: the workloads may end (ITERATIONS is
 	# their longest run), vm2 once its protection has.
-	hag-vmm finish --control /tmp/vm1.sock
+	vm_finish /tmp/vm1.sock
 	wait_for 60 grep -q 'confirmed the backup down' /tmp/cp2.out || fail "vm2's protection did not end"
-	hag-vmm finish --control /tmp/vm2.sock
+	vm_finish /tmp/vm2.sock
 	for vm in vm1 vm2; do
 		rc=0
 		wait "$(cat /tmp/$vm.pid)" || rc=$?

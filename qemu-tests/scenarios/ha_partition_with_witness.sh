@@ -81,7 +81,7 @@ case $HAG_HOST in
 		fail "no resynchronisation after the paths came back: $(cat /tmp/cp.err)"
 	n=$(grep -c '^epoch' /tmp/cp.err)
 	wait_for 120 sh -c "[ \$(grep -c '^epoch' /tmp/cp.err) -gt $n ]" || fail "no epoch after the resynchronisation"
-	hag-vmm finish --control /tmp/vm.sock
+	vm_finish /tmp/vm.sock
 	rc=0
 	wait "$vm" || rc=$?
 	expect_eq "VM exit status" "$rc" 0

@@ -97,7 +97,11 @@ else
 		grep -q 'migration process in progress' /tmp/mig.out ||
 			{ grep -q 'canceled by client' /tmp/mig.out && grep -q "begun while this epoch's save had x-ignore-shared on" "$CP_LOG"; } ||
 			{ tail -20 "$HOST_ROOT/var/log/libvirt/qemu/$DOM.log"; fail "virsh migrate failed"; }
-		# Refused: the domain runs on here, protected.
+		# Refused: the domain runs on here, protected, once the pause of
+		# the epoch whose save refused it has ended (a virsh domstate right
+		# after the refusal may still fall in it).
+		domain_running() { [ "$(in_root virsh domstate "$DOM")" = running ]; }
+		wait_for 10 domain_running || true
 		expect_eq "domain state after a refused migration" "$(in_root virsh domstate "$DOM")" running
 		sleep 2
 	done

@@ -84,7 +84,7 @@ else
 	done
 	step "host 0: the VM runs on here 2 s, ends its run and verifies its guest RAM"
 	sleep 2
-	hag-vmm finish --control "$sock"
+	vm_finish "$sock"
 	rc=0
 	wait "$vm" || rc=$?
 	cat /tmp/vm.err /tmp/vm.out

@@ -65,7 +65,7 @@ else
 	incoming 3 7103
 	step "host 1: the VM runs here 2 s more, ends its run and verifies its guest RAM"
 	sleep 2
-	hag-vmm finish --control /tmp/vm3.sock
+	vm_finish /tmp/vm3.sock
 	rc=0
 	wait "$vm" || rc=$?
 	cat /tmp/vm3.err /tmp/vm3.out

@@ -157,7 +157,7 @@ else
 	grep -q '"outcome":"ended"' /tmp/cp-b.out || fail "b's protection did not end on hagctl abort"
 	grep -q '"syncs":[2-9]' /tmp/cp-b.out || fail "the report counts no resync"
 	# Seen as it must be: VM b may end (ITERATIONS_B is its longest run).
-	hag-vmm finish --control /tmp/b.sock
+	vm_finish /tmp/b.sock
 	rc=0
 	wait "$vm_b" || rc=$?
 	expect_eq "VM b's exit status" "$rc" 0
