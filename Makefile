@@ -107,7 +107,7 @@ gvt: gvt-kernel
 	$(call build_module_copy,$(GVT_BUILD),--flavour gvt,HAG_TEST_SWITCHES=y) && \
 	if grep -q 'undefined!' $(GVT_BUILD)/build.log; then \
 		echo "gvt: hag_mdev.ko has unresolved symbols (above)"; exit 1; fi && \
-	if ! nm -u $(GVT_MODULE) | grep -qw intel_gvt_audit_register; then \
+	if ! nm -u $(GVT_MODULE) | grep -w intel_gvt_audit_register >/dev/null; then \
 		echo "gvt: $(GVT_MODULE) was built without GVT-g support"; exit 1; fi && \
 	echo "built $(GVT_MODULE) against $$kdir"
 
