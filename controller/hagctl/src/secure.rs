@@ -550,7 +550,7 @@ impl Writer {
     fn seal_batch(&mut self, plain: &[u8]) -> io::Result<()> {
         let records = plain.len().div_ceil(CHUNK);
         self.sealed.resize(plain.len() + records * (2 + TAG), 0);
-        let slots: Vec<(u64, &[u8], &mut [u8])> = plain
+        let mut slots: Vec<(u64, &[u8], &mut [u8])> = plain
             .chunks(CHUNK)
             .zip(self.sealed.chunks_mut(2 + CHUNK + TAG))
             .zip(self.nonce..)
@@ -567,7 +567,6 @@ impl Writer {
             }
             Ok(())
         };
-        let mut slots = slots;
         let per_thread = records.div_ceil(self.sealers.min(records));
         if per_thread == records {
             seal(&mut slots)?;
