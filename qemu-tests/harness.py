@@ -17,8 +17,9 @@ With HAG_FLAVOUR=gvt, hosts boot the GVT-g kernel (scripts/build-kernel.sh
 `make gvt` built against it, and kvmgt.ko in the initramfs for lib.sh to
 load before it; i915 finds no Intel GPU there, so no GVT-g device exists.
 
-Every host's CPU is `-cpu max`: its RDRAND seeds the kernel's random pool at
-boot, and it emulates AMD SVM, so KVM works inside the hosts. A scenario
+Every host's CPU is `-cpu max` less AVX2 and PCLMULQDQ (HOST_CPU): its
+RDRAND seeds the kernel's random pool at boot, and it emulates AMD SVM, so
+KVM works inside the hosts. A scenario
 whose header says `# vms: yes` runs real VMs there (never TCG inside TCG);
 its hosts get more memory, a distinct SMBIOS UUID each, and this machine's root directory read-only over 9p
 (mount tag `hostroot`), from which lib.sh's `host_root_up` makes a writable
@@ -73,6 +74,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# Every host's CPU: -cpu max, whose RDRAND seeds the kernel's random pool
+# at boot (without it the pool took up to 309 s to seed on a busy machine,
+# and anything calling getrandom(2), hagctl's Noise handshake, blocked that
+# long) and whose emulated AMD SVM runs KVM; without AVX2 and PCLMULQDQ,
+# which TCG emulates slower than the SSE2 and table code software picks
+# without them: under qemu-x86_64, hagctl's ChaCha20-Poly1305 sealed
+# 10 MiB in 547 ms with AVX2 and 141 ms without, and crc32fast took 34 ms
+# with PCLMULQDQ and 9 ms without (natively both are the fast ones). A
+# real host's hagctl uses both; in a test host they made encryption most
+# of the sender's time. HAG_HOST_CPU overrides it.
+HOST_CPU = "max,-avx2,-pclmulqdq"
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "qemu-tests"
@@ -628,11 +641,7 @@ def run_scenario(build, initramfs, script, logdir, on_output=None, placement=Non
                 # benchmark's placement pins them by name.
                 "qemu-system-x86_64", "-name", f"host{i},debug-threads=on",
                 "-accel", "tcg", "-m", str(memory),
-                # -cpu max for every host: its RDRAND seeds the kernel's
-                # random pool at boot. Without it the pool took up to 309 s
-                # to seed on a busy machine, and anything calling
-                # getrandom(2) (hagctl's Noise handshake) blocked that long.
-                "-cpu", "max",
+                "-cpu", os.environ.get("HAG_HOST_CPU", HOST_CPU),
                 "-smp", str(cpus), "-nodefaults", "-display", "none", "-no-reboot",
                 "-monitor", f"unix:{host.monitor},server=on,wait=off",
                 "-kernel", str(build.bzimage), "-initrd", str(initramfs),

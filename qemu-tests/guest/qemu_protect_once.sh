@@ -98,6 +98,7 @@ handed_over() {
 # status goes to /tmp/db.verdict as "STEP STATUS".
 debian_checks() {
 	local rc
+	[ -n "$db_client" ] || echo "the database client never started (the guest never reported)"
 	kill -TERM "$db_client" 2>/dev/null || true
 	wait "$db_client" 2>/dev/null || true
 	sed 's/^/[db client] /' /tmp/db.err
@@ -109,7 +110,8 @@ debian_checks() {
 	# Those acknowledged while the VM was protected: their replies were
 	# released by an epoch's acknowledgement (this host's clock, to 1 s).
 	echo "db: $(in_root python3 /hag/db_client.py latency --log /tmp/db.log --from "${protected_at:-0}" \
-		--to "${taken_at:-inf}" | cut -d' ' -f1) commits acknowledged while protected (from epoch 1 applied at ${protected_at:--} s to the takeover at ${taken_at:--} s)"
+		--to "${taken_at:-inf}" | cut -d' ' -f1) commits acknowledged while protected (from epoch 1 applied at ${protected_at:--} s to the takeover at ${taken_at:--} s), $(in_root python3 /hag/db_client.py latency \
+		--log /tmp/db.log --from "${taken_at:-inf}" --to inf | cut -d' ' -f1) after the takeover; the last: $(grep '^acked' /tmp/db.log | tail -1)"
 	rc=0
 	step "host 1: pg_amcheck of the guest's database"
 	timeout 600 chroot "$HOST_ROOT" /usr/lib/postgresql/15/bin/pg_amcheck -h "$VM_ADDR" -U postgres \
@@ -206,16 +208,21 @@ if [ "$HAG_HOST" = 1 ]; then
 	vm_net_up "$CLIENT/24"
 	step "host 1: client on $CLIENT:$GUEST_CLIENT_PORT, backup on $backup (standby QEMU with vGPU $uuid)"
 	guest_client_up
-	if [ "${DEBIAN:-0}" = 1 ]; then
-		: >/tmp/db.log
+	db_client=
+	: >/tmp/db.log
+	: >/tmp/db.err
+	# db_client_start: the Debian guest's database client, started once
+	# the guest's hag-guest reports (the guest has booted), not while it
+	# boots: eight workers committing as fast as PostgreSQL answers held
+	# the guest's one vCPU so that hag-guest took 70 s more to start. Eight connections: under protection each commits once
+	# every three epochs (BEGIN, INSERT, COMMIT, each reply held for one),
+	# so one alone would make a handful of commits while protected.
+	db_client_start() {
 		# chroot itself, not in_root: $! must be the client's own pid.
-		# Eight connections: under protection each commits once every
-		# three epochs (BEGIN, INSERT, COMMIT, each reply held for one),
-		# so one alone would make a handful of commits while protected.
 		chroot "$HOST_ROOT" python3 /hag/db_client.py commit --workers 8 --host "$VM_ADDR" \
 			--log /tmp/db.log >/tmp/db.err 2>&1 &
 		db_client=$!
-	fi
+	}
 	eval "set -- $(vm_words vm "$uuid" "$GUEST_ARGS")"
 	# Live in the host's log: the backup's account, and the standby VM's
 	# console once a takeover started it.
@@ -288,6 +295,7 @@ if [ "$HAG_HOST" = 1 ]; then
 		if [ ! -e /tmp/guest-finish ] && command -v guest_may_finish >/dev/null && guest_may_finish; then
 			guest_finish
 		fi
+		[ "${DEBIAN:-0}" != 1 ] || [ -n "$db_client" ] || [ ! -s /tmp/client.log ] || db_client_start
 		[ -n "$protected_at" ] || ! grep -q 'epoch 1 applied' /tmp/backup.err || protected_at=$(up)
 		[ -n "$taken_at" ] || ! grep -q 'taking over from epoch' /tmp/backup.err || taken_at=$(up)
 		# A guest whose kernel died or hung where that may happen

@@ -2252,8 +2252,9 @@ fn open_vm(at: &VmAt) -> anyhow::Result<OpenedVm> {
             let mut gates: Vec<Box<dyn OutputGate>> = Vec::new();
             if let Some(ifname) = plug {
                 let plug = crate::plug::Plug::attach(ifname)
+                    .and_then(PlugGate::new)
                     .map_err(|e| anyhow::anyhow!("cannot hold the VM's output on {ifname}: {e}"))?;
-                gates.push(Box::new(PlugGate::new(plug)));
+                gates.push(Box::new(plug));
             }
             if let Some((socket, log)) = console {
                 gates.push(Box::new(

@@ -8,8 +8,10 @@
 //! path='SOCK'/>`). [`ConsoleGate::connect`] connects to it; a reader
 //! thread takes what the guest writes into [`Held`], and what an
 //! acknowledged epoch wrote is appended to the console log (a file, as
-//! QEMU's and libvirt's `logfile`). Everything is held from the moment it
-//! connects.
+//! QEMU's and libvirt's `logfile`). Output goes out at once until the
+//! first epoch's boundary (before an epoch is acknowledged there is
+//! nothing to take over, so nothing written then can be contradicted) and
+//! is held from then on.
 //!
 //! An epoch boundary is taken while the VM is paused: what the reader has
 //! read by then belongs to the epoch being captured. Bytes the guest wrote
@@ -36,18 +38,32 @@ use crate::vmm::copy::OutputGate;
 pub const MAX_HELD: usize = 8 << 20;
 
 /// Held console output and its epoch boundaries (no I/O: the gate's rules).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Held {
     bytes: Vec<u8>,
     /// (epoch, end of its output in `bytes`), oldest first.
     marks: VecDeque<(u64, usize)>,
-    /// Protection ended: nothing is held any more.
+    /// Nothing is held: before the first epoch's boundary, or once
+    /// protection ended.
     passing: bool,
+    /// Protection ended: no boundary makes it hold again.
+    ended: bool,
+}
+
+impl Default for Held {
+    fn default() -> Held {
+        Held {
+            bytes: Vec::new(),
+            marks: VecDeque::new(),
+            passing: true,
+            ended: false,
+        }
+    }
 }
 
 impl Held {
-    /// What the guest wrote: returns what may go out now (all of it once
-    /// protection ended, else nothing).
+    /// What the guest wrote: returns what may go out now (all of it
+    /// before the first boundary and once protection ended, else nothing).
     pub fn push<'a>(&mut self, data: &'a [u8]) -> &'a [u8] {
         if self.passing {
             return data;
@@ -58,9 +74,10 @@ impl Held {
 
     /// Everything held so far belongs to `epoch` (or an earlier one).
     pub fn mark(&mut self, epoch: u64) {
-        if self.marks.back().is_some_and(|&(e, _)| e >= epoch) {
+        if self.ended || self.marks.back().is_some_and(|&(e, _)| e >= epoch) {
             return;
         }
+        self.passing = false;
         self.marks.push_back((epoch, self.bytes.len()));
     }
 
@@ -84,6 +101,7 @@ impl Held {
     /// Protection ended: takes everything held, and holds nothing more.
     pub fn release_all(&mut self) -> Vec<u8> {
         self.passing = true;
+        self.ended = true;
         self.marks.clear();
         std::mem::take(&mut self.bytes)
     }
@@ -240,21 +258,27 @@ mod tests {
     #[test]
     fn releases_by_epoch() {
         let mut h = Held::default();
-        assert!(h.push(b"boot ").is_empty());
+        // Before the first boundary nothing can be contradicted.
+        assert_eq!(h.push(b"sync "), b"sync ");
         h.mark(1);
-        h.push(b"one ");
+        assert!(h.push(b"zero ").is_empty());
         h.mark(2);
-        h.push(b"two ");
+        h.push(b"one ");
         h.mark(3);
+        h.push(b"two ");
+        h.mark(4);
         h.push(b"open");
-        assert_eq!(h.release(0), b"");
-        assert_eq!(h.release(1), b"boot ");
-        // An old ack releases nothing more.
         assert_eq!(h.release(1), b"");
-        assert_eq!(h.release(3), b"one two ");
+        assert_eq!(h.release(2), b"zero ");
+        // An old ack releases nothing more.
+        assert_eq!(h.release(2), b"");
+        assert_eq!(h.release(4), b"one two ");
         assert_eq!(h.len(), 4);
         assert_eq!(h.release_all(), b"open");
         assert_eq!(h.push(b"after"), b"after");
+        // Protection over: a late boundary holds nothing again.
+        h.mark(5);
+        assert_eq!(h.push(b"late"), b"late");
     }
 
     /// A boundary taken twice for one epoch (a retried capture) keeps the
@@ -262,6 +286,7 @@ mod tests {
     #[test]
     fn a_mark_never_moves_back_or_twice() {
         let mut h = Held::default();
+        h.mark(1);
         h.push(b"a");
         h.mark(2);
         h.push(b"b");
@@ -284,22 +309,31 @@ mod tests {
         let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
         let mut gate = ConsoleGate::connect(&sock, &log).unwrap();
         let (mut qemu, _) = listener.accept().unwrap();
-        qemu.write_all(b"epoch one\n").unwrap();
-        let wait_held = |n| {
+        let wait = |what: &str, done: &dyn Fn() -> bool| {
             for _ in 0..500 {
-                if gate.shared.held().len() >= n {
+                if done() {
                     return;
                 }
                 std::thread::sleep(std::time::Duration::from_millis(2));
             }
-            panic!("the reader never took {n} bytes");
+            panic!("{what}");
         };
-        wait_held(10);
+        // Before the first boundary the console goes straight to its log.
+        qemu.write_all(b"sync\n").unwrap();
+        wait("the console was held before any epoch", &|| {
+            std::fs::read(&log).unwrap() == b"sync\n"
+        });
         gate.mark(1).unwrap();
         qemu.write_all(b"epoch two\n").unwrap();
-        assert_eq!(std::fs::read(&log).unwrap(), b"");
-        assert!(gate.release(1).unwrap());
-        assert_eq!(std::fs::read(&log).unwrap(), b"epoch one\n");
+        let shared = gate.shared.clone();
+        wait("the reader never took 10 bytes", &|| {
+            shared.held().len() >= 10
+        });
+        gate.mark(2).unwrap();
+        qemu.write_all(b"epoch three\n").unwrap();
+        assert_eq!(std::fs::read(&log).unwrap(), b"sync\n");
+        assert!(gate.release(2).unwrap());
+        assert_eq!(std::fs::read(&log).unwrap(), b"sync\nepoch two\n");
         gate.release_all().unwrap();
         drop(gate);
         let _ = std::fs::remove_dir_all(&dir);

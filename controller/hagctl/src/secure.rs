@@ -878,4 +878,64 @@ mod tests {
             "{kind:?}"
         );
     }
+
+    /// Where a sender's time goes per epoch-sized batch of pages (run by
+    /// hand, natively or under qemu-x86_64 to see a test host's TCG):
+    /// cargo test --release -p hagctl pipeline_cost -- --ignored --nocapture
+    #[test]
+    #[ignore]
+    fn pipeline_cost() {
+        let (c, s) = pair(Key([3; 32]), Key([3; 32]));
+        let (c, _s) = (c.unwrap(), s.unwrap());
+        let n = 2560usize;
+        let mut raw = vec![0u8; n * crate::wire::PAGE];
+        let mut x = 0x9e3779b97f4a7c15u64;
+        for (i, page) in raw.chunks_exact_mut(crate::wire::PAGE).enumerate() {
+            match i % 5 {
+                0 | 1 => page.iter_mut().for_each(|b| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    *b = x as u8
+                }),
+                2 | 3 => page
+                    .chunks_exact_mut(4)
+                    .enumerate()
+                    .for_each(|(j, w)| w.copy_from_slice(&((j / 8) as u32).to_le_bytes())),
+                _ => {}
+            }
+        }
+        let pages: Vec<u64> = (0..n as u64).collect();
+        let (mut out, mut scratch) = (Vec::new(), Vec::new());
+        for compress in [true, false] {
+            let t = Instant::now();
+            let mut bytes = 0;
+            for (p, r) in pages.chunks(256).zip(raw.chunks(256 * crate::wire::PAGE)) {
+                crate::wire::encode_pages_frame(1, p, r, compress, &mut out, &mut scratch);
+                bytes += out.len();
+            }
+            eprintln!(
+                "encode compress={compress}: {:?} for {bytes} bytes",
+                t.elapsed()
+            );
+        }
+        let t = Instant::now();
+        let mut h = crc32fast::Hasher::new();
+        h.update(&raw);
+        eprintln!(
+            "crc32 of {} bytes: {:?} ({})",
+            raw.len(),
+            t.elapsed(),
+            h.finalize()
+        );
+        let t = Instant::now();
+        let mut sealed = vec![0u8; CHUNK + TAG];
+        for (i, chunk) in raw.chunks(CHUNK).enumerate() {
+            c.w.t.write_message(i as u64, chunk, &mut sealed).unwrap();
+        }
+        eprintln!("seal of {} bytes: {:?}", raw.len(), t.elapsed());
+        let t = Instant::now();
+        let copy = raw.clone();
+        eprintln!("copy of {} bytes: {:?}", copy.len(), t.elapsed());
+    }
 }

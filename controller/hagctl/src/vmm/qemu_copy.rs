@@ -731,7 +731,8 @@ pub struct PlugGate {
     /// counts one buffered epoch: while one is, later output stays in the
     /// plug's open epoch (held, and let out one acknowledgement later).
     buffered: Option<u64>,
-    /// Everything was released: the plug lets all through.
+    /// The plug lets all through: before the first epoch's boundary, or
+    /// once everything was released.
     open: bool,
 }
 
@@ -739,13 +740,20 @@ pub struct PlugGate {
 const PLUG_DRAIN: Duration = Duration::from_secs(2);
 
 impl PlugGate {
-    /// A gate on `plug` (which holds from its attach).
-    pub fn new(plug: crate::plug::Plug) -> PlugGate {
-        PlugGate {
+    /// A gate on `plug` that lets everything through until the first
+    /// epoch's boundary ([`OutputGate::mark`]). Until an epoch is
+    /// acknowledged the backup has nothing to take over (a primary lost
+    /// then is not failed over), so nothing the VM says meanwhile can be
+    /// contradicted; holding it would cut the VM off its network for the
+    /// whole first synchronisation (a minute or more), and a client's
+    /// connection made then would wait an epoch per round trip.
+    pub fn new(mut plug: crate::plug::Plug) -> Result<PlugGate, crate::plug::PlugError> {
+        plug.release_indefinite()?;
+        Ok(PlugGate {
             plug: Some(plug),
             buffered: None,
-            open: false,
-        }
+            open: true,
+        })
     }
 
     fn plug(&mut self) -> Result<&mut crate::plug::Plug, String> {
@@ -776,6 +784,7 @@ impl OutputGate for PlugGate {
         if self.buffered.is_none() {
             self.plug()?.buffer().map_err(|e| e.to_string())?;
             self.buffered = Some(epoch);
+            self.open = false;
         }
         Ok(())
     }
