@@ -473,7 +473,9 @@ stream the epoch and wait for the backup's acknowledgement (the VM runs
 meanwhile). The VM's output is held until the epoch it belongs to is
 acknowledged: a hag-vmm VM's console (its --progress lines and PASS/FAIL
 line); a QEMU VM's network packets on --plug's interface and its serial
-console with --console (released to --console-log).
+console with --console (released to --console-log), from the first epoch
+on: during the first synchronisation nothing could be taken over, so
+they flow.
 
 Per epoch, on stderr:
   epoch 12: pause 14.2 ms (quiesce 0.3), 310 pages (cpu 200, gpu 150), 0.31 MiB, acked in 9.8 ms
