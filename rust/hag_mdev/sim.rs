@@ -588,6 +588,12 @@ impl Sim {
         }
     }
 
+    /// The operations the current submission may do before it counts as
+    /// hung: the full budget, less after hangs in a row ([`HangBackoff`]).
+    fn work_allowed(&self) -> u64 {
+        self.backoff.work_limit(engine::SUBMISSION_OPS, engine::SLICE_OPS.into())
+    }
+
     /// Declares the vGPU hung, as the watchdog does.
     pub(crate) fn hang(&mut self, why: &str) {
         let work = self.run.take().map_or(0, |run| run.work);
@@ -598,7 +604,7 @@ impl Sim {
         self.regs.error_addr = u64::from(self.regs.ring_start) + u64::from(self.regs.ring_head);
         self.raise(r::INT_HANG);
         self.backoff.hung();
-        let next = self.backoff.work_limit(engine::SUBMISSION_OPS, engine::SLICE_OPS.into());
+        let next = self.work_allowed();
         let gap = self.backoff.slice_gap_ms();
         let detail = CString::try_from_fmt(fmt!(
             "{why} (after {work} operations; hang {} in a row: the next submission may do {next}, its slices {gap} ms apart)",
@@ -648,7 +654,7 @@ impl Sim {
         }
         // Work, not only the head: a submission that re-runs batches can
         // move its head and still never end.
-        let limit = self.backoff.work_limit(engine::SUBMISSION_OPS, engine::SLICE_OPS.into());
+        let limit = self.work_allowed();
         if self.run.as_ref().is_some_and(|run| run.work >= limit) {
             self.hang("the submission did more work than any submission may");
             return;
