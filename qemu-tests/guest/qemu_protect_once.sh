@@ -214,9 +214,10 @@ if [ "$HAG_HOST" = 1 ]; then
 	# db_client_start: the Debian guest's database client, started once
 	# the guest's hag-guest reports (the guest has booted), not while it
 	# boots: eight workers committing as fast as PostgreSQL answers held
-	# the guest's one vCPU so that hag-guest took 70 s more to start. Eight connections: under protection each commits once
-	# every three epochs (BEGIN, INSERT, COMMIT, each reply held for one),
-	# so one alone would make a handful of commits while protected.
+	# the guest's one vCPU so that hag-guest took 70 s more to start.
+	# Eight connections: under protection each commits once every three
+	# epochs (BEGIN, INSERT, COMMIT, each reply held for one), so one
+	# alone would make a handful of commits while protected.
 	db_client_start() {
 		# chroot itself, not in_root: $! must be the client's own pid.
 		chroot "$HOST_ROOT" python3 /hag/db_client.py commit --workers 8 --host "$VM_ADDR" \

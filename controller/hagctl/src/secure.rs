@@ -934,8 +934,5 @@ mod tests {
             c.w.t.write_message(i as u64, chunk, &mut sealed).unwrap();
         }
         eprintln!("seal of {} bytes: {:?}", raw.len(), t.elapsed());
-        let t = Instant::now();
-        let copy = raw.clone();
-        eprintln!("copy of {} bytes: {:?}", copy.len(), t.elapsed());
     }
 }
