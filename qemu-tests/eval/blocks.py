@@ -27,6 +27,25 @@ def plan(blocks, modes, seed):
     return seq
 
 
+def resume(items, done, protected):
+    """After a run that did not finish (test hosts under TCG are sometimes
+    lost to an emulation fault): (kept, again), the items whose figures
+    stand and the modes to run again on fresh test hosts. `items` is the
+    run's [(id, mode)] in order, `done` the ids that finished. A block's
+    three items must come from one boot, so a protected item runs again
+    with the baseline before it, and a lost second baseline takes its
+    protected item with it; nothing after the first unfinished item
+    stands."""
+    first = next((k for k, (i, _) in enumerate(items) if i not in done), None)
+    if first is None:
+        return list(items), []
+    keep = first
+    if items[first][1] == "none" and first > 0 and items[first - 1][1] in protected:
+        keep = first - 1
+    start = keep - 1 if items[keep][1] in protected and keep > 0 else keep
+    return list(items[:keep]), [m for _, m in items[start:]]
+
+
 def ratios(runs, key, protected):
     """Each item of a mode in `protected` with its two neighbours (by id):
     {"id", "mode", "ratio", "baseline_diff", "paused_frac", "running",
