@@ -46,12 +46,10 @@ use crate::vm_dirs::VmName;
 use crate::vm_shape::{self, VmShape};
 use crate::vmm::qemu_copy::EpochState;
 use crate::vmm::qemu_standby;
-#[cfg(test)]
-use crate::wire::PageData;
 use crate::wire::MAX_PAYLOAD;
 use crate::wire::{
-    check_context, check_hello, read_msg, session_name, DiskInfo, Msg, Round, Sides, VmmKind,
-    ENDED_PHASE, PAGE, VERSION_MAX,
+    check_context, check_hello, read_msg, session_name, DiskInfo, Msg, PageData, PageSink, Round,
+    Sides, VmmKind, ENDED_PHASE, PAGE, VERSION_MAX,
 };
 use crate::witness::{self, WitnessAt};
 
@@ -237,6 +235,8 @@ pub struct StandbyStats {
     pub pages: u64,
     /// Pages staged and applied at an EPOCH_END.
     pub staged_applied: u64,
+    /// Page records that came as deltas against the image's bytes.
+    pub delta_pages: u64,
     /// The last applied epoch's pages, and how many of them changed the
     /// image (the rest were sent but held the same bytes).
     pub last_epoch_pages: u64,
@@ -575,19 +575,14 @@ impl<I: Image> Standby<I> {
                     ..
                 } = self;
                 let ram_size = next.as_ref().or(current.as_ref()).map_or(0, I::ram_size);
+                let mut sink = Incoming {
+                    next,
+                    current,
+                    staged,
+                    stats,
+                };
                 let at = at
-                    .on_pages(round, &pages, ram_size, |index, _, buf| {
-                        // A session's first checkpoint fills its own image;
-                        // later epochs are staged.
-                        match next {
-                            Some(img) => img.write_page(index, buf)?,
-                            None => {
-                                staged.insert(index, Box::new(*buf));
-                            }
-                        }
-                        stats.pages += 1;
-                        Ok(())
-                    })
+                    .on_pages(round, &pages, ram_size, &mut sink)
                     .map_err(StandbyError::Invalid)?;
                 Ok((Phase::Rounds(at), None))
             }
@@ -846,6 +841,42 @@ impl<I: Image> Standby<I> {
             vm_state,
         });
         self.stats.epochs += 1;
+        Ok(())
+    }
+}
+
+/// Where a PAGES message's pages go on the backup: a session's first
+/// checkpoint fills its own image; later epochs are staged. A delta page
+/// applies to the page as the epoch so far leaves it: staged, or else
+/// the image's.
+struct Incoming<'a, I> {
+    next: &'a mut Option<I>,
+    current: &'a Option<I>,
+    staged: &'a mut BTreeMap<u64, Box<[u8; PAGE]>>,
+    stats: &'a mut StandbyStats,
+}
+
+impl<I: Image> PageSink for Incoming<'_, I> {
+    fn current(&mut self, index: u64, out: &mut [u8; PAGE]) -> Result<(), String> {
+        if let Some(page) = self.staged.get(&index) {
+            out.copy_from_slice(&page[..]);
+            return Ok(());
+        }
+        match self.next.as_ref().or(self.current.as_ref()) {
+            Some(img) => img.read_page(index, out),
+            None => Err(format!("page {index} came as a delta before any image")),
+        }
+    }
+
+    fn write(&mut self, index: u64, data: &PageData, bytes: &[u8; PAGE]) -> Result<(), String> {
+        match self.next {
+            Some(img) => img.write_page(index, bytes)?,
+            None => {
+                self.staged.insert(index, Box::new(*bytes));
+            }
+        }
+        self.stats.pages += 1;
+        self.stats.delta_pages += u64::from(data.is_delta());
         Ok(())
     }
 }
@@ -3237,6 +3268,43 @@ mod tests {
         );
         assert_eq!(img(&s).pages[3][0], 9);
         assert_eq!(s.stats.epochs, 2);
+    }
+
+    /// Issue 24: an epoch's page may come as a delta against the bytes
+    /// the committed image holds for it (or, sent twice in one epoch,
+    /// against its staged bytes); the image changes only at EPOCH_END.
+    #[test]
+    fn a_delta_page_applies_to_the_committed_page_at_its_epochs_end() {
+        let mut s = standby(0);
+        let mut msgs = vec![hello(), pages(0, &[(1, 1), (2, 2)])];
+        msgs.push(Msg::RoundEnd { round: 0, pages: 2 });
+        msgs.extend(epoch(1, &[(3, 3)], 1, 0));
+        feed(&mut s, msgs).unwrap();
+        let (mut one, mut two) = ([1u8; PAGE], [2u8; PAGE]);
+        one[9] = 0x99;
+        two[5] = 0x55;
+        let delta = |page: &[u8], base: &[u8]| PageData::encode_against(page, true, Some(base));
+        let mut two_again = two;
+        two_again[6] = 0x66;
+        let mut e2 = epoch(2, &[], 2, 0);
+        e2[0] = Msg::Pages {
+            round: 2,
+            pages: vec![
+                (1, delta(&one, &[1; PAGE])),
+                (2, delta(&two, &[2; PAGE])),
+                (3, PageData::Same),
+                (2, delta(&two_again, &two)),
+            ],
+        };
+        e2[1] = Msg::RoundEnd { round: 2, pages: 4 };
+        let end = e2.pop().unwrap();
+        feed(&mut s, e2).unwrap();
+        assert_eq!(img(&s).pages[1], [1; PAGE], "staged, not applied");
+        feed(&mut s, vec![end]).unwrap();
+        assert_eq!(img(&s).pages[1], one);
+        assert_eq!(img(&s).pages[2], two_again);
+        assert_eq!(img(&s).pages[3], [3; PAGE]);
+        assert_eq!(s.stats.delta_pages, 4);
     }
 
     #[test]

@@ -52,6 +52,7 @@ use crate::migrate::{
     connect, gtt_guest_pages, open_running, secure_connect, tune, GpuDirty, MigrateError,
     MigrateOptions, MigrationReport, Source,
 };
+use crate::page_cache::PageCache;
 use crate::pagehash::PageHashes;
 use crate::primary::{Action, Event, Policy, State};
 use crate::schedule::Schedule;
@@ -67,8 +68,8 @@ use crate::vmm::qemu_copy::{PlugGate, QemuVm};
 use crate::vmm::qemu_disks::DeltaStats;
 use crate::vmm::{Vmm, VmmError};
 use crate::wire::{
-    self, read_msg, session_name, write_msg, Msg, VmmKind, DISKS_SINCE, ENDED_PHASE, PAGE,
-    PAGES_PER_FRAME, RAM_SUMS_SINCE, STATE_DELTA_SINCE,
+    self, read_msg, session_name, write_msg, Msg, PageScratch, VmmKind, DISKS_SINCE, ENDED_PHASE,
+    PAGE, PAGES_PER_FRAME, PAGE_DELTA_SINCE, RAM_SUMS_SINCE, STATE_DELTA_SINCE,
 };
 use crate::witness::{Asked, Asker, Request, Side, Verdict};
 
@@ -99,6 +100,9 @@ pub struct CheckpointOptions {
     pub gpu_dirty: GpuDirty,
     /// LZ4-compress pages.
     pub compress: bool,
+    /// Bytes of the pages the backup holds, kept to send epochs' pages as
+    /// deltas against (0: every page whole).
+    pub page_cache: u64,
     /// How long to try reaching the backup at start.
     pub connect_timeout: Duration,
     /// Where the status file goes.
@@ -179,6 +183,9 @@ pub struct EpochReport {
     pub resume_ms: f64,
     /// Pages sent.
     pub pages: u64,
+    /// Of them, sent as deltas against the backup's copy (the page
+    /// cache's).
+    pub delta_pages: u64,
     /// Dirtied by the CPU.
     pub cpu_dirty: u64,
     /// Dirtied by the GPU.
@@ -257,6 +264,10 @@ impl EpochReport {
         } else {
             String::new()
         };
+        let deltas = match r.delta_pages {
+            0 => String::new(),
+            n => format!("; {n} as deltas"),
+        };
         let sent = if r.ablation == Some(Ablation::PauseOnly) {
             "not sent (ablation: pause only)".to_owned()
         } else {
@@ -269,7 +280,7 @@ impl EpochReport {
             )
         };
         format!(
-            "epoch {}: pause {:.1} ms (quiesce {:.1}), {} pages (cpu {}, gpu {}){disk}, {sent}, period {:.0} ms{late}{}",
+            "epoch {}: pause {:.1} ms (quiesce {:.1}), {} pages (cpu {}, gpu {}{deltas}){disk}, {sent}, period {:.0} ms{late}{}",
             r.epoch,
             r.pause_ms,
             r.quiesce_ms,
@@ -1125,7 +1136,10 @@ struct Primary {
     /// The PAGES frame being sent and its pages' compression scratch,
     /// reused from frame to frame and epoch to epoch.
     frame: Vec<u8>,
-    scratch: Vec<u8>,
+    scratch: PageScratch,
+    /// The pages the backup's committed image holds, as last sent: what
+    /// epochs' pages go as deltas against (see `page_cache`).
+    page_cache: PageCache,
     /// The witness, if there is one.
     witness: Option<Asker>,
     /// What the witness decided about this VM instance was read (before
@@ -1170,6 +1184,9 @@ impl Primary {
     /// joins its control connection to the session and runs the first
     /// checkpoint: pre-copy rounds, then an epoch.
     fn sync(&mut self) -> Result<(), EpochError> {
+        // A new session: whatever the backup holds now, it is not known
+        // to be what the cache says.
+        self.page_cache.clear();
         // The first data connection was made at start.
         if !std::mem::take(&mut self.first) {
             self.src.stream =
@@ -1577,25 +1594,44 @@ impl Primary {
     /// Streams a captured epoch and waits for its acknowledgement;
     /// returns the backup's generation in it.
     fn send(&mut self, cap: &mut Captured) -> Result<u64, EpochError> {
+        let sent = self.send_epoch(cap);
+        match sent {
+            Ok(_) => {
+                // The backup committed these bytes before its ack.
+                for (&page, bytes) in cap.pages.iter().zip(cap.raw.chunks_exact(PAGE)) {
+                    self.page_cache.put(page, bytes);
+                }
+            }
+            // It may have committed the epoch with its ack lost, or not:
+            // its image is no longer known page by page.
+            Err(_) => self.page_cache.clear(),
+        }
+        sent
+    }
+
+    fn send_epoch(&mut self, cap: &mut Captured) -> Result<u64, EpochError> {
         let round = self.round;
         let epoch = self.link.lock().policy.next_epoch();
         let mut bytes = 0u64;
         let sealed0 = self.src.stream.w.seal_time();
         let mut encode = Duration::ZERO;
+        let cache = Some(&self.page_cache).filter(|_| self.src.peer.version >= PAGE_DELTA_SINCE);
         for (chunk_pages, chunk_raw) in cap
             .pages
             .chunks(PAGES_PER_FRAME)
             .zip(cap.raw.chunks(PAGES_PER_FRAME * PAGE))
         {
             let t = Instant::now();
-            wire::encode_pages_frame(
+            let encoded = wire::encode_pages_frame(
                 round,
                 chunk_pages,
                 chunk_raw,
                 self.opts.compress,
+                cache,
                 &mut self.frame,
                 &mut self.scratch,
             );
+            cap.report.delta_pages += encoded.delta;
             encode += t.elapsed();
             bytes += self.src.send_raw(&self.frame, "epoch")?;
         }
@@ -2408,6 +2444,7 @@ pub fn checkpoint(
             earlier.as_ref().map_or("", |e| e.state.as_str())
         );
     }
+    let ram_size = src.ram.size();
     let mut p = Primary {
         src,
         link,
@@ -2451,7 +2488,9 @@ pub fn checkpoint(
         late: None,
         acked_state: None,
         frame: Vec::new(),
-        scratch: Vec::new(),
+        scratch: PageScratch::default(),
+        // No bigger than the guest's RAM: more could never fill.
+        page_cache: PageCache::new(opts.page_cache.min(ram_size)),
         witness,
         witness_read: false,
         granted: false,
@@ -2560,6 +2599,7 @@ mod tests {
             epoch: 7,
             pause_ms: 150.04,
             pages: 2300,
+            delta_pages: 2100,
             cpu_dirty: 2300,
             gpu_dirty: 386,
             bytes: 7 << 20,
@@ -2571,9 +2611,10 @@ mod tests {
         };
         assert_eq!(
             r.line(false),
-            "epoch 7: pause 150.0 ms (quiesce 0.0), 2300 pages (cpu 2300, gpu 386), 7.00 MiB (VM state 480 B as a patch), acked in 1400.0 ms, period 2001 ms"
+            "epoch 7: pause 150.0 ms (quiesce 0.0), 2300 pages (cpu 2300, gpu 386; 2100 as deltas), 7.00 MiB (VM state 480 B as a patch), acked in 1400.0 ms, period 2001 ms"
         );
         r.ablation = Some(Ablation::PauseOnly);
+        r.delta_pages = 0;
         r.late_ms = 30.0;
         assert_eq!(
             r.line(true),

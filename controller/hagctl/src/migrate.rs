@@ -669,7 +669,7 @@ impl Source {
         let started = Instant::now();
         let mut batch = Vec::with_capacity(PAGES_PER_FRAME);
         let mut raw = vec![0u8; PAGES_PER_FRAME * PAGE];
-        let (mut frame, mut scratch) = (Vec::new(), Vec::new());
+        let (mut frame, mut scratch) = (Vec::new(), wire::PageScratch::default());
         let mut count = 0u64;
         let mut pages = pages.into_iter().peekable();
         while pages.peek().is_some() {
@@ -683,15 +683,16 @@ impl Source {
                 batch.push(p);
             }
             count += batch.len() as u64;
-            let zero = wire::encode_pages_frame(
+            let encoded = wire::encode_pages_frame(
                 round,
                 &batch,
                 &raw[..batch.len() * PAGE],
                 self.opts.compress,
+                None,
                 &mut frame,
                 &mut scratch,
             );
-            report.zero_pages += zero;
+            report.zero_pages += encoded.zero;
             if round == 0
                 && pages.peek().is_none()
                 && self.opts.inject_fault == Some(Fault::CorruptPage)

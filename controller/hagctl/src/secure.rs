@@ -906,12 +906,12 @@ mod tests {
             }
         }
         let pages: Vec<u64> = (0..n as u64).collect();
-        let (mut out, mut scratch) = (Vec::new(), Vec::new());
+        let (mut out, mut scratch) = (Vec::new(), crate::wire::PageScratch::default());
         for compress in [true, false] {
             let t = Instant::now();
             let mut bytes = 0;
             for (p, r) in pages.chunks(256).zip(raw.chunks(256 * crate::wire::PAGE)) {
-                crate::wire::encode_pages_frame(1, p, r, compress, &mut out, &mut scratch);
+                crate::wire::encode_pages_frame(1, p, r, compress, None, &mut out, &mut scratch);
                 bytes += out.len();
             }
             eprintln!(

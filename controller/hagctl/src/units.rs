@@ -42,7 +42,12 @@ fn duration(text: &str, bare_unit_secs: f64, bare_unit: &str) -> Result<Duration
 
 /// A size in bytes (at least 1).
 pub fn size(text: &str) -> Result<u64, String> {
-    scaled(text, 1.0, "a size (e.g. 16G, 512M, 16GiB, 4096)")
+    scaled(text, 1.0, "a size (e.g. 16G, 512M, 16GiB, 4096)", 1.0)
+}
+
+/// A size in bytes where 0 means none (e.g. a cache turned off).
+pub fn size_or_zero(text: &str) -> Result<u64, String> {
+    scaled(text, 1.0, "a size (e.g. 64M, 64MiB, 0)", 0.0)
 }
 
 /// A rate in bytes per second (at least 1).
@@ -53,13 +58,16 @@ pub fn rate(text: &str) -> Result<u64, String> {
         t,
         MIB,
         "a rate (e.g. 100, 512K, 1.5G/s; a bare number is MiB/s)",
+        1.0,
     )
     .map_err(|e| e.replacen(&format!("'{t}'"), &format!("'{text}'"), 1))
 }
 
 const MIB: f64 = 1024.0 * 1024.0;
 
-fn scaled(text: &str, bare: f64, what: &str) -> Result<u64, String> {
+/// `text` in bytes, at least `least`: a number, then a unit (none:
+/// `bare` bytes each).
+fn scaled(text: &str, bare: f64, what: &str, least: f64) -> Result<u64, String> {
     let t = text.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -80,7 +88,7 @@ fn scaled(text: &str, bare: f64, what: &str) -> Result<u64, String> {
         .parse()
         .map_err(|_| format!("'{text}' is not {what}"))?;
     let bytes = n * scale;
-    if !(1.0..1.8e19).contains(&bytes) {
+    if !(least..1.8e19).contains(&bytes) {
         return Err(format!("'{text}' is not {what}: out of range"));
     }
     Ok(bytes as u64)
@@ -145,6 +153,17 @@ mod tests {
         }
         for bad in ["16Q", "G", "0", "16 parsecs", "1e3G", "99999999E"] {
             let e = size(bad).unwrap_err();
+            assert!(e.contains(&format!("'{bad}'")), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_size_that_may_be_zero_takes_the_same_units() {
+        for (text, bytes) in [("0", 0), ("0MiB", 0), ("0.0 G", 0), ("64MiB", 64 << 20)] {
+            assert_eq!(size_or_zero(text), Ok(bytes), "{text}");
+        }
+        for bad in ["0Q", "-1", "none"] {
+            let e = size_or_zero(bad).unwrap_err();
             assert!(e.contains(&format!("'{bad}'")), "{bad}: {e}");
         }
     }

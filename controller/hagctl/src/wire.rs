@@ -79,8 +79,12 @@
 //! count u32`, then `count` records of
 //! `page index u64 | kind u8 | length u32 | bytes`: kind 0 a zero page
 //! (length 0), 1 raw (length 4096), 2 LZ4 block (length < 4096,
-//! decompressing to exactly 4096 bytes).
+//! decompressing to exactly 4096 bytes); from version 7, in an epoch,
+//! deltas against the bytes the backup's committed image holds for the
+//! page: 3 the same bytes (length 0), 4 an LZ4 block (length < 4096) of
+//! the page XOR them ([`crate::page_cache`]).
 
+use crate::page_cache::PageCache;
 use crate::term::{Instance, Term};
 use crate::vm_dirs::VmName;
 use crate::vm_shape::{VmShape, MAX_ENCODED as MAX_SHAPE};
@@ -124,7 +128,7 @@ pub const MAGIC: [u8; 8] = *b"HAGMIG\r\n";
 /// Oldest stream version this build speaks.
 pub const VERSION_MIN: u16 = 3;
 /// Newest stream version this build speaks.
-pub const VERSION_MAX: u16 = 6;
+pub const VERSION_MAX: u16 = 7;
 
 /// The first stream version with VM_STATE_DELTA.
 pub const STATE_DELTA_SINCE: u16 = 4;
@@ -134,6 +138,8 @@ pub const DISKS_SINCE: u16 = 5;
 /// The first stream version with RAM_SUMS: a backup says what guest RAM
 /// it already holds, so that a new session sends only pages that differ.
 pub const RAM_SUMS_SINCE: u16 = 6;
+/// The first stream version with delta pages (kinds 3 and 4) in epochs.
+pub const PAGE_DELTA_SINCE: u16 = 7;
 /// The most writable disks a VM may have under protection.
 pub const MAX_DISKS: usize = 16;
 /// The most data bytes one DISK_DATA carries.
@@ -331,20 +337,66 @@ pub enum PageData {
     Raw(Vec<u8>),
     /// An LZ4 block of 4096 bytes.
     Lz4(Vec<u8>),
+    /// The bytes the receiver already holds for the page (it was dirtied,
+    /// not changed).
+    Same,
+    /// An LZ4 block of the page XOR the bytes the receiver holds for it
+    /// (the sender's [`crate::page_cache::PageCache`]).
+    Xor(Vec<u8>),
 }
 
-/// How a page goes on the wire: its kind byte and, for LZ4, the block's
-/// length in the scratch buffer it was compressed into.
-fn page_kind(page: &[u8], compress: bool, scratch: &mut Vec<u8>) -> (u8, usize) {
+/// Buffers a page's encoding reuses from page to page.
+#[derive(Default)]
+pub struct PageScratch {
+    /// The page's LZ4 block (or its delta's).
+    lz4: Vec<u8>,
+    /// The page XOR the receiver's copy.
+    xor: Vec<u8>,
+}
+
+/// A delta whose LZ4 block is at most this long is taken without also
+/// trying the page on its own (one compression instead of two).
+const SMALL_DELTA: usize = PAGE / 8;
+
+/// How a page goes on the wire: its kind byte and, for the LZ4 kinds,
+/// the block's length in `s.lz4`. `base`: the bytes the receiver holds
+/// for the page, if the sender knows them.
+fn page_kind(page: &[u8], compress: bool, base: Option<&[u8]>, s: &mut PageScratch) -> (u8, usize) {
     if !compress {
         return (1, page.len());
     }
     if page.iter().all(|&b| b == 0) {
         return (0, 0);
     }
-    scratch.resize(lz4_flex::block::get_maximum_output_size(page.len()), 0);
-    match lz4_flex::block::compress_into(page, scratch) {
-        Ok(n) if n < page.len() => (2, n),
+    s.lz4
+        .resize(lz4_flex::block::get_maximum_output_size(page.len()), 0);
+    let mut delta = None;
+    if let Some(base) = base {
+        if base == page {
+            return (3, 0);
+        }
+        s.xor.clear();
+        s.xor.extend(page.iter().zip(base).map(|(a, b)| a ^ b));
+        match lz4_flex::block::compress_into(&s.xor, &mut s.lz4) {
+            Ok(n) if n <= SMALL_DELTA => return (4, n),
+            Ok(n) if n < page.len() => delta = Some(n),
+            _ => {}
+        }
+    }
+    // The page on its own, into the block's space after the delta's.
+    let at = delta.unwrap_or(0);
+    let need = at + lz4_flex::block::get_maximum_output_size(page.len());
+    s.lz4.resize(need, 0);
+    match (
+        lz4_flex::block::compress_into(page, &mut s.lz4[at..]),
+        delta,
+    ) {
+        (Ok(n), Some(d)) if n < d => {
+            s.lz4.copy_within(at..at + n, 0);
+            (2, n)
+        }
+        (_, Some(d)) => (4, d),
+        (Ok(n), None) if n < page.len() => (2, n),
         _ => (1, page.len()),
     }
 }
@@ -360,27 +412,49 @@ impl PageData {
     /// pages too (the baseline without compression).
     #[cfg(test)]
     pub fn encode_with(page: &[u8], compress: bool) -> PageData {
-        let mut scratch = Vec::new();
-        match page_kind(page, compress, &mut scratch) {
+        PageData::encode_against(page, compress, None)
+    }
+
+    /// [`Self::encode_with`], as a delta against `base` (the receiver's
+    /// bytes for the page) where that is smaller.
+    #[cfg(test)]
+    pub fn encode_against(page: &[u8], compress: bool, base: Option<&[u8]>) -> PageData {
+        let mut s = PageScratch::default();
+        match page_kind(page, compress, base, &mut s) {
             (0, _) => PageData::Zero,
-            (2, n) => {
-                scratch.truncate(n);
-                PageData::Lz4(scratch)
-            }
+            (3, _) => PageData::Same,
+            (2, n) => PageData::Lz4(s.lz4[..n].to_vec()),
+            (4, n) => PageData::Xor(s.lz4[..n].to_vec()),
             _ => PageData::Raw(page.to_vec()),
         }
     }
 
-    /// The page's 4096 bytes.
+    /// Whether the record is a delta: its decoding starts from the bytes
+    /// the receiver holds for the page.
+    pub fn is_delta(&self) -> bool {
+        matches!(self, PageData::Same | PageData::Xor(_))
+    }
+
+    /// The page's 4096 bytes, into `out`; a delta ([`Self::is_delta`])
+    /// applies to the receiver's bytes for the page, which `out` holds.
     pub fn decode(&self, out: &mut [u8; PAGE]) -> Result<(), String> {
+        fn lz4(b: &[u8], out: &mut [u8; PAGE]) -> Result<(), String> {
+            match lz4_flex::block::decompress_into(b, out) {
+                Ok(PAGE) => Ok(()),
+                Ok(n) => Err(format!("LZ4 page decompresses to {n} bytes, not {PAGE}")),
+                Err(e) => Err(format!("LZ4 page does not decompress: {e}")),
+            }
+        }
         match self {
             PageData::Zero => out.fill(0),
             PageData::Raw(b) => out.copy_from_slice(b),
-            PageData::Lz4(b) => match lz4_flex::block::decompress_into(b, out) {
-                Ok(PAGE) => {}
-                Ok(n) => return Err(format!("LZ4 page decompresses to {n} bytes, not {PAGE}")),
-                Err(e) => return Err(format!("LZ4 page does not decompress: {e}")),
-            },
+            PageData::Lz4(b) => lz4(b, out)?,
+            PageData::Same => {}
+            PageData::Xor(b) => {
+                let mut xor = [0u8; PAGE];
+                lz4(b, &mut xor).map_err(|e| format!("delta: {e}"))?;
+                out.iter_mut().zip(xor).for_each(|(o, x)| *o ^= x);
+            }
         }
         Ok(())
     }
@@ -805,6 +879,8 @@ impl Msg {
                         PageData::Zero => (0, &[]),
                         PageData::Raw(b) => (1, b),
                         PageData::Lz4(b) => (2, b),
+                        PageData::Same => (3, &[]),
+                        PageData::Xor(b) => (4, b),
                     };
                     p.push(kind);
                     p.extend_from_slice(&(body.len() as u32).to_le_bytes());
@@ -991,7 +1067,9 @@ impl Msg {
                         (0, 0) => PageData::Zero,
                         (1, PAGE) => PageData::Raw(c.take(len, "raw page")?.to_vec()),
                         (2, 1..PAGE) => PageData::Lz4(c.take(len, "LZ4 page")?.to_vec()),
-                        (0..=2, _) => return Err(bad(format!("kind {kind} with length {len}"))),
+                        (3, 0) => PageData::Same,
+                        (4, 1..PAGE) => PageData::Xor(c.take(len, "page delta")?.to_vec()),
+                        (0..=4, _) => return Err(bad(format!("kind {kind} with length {len}"))),
                         _ => return Err(bad(format!("unknown kind {kind}"))),
                     };
                     pages.push((index, data));
@@ -1142,32 +1220,37 @@ pub fn encode_frame(msg: &Msg) -> Vec<u8> {
 /// page after another, encoded as [`PageData::encode_with`] would into
 /// `out` (cleared first): the same bytes as
 /// `encode_frame(&Msg::Pages { .. })`, without a buffer per page, so that
-/// an epoch's sender reuses one buffer for all its frames. Returns how
-/// many pages went as zero pages.
+/// an epoch's sender reuses one buffer for all its frames. A page in
+/// `cache` (the bytes the receiver holds for it) goes as a delta against
+/// them where that is smaller. Returns how many pages went as zero pages
+/// and how many as deltas.
 pub fn encode_pages_frame(
     round: u32,
     pages: &[u64],
     raw: &[u8],
     compress: bool,
+    cache: Option<&PageCache>,
     out: &mut Vec<u8>,
-    scratch: &mut Vec<u8>,
-) -> u64 {
+    scratch: &mut PageScratch,
+) -> PagesEncoded {
     debug_assert_eq!(raw.len(), pages.len() * PAGE);
     out.clear();
     out.extend_from_slice(&(MsgType::Pages as u32).to_le_bytes());
     out.extend_from_slice(&[0; 8]); // length and crc32, once known
     out.extend_from_slice(&round.to_le_bytes());
     out.extend_from_slice(&(pages.len() as u32).to_le_bytes());
-    let mut zero = 0;
+    let mut counts = PagesEncoded::default();
     for (&index, page) in pages.iter().zip(raw.chunks_exact(PAGE)) {
         out.extend_from_slice(&index.to_le_bytes());
-        let (kind, len) = page_kind(page, compress, scratch);
-        zero += u64::from(kind == 0);
+        let base = cache.and_then(|c| c.get(index));
+        let (kind, len) = page_kind(page, compress, base, scratch);
+        counts.zero += u64::from(kind == 0);
+        counts.delta += u64::from(kind == 3 || kind == 4);
         out.push(kind);
         out.extend_from_slice(&(len as u32).to_le_bytes());
         match kind {
-            0 => {}
-            2 => out.extend_from_slice(&scratch[..len]),
+            0 | 3 => {}
+            2 | 4 => out.extend_from_slice(&scratch.lz4[..len]),
             _ => out.extend_from_slice(page),
         }
     }
@@ -1175,7 +1258,16 @@ pub fn encode_pages_frame(
     out[4..8].copy_from_slice(&len.to_le_bytes());
     let crc = frame_crc(&out[..HEADER_BYTES], &out[HEADER_BYTES..]);
     out[8..12].copy_from_slice(&crc.to_le_bytes());
-    zero
+    counts
+}
+
+/// How a PAGES frame's pages went.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PagesEncoded {
+    /// As zero pages.
+    pub zero: u64,
+    /// As deltas against the receiver's bytes.
+    pub delta: u64,
 }
 
 /// Writes `msg` as one frame; returns the bytes written.
@@ -1312,6 +1404,15 @@ pub fn check_hello(
     Ok(hi)
 }
 
+/// Where a round's pages go on the receiving side.
+pub trait PageSink {
+    /// Puts the bytes held for page `index` (what a delta applies to)
+    /// into `out`.
+    fn current(&mut self, index: u64, out: &mut [u8; PAGE]) -> Result<(), String>;
+    /// Takes page `index`, decoded from `data`.
+    fn write(&mut self, index: u64, data: &PageData, bytes: &[u8; PAGE]) -> Result<(), String>;
+}
+
 /// The round of pages in progress on the receiving side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Round {
@@ -1325,15 +1426,15 @@ impl Round {
     /// Round 0, nothing received yet.
     pub const FIRST: Round = Round { round: 0, pages: 0 };
 
-    /// Checks a PAGES message of round `r` and hands each page, decoded, to
-    /// `write` (its index, its record, its bytes); returns the round with
-    /// them counted.
+    /// Checks a PAGES message of round `r` and hands each page, decoded
+    /// (a delta against what `sink` holds for it), to `sink`; returns the
+    /// round with them counted.
     pub fn on_pages(
         self,
         r: u32,
         list: &[(u64, PageData)],
         ram_size: u64,
-        mut write: impl FnMut(u64, &PageData, &[u8; PAGE]) -> Result<(), String>,
+        sink: &mut impl PageSink,
     ) -> Result<Round, String> {
         let round = self.round;
         if r != round {
@@ -1345,9 +1446,12 @@ impl Round {
             if *index >= limit {
                 return Err(format!("page {index} is outside guest RAM ({limit} pages)"));
             }
+            if data.is_delta() {
+                sink.current(*index, &mut buf)?;
+            }
             data.decode(&mut buf)
                 .map_err(|e| format!("page {index}: {e}"))?;
-            write(*index, data, &buf)?;
+            sink.write(*index, data, &buf)?;
         }
         Ok(Round {
             round,
@@ -1421,6 +1525,28 @@ pub struct Received {
     pub vm_state_bytes: u64,
 }
 
+/// A migration's pages, into its target. A migration sends each page
+/// whole: its target holds no copy the source knows of.
+struct Migrated<'a, T> {
+    target: &'a mut T,
+    stats: &'a mut Received,
+}
+
+impl<T: Target> PageSink for Migrated<'_, T> {
+    fn current(&mut self, index: u64, _: &mut [u8; PAGE]) -> Result<(), String> {
+        Err(format!(
+            "page {index} came as a delta, which a migration never sends"
+        ))
+    }
+
+    fn write(&mut self, index: u64, data: &PageData, bytes: &[u8; PAGE]) -> Result<(), String> {
+        self.target.write_page(index, bytes)?;
+        self.stats.pages += 1;
+        self.stats.zero_pages += u64::from(*data == PageData::Zero);
+        Ok(())
+    }
+}
+
 /// The receiver's state; each message consumes it and yields the next.
 #[derive(Debug)]
 pub enum Receiver {
@@ -1489,14 +1615,7 @@ impl Receiver {
             (Receiver::Rounds(at), Msg::Pages { round, pages }) => {
                 let ram_size = target.ram_size();
                 let at = at
-                    .on_pages(round, &pages, ram_size, |index, data, buf| {
-                        target.write_page(index, buf)?;
-                        stats.pages += 1;
-                        if *data == PageData::Zero {
-                            stats.zero_pages += 1;
-                        }
-                        Ok(())
-                    })
+                    .on_pages(round, &pages, ram_size, &mut Migrated { target, stats })
                     .map_err(ReceiveError::Invalid)?;
                 Ok((Receiver::Rounds(at), None))
             }
@@ -1643,21 +1762,117 @@ pub(crate) mod tests {
         }
         raw[3 * PAGE] = 1;
         let pages = [9, 3, 70_000, 1 << 40];
-        for compress in [true, false] {
+        // The receiver's copies: page 3's one byte off, page 70 000's the
+        // same (1 << 40 shares its slot, and is not there).
+        let mut cache = PageCache::new(8 * PAGE as u64);
+        let mut near = raw[PAGE..2 * PAGE].to_vec();
+        near[100] = 8;
+        cache.put(3, &near);
+        cache.put(70_000, &raw[2 * PAGE..3 * PAGE]);
+        for (compress, cache) in [
+            (true, None),
+            (false, None),
+            (true, Some(&cache)),
+            (false, Some(&cache)),
+        ] {
             let msg = Msg::Pages {
                 round: 5,
                 pages: pages
                     .iter()
                     .zip(raw.chunks(PAGE))
-                    .map(|(&p, b)| (p, PageData::encode_with(b, compress)))
+                    .map(|(&p, b)| {
+                        (
+                            p,
+                            PageData::encode_against(b, compress, cache.and_then(|c| c.get(p))),
+                        )
+                    })
                     .collect(),
             };
-            let (mut out, mut scratch) = (vec![1, 2, 3], Vec::new());
-            let zero = encode_pages_frame(5, &pages, &raw, compress, &mut out, &mut scratch);
-            assert_eq!(out, encode_frame(&msg), "compress {compress}");
-            assert_eq!(zero, u64::from(compress), "compress {compress}");
+            let what = format!("compress {compress}, cache {}", cache.is_some());
+            let (mut out, mut scratch) = (vec![1, 2, 3], PageScratch::default());
+            let n = encode_pages_frame(5, &pages, &raw, compress, cache, &mut out, &mut scratch);
+            assert_eq!(out, encode_frame(&msg), "{what}");
+            assert_eq!(n.zero, u64::from(compress), "{what}");
+            assert_eq!(
+                n.delta,
+                if compress && cache.is_some() { 2 } else { 0 },
+                "{what}"
+            );
             assert_eq!(read_msg(&mut &out[..]).unwrap().0, msg);
         }
+    }
+
+    /// A sink over plain pages, for the receiving side's tests.
+    struct Pages(std::collections::BTreeMap<u64, [u8; PAGE]>);
+
+    impl PageSink for Pages {
+        fn current(&mut self, index: u64, out: &mut [u8; PAGE]) -> Result<(), String> {
+            *out = *self.0.get(&index).ok_or(format!("no page {index}"))?;
+            Ok(())
+        }
+
+        fn write(&mut self, index: u64, _: &PageData, bytes: &[u8; PAGE]) -> Result<(), String> {
+            self.0.insert(index, *bytes);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_delta_rebuilds_the_page_from_the_receivers_copy() {
+        let mut old = vec![0u8; PAGE];
+        let mut x = 7u32;
+        for b in old.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            *b = x as u8;
+        }
+        let mut new = old.clone();
+        new[17..40].fill(0xee);
+        let delta = PageData::encode_against(&new, true, Some(&old));
+        assert!(
+            matches!(delta, PageData::Xor(ref b) if b.len() < 64),
+            "{delta:?}"
+        );
+        assert_eq!(
+            PageData::encode_against(&old, true, Some(&old)),
+            PageData::Same
+        );
+        // Nothing like the old page: the page on its own is smaller.
+        assert!(matches!(
+            PageData::encode_against(&page(3), true, Some(&old)),
+            PageData::Lz4(_)
+        ));
+        // A zero page is a zero page, whatever the receiver holds.
+        assert_eq!(
+            PageData::encode_against(&[0; PAGE], true, Some(&old)),
+            PageData::Zero
+        );
+        let mut sink = Pages(std::collections::BTreeMap::from([
+            (4, old.clone().try_into().unwrap()),
+            (5, [1; PAGE]),
+        ]));
+        let list = vec![(4, delta.clone()), (5, PageData::Same)];
+        let at = Round::FIRST
+            .on_pages(0, &list, 64 * PAGE as u64, &mut sink)
+            .unwrap();
+        assert_eq!(at.pages, 2);
+        assert_eq!(&sink.0[&4][..], &new[..]);
+        assert_eq!(sink.0[&5], [1; PAGE]);
+        // A delta for a page the sink holds nothing for, or whose block
+        // decompresses short, is refused naming the page.
+        let e = Round::FIRST
+            .on_pages(0, &[(6, delta)], 64 * PAGE as u64, &mut sink)
+            .unwrap_err();
+        assert!(e.contains("no page 6"), "{e}");
+        let short = PageData::Xor(lz4_flex::block::compress(&[1u8; 100]));
+        let e = Round::FIRST
+            .on_pages(0, &[(5, short)], 64 * PAGE as u64, &mut sink)
+            .unwrap_err();
+        assert!(
+            e.contains("page 5: delta: LZ4 page decompresses to 100 bytes"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -1779,7 +1994,16 @@ pub(crate) mod tests {
         p.extend_from_slice(&u32::MAX.to_le_bytes());
         assert!(read_msg(&mut &frame(MsgType::Pages, &p)[..]).is_err());
         // A raw page of the wrong length, an unknown kind.
-        for (kind, len) in [(1u8, 100u32), (2, 0), (2, 4096), (0, 1), (7, 0)] {
+        for (kind, len) in [
+            (1u8, 100u32),
+            (2, 0),
+            (2, 4096),
+            (0, 1),
+            (3, 1),
+            (4, 0),
+            (4, 4096),
+            (7, 0),
+        ] {
             let mut p = 0u32.to_le_bytes().to_vec();
             p.extend_from_slice(&1u32.to_le_bytes());
             p.extend_from_slice(&0u64.to_le_bytes());
@@ -2046,8 +2270,8 @@ pub(crate) mod tests {
         };
         let err = run(vec![hello(32 * PAGE as u64, 3, 3)], &mut ram()).unwrap_err();
         assert!(matches!(err, ReceiveError::Handshake(_)), "{err}");
-        let err = run(vec![hello(16 * PAGE as u64, 7, 9)], &mut ram()).unwrap_err();
-        assert!(err.to_string().contains("versions 7..=9"), "{err}");
+        let err = run(vec![hello(16 * PAGE as u64, 8, 9)], &mut ram()).unwrap_err();
+        assert!(err.to_string().contains("versions 8..=9"), "{err}");
         // A page outside RAM; a round count that does not match.
         let out = Msg::Pages {
             round: 0,
