@@ -7,6 +7,7 @@ in one of its three windows (eval/placement.py).
 """
 
 import random
+import re
 import statistics
 
 import placement
@@ -44,6 +45,52 @@ def resume(items, done, protected):
         keep = first - 1
     start = keep - 1 if items[keep][1] in protected and keep > 0 else keep
     return list(items[:keep]), [m for _, m in items[start:]]
+
+
+def finished(log0, log1, items, tag):
+    """The ids of `items` both test hosts finished (their TAGDONE lines;
+    a host-loss item: host 1's alone, host 0 being gone by design)."""
+    done0, done1 = (set(map(int, re.findall(rf"^{tag}DONE (\d+)", log, re.M))) for log in (log0, log1))
+    return {i for i, m in items if i in done1 and (m == "loss" or i in done0)}
+
+
+def in_boots(items, protected, retries, boot, tag, say):
+    """Runs `items` on one boot of fresh test hosts, and on up to `retries`
+    more if one does not finish them (resume: the rest of the plan from
+    the lost item's block, numbered on from the last id). `boot(items)`
+    runs a boot and returns (harness Result, anything of its own).
+    Returns [(result, its own, the items whose figures it stands for)]
+    and a record of the boots for the results; `say` tells the user."""
+    out, record, todo = [], [], items
+    while todo:
+        result, own = boot(todo)
+        log0, log1 = (h.text() for h in result.hosts)
+        kept, again = resume(todo, finished(log0, log1, todo, tag), protected)
+        # The last boot allowed reports its unfinished items as such.
+        last = not again or len(record) >= retries
+        out.append((result, own, todo if last else kept))
+        kept_ids = {i for i, _ in kept}
+        record.append({"items": todo, "reasons": result.reasons, "lost": [i for i, _ in todo if i not in kept_ids]})
+        if last:
+            break
+        # Kept for reading: the next boot's logs take these names.
+        for h in result.hosts:
+            h.log.replace(h.log.with_suffix(f".boot{len(record)}.log"))
+        first = max(i for i, _ in todo) + 1
+        todo = [(first + k, m) for k, m in enumerate(again)]
+        say(f"items {record[-1]['lost']} lost ({'; '.join(result.reasons) or 'unfinished'}): "
+            f"{', '.join(again)} again on fresh test hosts as items {first}-{todo[-1][0]}")
+    return out, record
+
+
+def reboots(boots):
+    """What a run lost to its test hosts and ran again, in words (empty
+    for a run that needed one boot)."""
+    said = [f"items {', '.join(map(str, b['lost']))} lost ({'; '.join(b['reasons']) or 'unfinished'})"
+            for b in boots[:-1] if b["lost"]]
+    if not said:
+        return ""
+    return f"; test hosts booted {len(boots)} times: " + "; ".join(said) + ", each run again from its block on fresh ones"
 
 
 def ratios(runs, key, protected):
