@@ -291,6 +291,9 @@ def free_udp_port():
 # ended at once, with where its vCPU was, instead of at its timeout (CI
 # once lost 30 min to a host that went silent mid-scenario).
 HANG_SECONDS = float(os.environ.get("HAG_HANG_SECONDS", "240"))
+# How often a host of several CPUs is checked for one that stopped for good
+# (Host.lost_cpu).
+LOST_CPU_SECONDS = 30.0
 # The harness writes a byte to that port this often: its receive interrupt
 # wakes a host whose own interrupt was lost. QEMU before 10.2 updates a
 # vCPU's pending-interrupt word from two threads without atomics (fixed by
@@ -332,6 +335,12 @@ class Host:
     # script failed.
     stopped_by: str = ""
     system_map: Path = None
+    # Its vCPUs, and what lost_cpu saw at its last check (the halted CPUs
+    # whose timer interrupt was pending) and when it checks next: the
+    # boot's first minute is not checked.
+    cpus: int = 1
+    _timer_pending: set = field(default_factory=set)
+    _lost_cpu_due: float = field(default_factory=lambda: time.monotonic() + 60)
 
     def text(self):
         try:
@@ -432,13 +441,39 @@ class Host:
             return 0.0
         return silent
 
+    def lost_cpu(self):
+        """For a host of several CPUs, checked every LOST_CPU_SECONDS: a
+        CPU that was halted with its timer interrupt (vector 236) pending
+        at two checks in a row, described; else None. Under QEMU 10.0's
+        TCG such a CPU of a host running nested KVM guests never runs
+        again (IPIs, serial pokes and NMIs leave it halted), while its
+        other CPUs keep the heartbeat going: the host is as good as hung,
+        but only a scenario's timeout would end it."""
+        if self.cpus < 2 or self.killed or time.monotonic() < self._lost_cpu_due:
+            return None
+        self._lost_cpu_due = time.monotonic() + LOST_CPU_SECONDS
+        halted = {i for i, line in enumerate(l for l in hmp(self.monitor, "info registers -a").splitlines()
+                                             if l.startswith("RIP=")) if "HLT=1" in line}
+        stuck = set()
+        for cpu in halted:
+            irr = next((l.split()[1:] for l in hmp(self.monitor, f"info lapic {cpu}").splitlines()
+                        if l.startswith("IRR")), [])
+            if "236" in irr:
+                stuck.add(cpu)
+        lost, self._timer_pending = stuck & self._timer_pending, stuck
+        if not lost:
+            return None
+        return (f"CPU {min(lost)} halted with its timer interrupt pending at two checks "
+                f"{LOST_CPU_SECONDS:.0f} s apart: it never runs again (QEMU 10.0 TCG)")
+
     def diagnose_hang(self, silent):
         """Records where a host that stopped beating is, then ends it: its
         vCPU's registers twice (HMP `info registers`: a vCPU in a nested
         guest shows that guest's state), then an NMI, on which the test
         kernel (booted with unknown_nmi_panic) panics with a backtrace of
         what it was running, if it still runs at all."""
-        lines = [f"no heartbeat for {silent:.0f} s: the host hung "
+        lines = [silent if isinstance(silent, str) else
+                 f"no heartbeat for {silent:.0f} s: the host hung "
                  f"({self.pokes} serial interrupts sent to it in all, every {POKE_SECONDS:.0f} s)"]
         for _ in range(2):
             regs = hmp(self.monitor, "info registers")
@@ -619,7 +654,7 @@ def run_scenario(build, initramfs, script, logdir, on_output=None, placement=Non
         for i in range(n_hosts):
             host = Host(i, logdir / f"{name}.host{i}.log", beat=logdir / f"{name}.host{i}.beat",
                         beat_socket=monitors / f"beat{i}", monitor=monitors / f"host{i}",
-                        system_map=build.kernel_tree / "System.map")
+                        system_map=build.kernel_tree / "System.map", cpus=cpus)
             host.log.unlink(missing_ok=True)
             host.beat.unlink(missing_ok=True)
             nics = []
@@ -640,7 +675,9 @@ def run_scenario(build, initramfs, script, logdir, on_output=None, placement=Non
                 # Threads named for what they run ("CPU 1/TCG"): the
                 # benchmark's placement pins them by name.
                 "qemu-system-x86_64", "-name", f"host{i},debug-threads=on",
-                "-accel", "tcg", "-m", str(memory),
+                # HAG_HOST_ACCEL: e.g. tcg,thread=single (every vCPU of a
+                # host in one thread; see Host.lost_cpu).
+                "-accel", os.environ.get("HAG_HOST_ACCEL", "tcg"), "-m", str(memory),
                 "-cpu", os.environ.get("HAG_HOST_CPU", HOST_CPU),
                 "-smp", str(cpus), "-nodefaults", "-display", "none", "-no-reboot",
                 "-monitor", f"unix:{host.monitor},server=on,wait=off",
@@ -684,6 +721,11 @@ def run_scenario(build, initramfs, script, logdir, on_output=None, placement=Non
             hung = [h for h in hosts if h.silent_for() > HANG_SECONDS]
             for h in hung:
                 h.diagnose_hang(h.silent_for())
+            for h in hosts:
+                lost = h.lost_cpu()
+                if lost:
+                    h.diagnose_hang(lost)
+                    hung.append(h)
             if hung or all(h.finished() for h in hosts):
                 break
             # Every 2 s, not every tick: it reads each host's whole log.
