@@ -123,6 +123,8 @@ def ratios(runs, key, protected):
             continue
         base = (before[key] + after[key]) / 2
         b["baseline_diff"] = abs(before[key] - after[key]) / base
+        # Said beside a dropped block, never counted.
+        b["ratio_unfiltered"] = r[key] / base
         if b["baseline_diff"] > MAX_BASELINE_DIFF:
             b["dropped"] = f"baselines differ by {100 * b['baseline_diff']:.1f} %"
             continue
@@ -151,7 +153,9 @@ def mode_summary(blocks, mode):
     mine = [b for b in blocks if b["mode"] == mode]
     kept = [b for b in mine if "ratio" in b]
     xs = [b["ratio"] for b in kept]
+    noisy = [b["ratio_unfiltered"] for b in mine if "dropped" in b and "ratio_unfiltered" in b]
     return {"blocks": len(mine), "kept": len(kept), "dropped": [b["dropped"] for b in mine if "dropped" in b],
+            "ratio_unfiltered": statistics.median(noisy) if noisy else None,
             "ratio": statistics.median(xs) if xs else None, "ratio_min": min(xs) if xs else None,
             "ratio_max": max(xs) if xs else None, "ratio_ci": bootstrap_median(xs)}
 
