@@ -66,6 +66,7 @@ impl PageCache {
     }
 
     /// Pages it can hold.
+    #[cfg(test)]
     pub fn slots(&self) -> usize {
         self.tags.len()
     }
