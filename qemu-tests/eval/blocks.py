@@ -3,7 +3,9 @@ protected item between two unprotected ones, the protected modes in a
 random order; a block's ratio is its protected figure over the mean of its
 two baselines; a block is dropped, and the reason said, when its baselines
 differ by more than 3 % or more than 2 % of the VM's core went elsewhere
-in one of its three windows (eval/placement.py).
+in one of its three windows (eval/placement.py). A run that loses a test
+host goes on in boots of fresh ones from the lost item's block, so that
+a block's three items always come from one boot (in_boots).
 """
 
 import random
