@@ -75,9 +75,12 @@ def in_boots(items, protected, retries, boot, tag, say):
         record.append({"items": todo, "reasons": result.reasons, "lost": [i for i, _ in todo if i not in kept_ids]})
         if last:
             break
-        # Kept for reading: the next boot's logs take these names.
+        # Kept for reading (the next boot's logs take these names), and
+        # read from there when the caller parses this boot.
         for h in result.hosts:
-            h.log.replace(h.log.with_suffix(f".boot{len(record)}.log"))
+            kept_as = h.log.with_suffix(f".boot{len(record)}.log")
+            h.log.replace(kept_as)
+            h.log = kept_as
         first = max(i for i, _ in todo) + 1
         todo = [(first + k, m) for k, m in enumerate(again)]
         say(f"items {record[-1]['lost']} lost ({'; '.join(result.reasons) or 'unfinished'}): "
