@@ -205,6 +205,14 @@ install: hagctl-production
 	for u in scripts/systemd/*.service; do \
 		sed 's|/usr/bin/hagctl|$(PREFIX)/bin/hagctl|' $$u >$(DESTDIR)$(PREFIX)/lib/systemd/system/$${u##*/}; done
 	install -D -m 0755 scripts/pacemaker/vm $(DESTDIR)$(OCF_ROOT)/resource.d/hag/vm
+	# Where hagctl looks for each VM's file and the pairs' keys (root's only).
+	install -d -m 0700 $(DESTDIR)/etc/hag
+	# /run/hag at every boot (/run is a tmpfs): per-VM runtime files, and
+	# where a domain's QMP socket for hagctl goes (docs/libvirt.md).
+	install -D -m 0644 scripts/systemd/hag.tmpfiles $(DESTDIR)$(PREFIX)/lib/tmpfiles.d/hag.conf
+	# What libvirt's AppArmor profile of a domain's QEMU must allow for
+	# hagctl (docs/libvirt.md); libvirt's abstraction includes this directory.
+	install -D -m 0644 scripts/apparmor/libvirt-qemu.d-hag $(DESTDIR)/etc/apparmor.d/abstractions/libvirt-qemu.d/hag
 
 deb:
 	@scripts/build-debs.sh build/deb

@@ -30,7 +30,9 @@ and hag-guest); their paths reach the host on its kernel command line
 repository's (`hag_repo=`: build/deb's packages, say). A scenario
 whose header also says `# debian: yes` gets the Debian guest's disk image
 (scripts/build-guest-rootfs.sh, built here once and cached) the same way,
-`hag_vm_debian=`; `# memory: MIB` sets its hosts' memory.
+`hag_vm_debian=`; `# memory: MIB` sets its hosts' memory; `# apparmor:
+yes` boots them with AppArmor on (`lsm=capability,apparmor`; the test
+kernel has it built in, off by default).
 
 A scenario loses a host for real by printing `HAG-KILL-HOST` on its console
 (lib.sh's `lose_this_host`): the harness then SIGKILLs that host's QEMU
@@ -668,6 +670,10 @@ def run_scenario(build, initramfs, script, logdir, on_output=None, placement=Non
             extra, words = vm_host_args(i, vm_initramfs.resolve(), build, debian_image) if vms else ([], "")
             if placement:
                 words += placement.host_words(i)
+            # AppArmor (in the test kernel, off by default) for a scenario
+            # that runs libvirt under its confinement.
+            if scenario_header(script, "apparmor", 0):
+                words += " lsm=capability,apparmor"
             # HAG_HOST_APPEND: more kernel command line words for every host
             # (loglevel=5 shows a kernel BUG's stack, which quiet hides).
             words += "".join(" " + w for w in os.environ.get("HAG_HOST_APPEND", "").split())

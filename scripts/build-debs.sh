@@ -55,7 +55,8 @@ Description: high availability for VMs with mediated vGPUs
  is in /usr/share/hag/libvirt (install.sh puts it in place).
 EOF
 # systemd reads the new units (none is enabled: a VM needs its
-# /etc/hag/VM.conf first), as debhelper's scripts do.
+# /etc/hag/VM.conf first), and /run/hag is made now rather than at the next
+# boot (a domain's QMP socket may be there), as debhelper's scripts do.
 for script in postinst postrm; do
 	cat >"$root/DEBIAN/$script" <<'EOF'
 #!/bin/sh
@@ -66,6 +67,13 @@ fi
 EOF
 	chmod 0755 "$root/DEBIAN/$script"
 done
+# The AppArmor rules are the host's to adjust: dpkg keeps its changes.
+echo /etc/apparmor.d/abstractions/libvirt-qemu.d/hag >"$root/DEBIAN/conffiles"
+cat >>"$root/DEBIAN/postinst" <<'EOF'
+if [ "$1" = configure ] && command -v systemd-tmpfiles >/dev/null; then
+	systemd-tmpfiles --create hag.conf || true
+fi
+EOF
 dpkg-deb --root-owner-group -Zxz --build "$root" "$out/hag_${version}_amd64.deb" >/dev/null
 echo "build-debs: $out/hag_${version}_amd64.deb"
 

@@ -45,6 +45,9 @@ packages=(
 	pacemaker pacemaker-cli-utils corosync corosync-qdevice corosync-qnetd pcs
 	# make package-check validates the resource agent's meta-data
 	libxml2-utils
+	# libvirt under AppArmor in a test host (quick_start): the parser of
+	# libvirt's profiles (libvirt-daemon has them and virt-aa-helper)
+	apparmor
 )
 
 # Backports, and a pin that takes just QEMU, libvirt and QEMU's firmware

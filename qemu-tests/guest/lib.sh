@@ -154,6 +154,79 @@ host_root_up() {
 
 in_root() { chroot "$HOST_ROOT" "$@"; }
 
+# package_in_root: the hag package (build/deb, `make deb`) installed with
+# dpkg into the host root, which then has no other hagctl (host_root_up
+# put the test build in /usr/local/bin: removed first).
+package_in_root() {
+	local repo deb
+	host_root_up
+	repo=$(sed -n 's/.*hag_repo=\([^ ]*\).*/\1/p' /proc/cmdline)
+	deb=$(ls "/mnt/9p$repo"/build/deb/hag_*_amd64.deb 2>/dev/null | head -1)
+	[ -n "$deb" ] || fail "no hag package in $repo/build/deb (make deb builds it)"
+	rm -f "$HOST_ROOT/usr/local/bin/hagctl"
+	! in_root /bin/sh -c 'command -v hagctl' || fail "a hagctl is installed before the package"
+	step "dpkg -i ${deb##*/}"
+	cp "$deb" /tmp/hag.deb
+	# man-db's trigger rebuilds its whole index (a minute under TCG) unless
+	# this file says to; Debian's build chroots leave it out the same way.
+	rm -f "$HOST_ROOT/var/lib/man-db/auto-update"
+	# By path: busybox's chroot would run its own dpkg applet.
+	in_root /usr/bin/dpkg -i /tmp/hag.deb || fail "dpkg -i failed"
+	expect_eq "the installed hagctl" "$(in_root /bin/sh -c 'readlink -f "$(command -v hagctl)"')" /usr/bin/hagctl
+}
+
+# systemd_up: this test host run by systemd, as a real host is. PID 1 (the
+# initramfs's /init) becomes systemd, chrooted into the host root, while
+# the scenario runs on as a process it inherited; services then run in the
+# host root as units, and `in_root systemctl …` and `journalctl` work as
+# on any host. systemd starts only journald and the units a scenario
+# starts: the host root is the runner's own, whose boot (its fstab, its
+# network, its timers) is not this host's, so those are masked in the
+# overlay, and so is the boot's tmpfiles pass, which would empty /tmp (the
+# test host's own, with the VMs' kernel and the scenario's files).
+systemd_up() {
+	host_root_up
+	local units="$HOST_ROOT/etc/systemd/system" u
+	mkdir -p "$units"
+	cat >"$units/hag-test-host.target" <<'UNIT'
+[Unit]
+Description=A hag test host
+Wants=systemd-journald.service
+UNIT
+	: >"$HOST_ROOT/etc/fstab"
+	for u in local-fs.target remote-fs.target swap.target timers.target \
+		systemd-udevd.service systemd-udev-trigger.service systemd-udev-settle.service \
+		networking.service systemd-networkd.service systemd-resolved.service \
+		systemd-timesyncd.service systemd-remount-fs.service systemd-fsck-root.service \
+		systemd-modules-load.service systemd-sysctl.service systemd-binfmt.service \
+		systemd-random-seed.service systemd-tmpfiles-setup-dev.service systemd-tmpfiles-setup.service \
+		console-setup.service keyboard-setup.service getty.target; do
+		ln -sf /dev/null "$units/$u"
+	done
+	# AppArmor's profiles are loaded at boot, as on a real host, where the
+	# kernel has it on (`# apparmor: yes`). The runner is a container
+	# whose /.dockerenv would have systemd and apparmor.service take this
+	# host for one (which loads no profiles); this host is not.
+	apparmor_on || ln -sf /dev/null "$units/apparmor.service"
+	rm -f "$HOST_ROOT/.dockerenv"
+	kill -USR1 1
+	wait_for 60 systemd_answers || {
+		dmesg | grep -i systemd | tail -20
+		fail "systemd did not start as this host's init"
+	}
+	in_root systemctl is-system-running || true
+	if apparmor_on; then
+		in_root systemctl start apparmor.service || fail "apparmor.service: $(in_root journalctl --no-pager -u apparmor | tail -5)"
+		# systemd mounted securityfs in its own mount namespace.
+		mountpoint -q /sys/kernel/security || mount -t securityfs securityfs /sys/kernel/security
+		echo "AppArmor: $(grep -c . /sys/kernel/security/apparmor/profiles) profiles loaded"
+	fi
+}
+
+apparmor_on() { [ "$(cat /sys/module/apparmor/parameters/enabled 2>/dev/null)" = Y ]; }
+
+systemd_answers() { in_root systemctl is-system-running | grep -qE '^(running|degraded)$'; }
+
 # The VM's kernel and initramfs: copies in this host's /tmp of the runner's
 # files named on the kernel command line (read through the raw 9p mount: the
 # root's own /tmp is this host's, and the runner's files may be under its
@@ -459,9 +532,22 @@ port_listening() {
 # ---- libvirt (real libvirtd in the host root) -------------------------------
 # libvirtd listens on TCP 16509 without authentication: the test network
 # is closed and reaches nothing but the other test hosts. No cgroups, no
-# namespaces, no security driver in a test host; QEMU runs as root; its
-# stdio goes to a file (no virtlogd).
+# namespaces; no security driver, but AppArmor where the test host has it
+# on (`# apparmor: yes`: libvirt confines each QEMU with a profile of its
+# own); QEMU runs as root; its stdio goes to a file (no virtlogd).
 libvirt_up() {
+	libvirt_conf
+	# hag's qemu hook, as a user installs it; libvirtd looks for hooks
+	# when it starts.
+	sh /hag/libvirt/install.sh --root "$HOST_ROOT" >/dev/null || fail "installing the libvirt hook"
+	in_root /usr/sbin/libvirtd --listen --daemon --pid-file=/run/libvirtd.pid ||
+		fail "libvirtd did not start"
+	libvirt_answers
+}
+
+# libvirt_conf: libvirtd's and its QEMU driver's settings for a test host
+# (above), and the test hosts' names.
+libvirt_conf() {
 	host_root_up
 	cat >"$HOST_ROOT/etc/libvirt/libvirtd.conf" <<CONF
 listen_tls = 0
@@ -477,10 +563,10 @@ user = "root"
 group = "root"
 dynamic_ownership = 0
 remember_owner = 0
-security_driver = "none"
 cgroup_controllers = [ ]
 namespaces = [ ]
 seccomp_sandbox = 0
+security_driver = "$(apparmor_on && echo apparmor || echo none)"
 stdio_handler = "file"
 migration_address = "0.0.0.0"
 CONF
@@ -488,11 +574,9 @@ CONF
 	echo "$(host_ip "$HAG_HOST") testhost$HAG_HOST" >>"$HOST_ROOT/etc/hosts"
 	peer_index=$((1 - HAG_HOST))
 	echo "$(host_ip "$peer_index") testhost$peer_index" >>"$HOST_ROOT/etc/hosts"
-	# hag's qemu hook, as a user installs it; libvirtd looks for hooks
-	# when it starts.
-	sh /hag/libvirt/install.sh --root "$HOST_ROOT" >/dev/null || fail "installing the libvirt hook"
-	in_root /usr/sbin/libvirtd --listen --daemon --pid-file=/run/libvirtd.pid ||
-		fail "libvirtd did not start"
+}
+
+libvirt_answers() {
 	wait_for 60 in_root virsh -c qemu:///system version || {
 		tail -20 "$HOST_ROOT/var/log/libvirt/libvirtd.log"
 		fail "libvirtd does not answer"

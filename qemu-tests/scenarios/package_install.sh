@@ -10,22 +10,7 @@
 # kit's install.sh installs the hook into a root, and dpkg -r removes it
 # all again.
 load_hag
-host_root_up
-repo=$(sed -n 's/.*hag_repo=\([^ ]*\).*/\1/p' /proc/cmdline)
-deb=$(ls "/mnt/9p$repo"/build/deb/hag_*_amd64.deb 2>/dev/null | head -1)
-[ -n "$deb" ] || fail "no hag package in $repo/build/deb (make deb builds it)"
-# host_root_up put the test build there: this host must have nothing of hag.
-rm -f "$HOST_ROOT/usr/local/bin/hagctl"
-! in_root /bin/sh -c 'command -v hagctl' || fail "a hagctl is installed before the package"
-
-step "dpkg -i ${deb##*/}"
-cp "$deb" /tmp/hag.deb
-# man-db's trigger rebuilds its whole index (a minute under TCG) unless
-# this file says to; Debian's build chroots leave it out the same way.
-rm -f "$HOST_ROOT/var/lib/man-db/auto-update"
-# By path: busybox's chroot would run its own dpkg applet.
-in_root /usr/bin/dpkg -i /tmp/hag.deb || fail "dpkg -i failed"
-expect_eq "the installed hagctl" "$(in_root /bin/sh -c 'readlink -f "$(command -v hagctl)"')" /usr/bin/hagctl
+package_in_root
 version=$(in_root hagctl --version)
 echo "$version"
 case "$version" in *test*) fail "the packaged hagctl has the test switches: $version" ;; esac

@@ -2886,6 +2886,14 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                 out.flush()?;
                 drop(out);
                 eprint!("hagctl: {}", report.text());
+                // `systemctl status` said "standing by" until now.
+                crate::service::notify(
+                    false,
+                    &format!(
+                        "took over: generation {}, the VM resumed here from epoch {}",
+                        report.generation, report.epoch
+                    ),
+                );
                 // QEMU opened the image itself: this descriptor is no
                 // longer needed, and a checkpoint of the VM refuses RAM
                 // another process holds.
