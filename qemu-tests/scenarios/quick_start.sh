@@ -13,12 +13,16 @@
 # installed with the package's install.sh, libvirtd restarted by
 # systemctl. 5. On B `virsh dumpxml web1` from A with B's own vGPU as
 # /etc/hag/web1.xml, /etc/hag/web1.conf as the README gives it, and
-# `systemctl enable --now hag-backup@web1.service`. 6. `virsh start web1`
-# on A: the hook starts hag-checkpoint@web1.service; `hagctl job --name
-# web1` must say protected on A and show the backup's epochs on B, both
-# units active, their journals showing the protection. Then A is lost (its
-# test host killed): B's unit takes over and the guest, verified on B's
-# console, finishes its run there with every page it wrote intact.
+# `systemctl enable --now hag-backup@web1.service`, but only after 6.
+# `virsh start web1` on A: the hook starts hag-checkpoint@web1.service,
+# which fails while B's backup is not up and is restarted by systemd until
+# it is; then `hagctl job --name web1` must say protected on A and show the
+# backup's epochs on B, both units active, their journals showing the
+# protection. `virsh destroy web1`: the hook stops the unit, protection
+# ends with the backup (no takeover), B's unit stands by again, and a
+# second `virsh start` is protected again. Then A is lost (its test host
+# killed): B's unit takes over and the guest, verified on B's console,
+# finishes its run there with every page it wrote intact.
 # Not the README's: the module is the test build loaded with insmod, not
 # the DKMS package's (`make package-check` has DKMS build it against the
 # test kernel; building it in a test host under TCG would take most of
@@ -68,6 +72,31 @@ send_to() {
 	fail "host 1 took nothing on port $1"
 }
 
+# journal_waits UNIT SECONDS PATTERN [COUNT]: waits for COUNT (default 1)
+# lines matching PATTERN in UNIT's journal; fails with its end if they do
+# not come.
+journal_waits() {
+	wait_for "$2" sh -c "[ \$(chroot $HOST_ROOT journalctl --no-pager -u $1 | grep -c '$3') -ge ${4:-1} ]" || {
+		in_root journalctl --no-pager -u "$1" | tail -30
+		fail "$1: no '$3' in its journal after $2 s"
+	}
+}
+
+# protected_here: hag-checkpoint@web1 active (Type=notify: once the first
+# epoch is acknowledged), hagctl job saying protected, epochs in its journal.
+protected_here() {
+	wait_for 600 in_root systemctl is-active --quiet "hag-checkpoint@$DOM.service" || {
+		in_root systemctl status --no-pager "hag-checkpoint@$DOM.service"
+		in_root journalctl --no-pager -u "hag-checkpoint@$DOM.service" | tail -40
+		fail "hag-checkpoint@$DOM.service is not active"
+	}
+	wait_for 120 sh -c "chroot $HOST_ROOT hagctl job --name $DOM | grep -q 'protected'" || true
+	in_root hagctl job --name "$DOM" | tee /tmp/job.txt
+	grep -q 'protected' /tmp/job.txt || fail "hagctl job --name $DOM does not say protected"
+	in_root systemctl status --no-pager "hag-checkpoint@$DOM.service" | head -12
+	journal_waits "hag-checkpoint@$DOM.service" 120 'epoch [0-9]*:'
+}
+
 if [ "$HAG_HOST" = 0 ]; then
 	step "A, step 2: hagctl keygen /etc/hag/web1.key, served to B"
 	in_root hagctl keygen /etc/hag/web1.key || fail "hagctl keygen"
@@ -86,9 +115,8 @@ if [ "$HAG_HOST" = 0 ]; then
 	in_root virsh define /tmp/$DOM.xml || fail "virsh define"
 	in_root virsh dumpxml "$DOM" >/tmp/$DOM.dump.xml
 	send_to "$XML_PORT" /tmp/$DOM.dump.xml
-	await_ready "$peer" 7301 600 || fail "B's backup unit did not start"
 
-	step "A, step 6: virsh start web1"
+	step "A, step 6: virsh start web1 (B's backup not up yet: the unit retries)"
 	in_root virsh start "$DOM" || fail "virsh start: $(tail -5 "$HOST_ROOT/var/log/libvirt/qemu/$DOM.log")"
 	apparmor_on || fail "AppArmor is off in this test host"
 	in_root virsh dominfo "$DOM" | tee /tmp/dominfo.txt | grep -i security
@@ -101,21 +129,31 @@ if [ "$HAG_HOST" = 0 ]; then
 	wait_for 60 grep -q "hag-checkpoint@$DOM.service started" "$hook_log" ||
 		{ cat "$hook_log"; fail "the hook did not start hag-checkpoint@$DOM.service"; }
 	cat "$hook_log"
-	# Type=notify: active once the first epoch is acknowledged.
-	wait_for 600 in_root systemctl is-active --quiet "hag-checkpoint@$DOM.service" || {
-		in_root systemctl status --no-pager "hag-checkpoint@$DOM.service"
-		in_root journalctl --no-pager -u "hag-checkpoint@$DOM.service" | tail -40
-		fail "hag-checkpoint@$DOM.service is not active"
+	# The backup unreachable: hagctl exits 1 and systemd starts it again.
+	wait_for 120 sh -c "[ \$(chroot $HOST_ROOT systemctl show -P NRestarts hag-checkpoint@$DOM.service) -ge 1 ]" || {
+		in_root journalctl --no-pager -u "hag-checkpoint@$DOM.service" | tail -20
+		fail "hag-checkpoint@$DOM.service was not restarted while the backup was unreachable"
 	}
-	wait_for 120 sh -c "chroot $HOST_ROOT hagctl job --name $DOM | grep -q 'protected'" || true
-	in_root hagctl job --name "$DOM" | tee /tmp/job.txt
-	grep -q 'protected' /tmp/job.txt || fail "hagctl job --name $DOM does not say protected"
-	in_root systemctl status --no-pager "hag-checkpoint@$DOM.service" | head -20
-	in_root journalctl --no-pager -u "hag-checkpoint@$DOM.service" | tail -15 | tee /tmp/journal.txt
-	grep -q 'epoch [0-9]*:' /tmp/journal.txt || fail "journalctl -u hag-checkpoint@$DOM shows no epoch"
+	in_root journalctl --no-pager -u "hag-checkpoint@$DOM.service" | tail -6
+	signal_ready 7303
+	protected_here
+	await_ready "$peer" 7302 600 || fail "B did not check its side"
+
+	step "A: virsh destroy web1: the hook stops the unit, which ends protection with B"
+	in_root virsh destroy "$DOM"
+	wait_for 60 grep -q "ending protection: hag-checkpoint@$DOM.service stopped" "$hook_log" ||
+		{ cat "$hook_log"; fail "the hook did not stop hag-checkpoint@$DOM.service"; }
+	wait_for 120 sh -c "! chroot $HOST_ROOT systemctl is-active --quiet hag-checkpoint@$DOM.service" ||
+		fail "hag-checkpoint@$DOM.service still runs after the domain stopped"
+	in_root journalctl --no-pager -u "hag-checkpoint@$DOM.service" | tail -5
+	await_ready "$peer" 7304 600 || fail "B's backup unit does not stand by again"
+
+	step "A: virsh start web1 again: protected again"
+	in_root virsh start "$DOM" || fail "virsh start (again)"
+	protected_here
 	! dmesg | grep 'apparmor="DENIED"' || fail "AppArmor denied QEMU something hag needs"
 	# B has checked its side; then this host is lost.
-	await_ready "$peer" 7302 600 || fail "B did not check its side"
+	await_ready "$peer" 7305 600 || fail "B did not check its side"
 	step "A is lost"
 	lose_this_host
 else
@@ -140,28 +178,35 @@ EOF
 	libvirt_conf
 	in_root systemctl start libvirtd || fail "systemctl start libvirtd"
 	libvirt_answers
+	# Only once A's protection failed for want of this backup.
+	await_ready "$(host_ip 0)" 7303 600 || fail "A's checkpoint unit was not retried"
 	in_root systemctl enable --now "hag-backup@$DOM.service" || {
 		in_root journalctl --no-pager -u "hag-backup@$DOM.service" | tail -30
 		fail "systemctl enable --now hag-backup@$DOM.service"
 	}
 	in_root systemctl status --no-pager "hag-backup@$DOM.service" | head -12
-	signal_ready 7301
 
 	step "B, step 6: the backup's side"
-	wait_for 600 sh -c "chroot $HOST_ROOT journalctl --no-pager -u hag-backup@$DOM.service | grep -q 'epoch 3 applied'" || {
-		in_root journalctl --no-pager -u "hag-backup@$DOM.service" | tail -30
-		fail "no 3 epochs reached the backup"
-	}
+	journal_waits "hag-backup@$DOM.service" 600 'epoch 3 applied'
 	in_root hagctl job --name "$DOM" | tee /tmp/job.txt
 	grep -q 'generation' /tmp/job.txt || fail "hagctl job --name $DOM on B shows no generation"
 	grep -q 'epoch' /tmp/job.txt || fail "hagctl job --name $DOM on B shows no epoch"
 	signal_ready 7302
 
+	step "B: protection ends (A's domain destroyed); the unit stands by again"
+	journal_waits "hag-backup@$DOM.service" 300 'backup done: '
+	wait_for 120 sh -c "[ \$(chroot $HOST_ROOT systemctl show -P NRestarts hag-backup@$DOM.service) -ge 1 ]" ||
+		fail "hag-backup@$DOM.service was not started again after protection ended"
+	journal_waits "hag-backup@$DOM.service" 120 'backup listening on' 2
+	in_root systemctl status --no-pager "hag-backup@$DOM.service" | head -8
+	! in_root journalctl --no-pager -u "hag-backup@$DOM.service" | grep -q 'taking over' ||
+		fail "the backup took over when protection ended"
+	signal_ready 7304
+	journal_waits "hag-backup@$DOM.service" 600 'epoch 3 applied' 2
+	signal_ready 7305
+
 	step "B: A is lost; the unit takes over"
-	wait_for 300 sh -c "chroot $HOST_ROOT journalctl --no-pager -u hag-backup@$DOM.service | grep -q 'takeover: generation'" || {
-		in_root journalctl --no-pager -u "hag-backup@$DOM.service" | tail -30
-		fail "hag-backup@$DOM.service did not take over"
-	}
+	journal_waits "hag-backup@$DOM.service" 300 'takeover: generation'
 	in_root systemctl status --no-pager "hag-backup@$DOM.service" | tee /tmp/unit.txt | head -20
 	grep -q 'Status: "took over: generation 1' /tmp/unit.txt || fail "systemctl status does not say the unit took over"
 	grep -q 'qemu-system-x86_64' /tmp/unit.txt || fail "the taken-over VM is not in the unit's cgroup"
