@@ -18,7 +18,8 @@
 # which fails while B's backup is not up and is restarted by systemd until
 # it is; then `hagctl job --name web1` must say protected on A and show the
 # backup's epochs on B, both units active, their journals showing the
-# protection. `virsh destroy web1`: the hook stops the unit, protection
+# protection (`journalctl -p warning` showing the failed tries, not the
+# info lines). `virsh destroy web1`: the hook stops the unit, protection
 # ends with the backup (no takeover), B's unit stands by again, and a
 # second `virsh start` is protected again. Then A is lost (its test host
 # killed): B's unit takes over and the guest, verified on B's console,
@@ -137,6 +138,13 @@ if [ "$HAG_HOST" = 0 ]; then
 	in_root journalctl --no-pager -u "hag-checkpoint@$DOM.service" | tail -6
 	signal_ready 7303
 	protected_here
+	# hagctl's lines reach the journal with their syslog priority: the
+	# failed try is an error, the synchronisation's start is not.
+	in_root journalctl --no-pager -u "hag-checkpoint@$DOM.service" -p warning | tee /tmp/warnings.txt
+	grep -q 'cannot connect to the target' /tmp/warnings.txt || fail "journalctl -p warning misses the failed try"
+	! grep -q 'synchronising with the backup' /tmp/warnings.txt || fail "journalctl -p warning shows info lines"
+	in_root journalctl --no-pager -u "hag-checkpoint@$DOM.service" -p info | grep -q 'synchronising with the backup' ||
+		fail "journalctl -p info misses the synchronisation's start"
 	await_ready "$peer" 7302 600 || fail "B did not check its side"
 
 	step "A: virsh destroy web1: the hook stops the unit, which ends protection with B"
