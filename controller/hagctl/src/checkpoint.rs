@@ -2136,7 +2136,7 @@ impl Primary {
         }
         let why = match self.link.lock().policy.state {
             State::Protected => "the backup acknowledges epochs: it is not down".to_owned(),
-            ref s => format!("not while {s:?}"),
+            ref s => format!("not while {s}"),
         };
         info!("not confirmed: {why}");
         if let Err(e) = std::fs::write(&refused, why + "\n") {

@@ -114,7 +114,7 @@ pub enum EventsError {
     #[error(transparent)]
     Receive(#[from] ReceiveError),
     /// `--timeout` passed before `--count` events arrived.
-    #[error("timed out after {timeout:?} with {seen} of {wanted} events")]
+    #[error("timed out after {:.1} s with {seen} of {wanted} events", .timeout.as_secs_f64())]
     TimedOut {
         /// The `--timeout` given.
         timeout: Duration,

@@ -471,7 +471,7 @@ pub(crate) fn connect(to: &str, timeout: Duration) -> Result<TcpStream, MigrateE
         if start.elapsed() >= timeout {
             return Err(MigrateError::Connect {
                 to: to.to_owned(),
-                why: format!("{err} (tried for {timeout:?})"),
+                why: format!("{err} (tried for {:.0} s)", timeout.as_secs_f64()),
             });
         }
         std::thread::sleep(Duration::from_millis(200));

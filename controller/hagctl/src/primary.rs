@@ -70,6 +70,21 @@ pub enum State {
     Done,
 }
 
+impl std::fmt::Display for State {
+    /// As an operator reads it (`confirm-backup-down`'s refusal says it).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            State::Syncing => f.write_str("synchronising with the backup"),
+            State::Protected => f.write_str("protected"),
+            State::Unprotected(why) => write!(f, "unprotected ({why})"),
+            State::Ending { why, .. } => write!(f, "ending protection ({why})"),
+            State::Fenced(g) => write!(f, "fenced by generation {g}"),
+            State::HandedOver(why) => write!(f, "handed over to the backup ({why})"),
+            State::Done => f.write_str("done"),
+        }
+    }
+}
+
 /// What the primary observed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
