@@ -237,6 +237,23 @@ def add_scenario_to_initramfs(initramfs, name, text):
         f.write(gzip.compress(cpio, compresslevel=1))
 
 
+def run_made_scenario(build, name, text, logdir, on_output=None, placement=None):
+    """Boots the hosts of a scenario a script made (`text`, run as `name`)
+    with a fresh initramfs, as run_scenario; prints why a boot that did not
+    end cleanly did not. Returns run_scenario's Result."""
+    with tempfile.TemporaryDirectory(prefix=f"hag-{name}-") as tmp:
+        script = Path(tmp) / f"{name}.sh"
+        script.write_text(text)
+        initramfs = Path(tmp) / "initramfs.cpio.gz"
+        build_initramfs(build, initramfs)
+        add_scenario_to_initramfs(initramfs, name, text)
+        result = run_scenario(build, initramfs, script, logdir, on_output=on_output, placement=placement)
+    if not result.passed:
+        print(f"{name}: the boot did not end cleanly: " + "; ".join(result.reasons))
+        print(f"  logs: {', '.join(str(h.log) for h in result.hosts)}")
+    return result
+
+
 class Hub:
     """An Ethernet hub over UDP on loopback: forwards each datagram from one
     host's QEMU to every other host's."""
