@@ -176,8 +176,8 @@ package_in_root() {
 }
 
 # systemd_up: this test host run by systemd, as a real host is. PID 1 (the
-# initramfs's /init) becomes systemd, chrooted into the host root, while
-# the scenario runs on as a process it inherited; services then run in the
+# initramfs's /init) becomes systemd, the host root the root of its mount
+# namespace, while the scenario runs on as a process it inherited; services then run in the
 # host root as units, and `in_root systemctl …` and `journalctl` work as
 # on any host. systemd starts only journald and the units a scenario
 # starts: the host root is the runner's own, whose boot (its fstab, its

@@ -83,6 +83,15 @@ journal_waits() {
 	}
 }
 
+# restarted UNIT: waits until systemd has started UNIT again (its
+# restart policy); fails with its journal's end if it does not.
+restarted() {
+	wait_for 120 sh -c "[ \$(chroot $HOST_ROOT systemctl show -P NRestarts $1) -ge 1 ]" || {
+		in_root journalctl --no-pager -u "$1" | tail -20
+		fail "$1 was not started again"
+	}
+}
+
 # protected_here: hag-checkpoint@web1 active (Type=notify: once the first
 # epoch is acknowledged), hagctl job saying protected, epochs in its journal.
 protected_here() {
@@ -131,10 +140,7 @@ if [ "$HAG_HOST" = 0 ]; then
 		{ cat "$hook_log"; fail "the hook did not start hag-checkpoint@$DOM.service"; }
 	cat "$hook_log"
 	# The backup unreachable: hagctl exits 1 and systemd starts it again.
-	wait_for 120 sh -c "[ \$(chroot $HOST_ROOT systemctl show -P NRestarts hag-checkpoint@$DOM.service) -ge 1 ]" || {
-		in_root journalctl --no-pager -u "hag-checkpoint@$DOM.service" | tail -20
-		fail "hag-checkpoint@$DOM.service was not restarted while the backup was unreachable"
-	}
+	restarted "hag-checkpoint@$DOM.service"
 	in_root journalctl --no-pager -u "hag-checkpoint@$DOM.service" | tail -6
 	signal_ready 7303
 	protected_here
@@ -203,8 +209,7 @@ EOF
 
 	step "B: protection ends (A's domain destroyed); the unit stands by again"
 	journal_waits "hag-backup@$DOM.service" 300 'backup done: '
-	wait_for 120 sh -c "[ \$(chroot $HOST_ROOT systemctl show -P NRestarts hag-backup@$DOM.service) -ge 1 ]" ||
-		fail "hag-backup@$DOM.service was not started again after protection ended"
+	restarted "hag-backup@$DOM.service"
 	journal_waits "hag-backup@$DOM.service" 120 'backup listening on' 2
 	in_root systemctl status --no-pager "hag-backup@$DOM.service" | head -8
 	! in_root journalctl --no-pager -u "hag-backup@$DOM.service" | grep -q 'taking over' ||
