@@ -1114,6 +1114,11 @@ struct Primary {
     epoch: u64,
     /// The first data connection, made at start, is not used yet.
     first: bool,
+    /// The data connection now open has said HELLO: the backup reads an
+    /// ABORT on it as the end of protection. One still opening (a
+    /// resynchronisation that failed before its HELLO, say on a VM that
+    /// exited meanwhile) would only be refused for opening with ABORT.
+    hello_said: bool,
     /// What the VM's guest sees (QEMU), sent at every pairing: the
     /// backup's standby must match it.
     shape: Option<VmShape>,
@@ -1192,6 +1197,7 @@ impl Primary {
             self.src.stream =
                 secure_connect(&self.opts.backup, Duration::from_secs(1), &self.link.key)
                     .map_err(|e| EpochError::Link(e.to_string()))?;
+            self.hello_said = false;
         }
         {
             let mut g = self.link.lock();
@@ -1218,6 +1224,7 @@ impl Primary {
         }
         let term = self.link.term();
         self.src.handshake(Some(term), self.shape.as_ref())?;
+        self.hello_said = true;
         self.paired = true;
         let peer = self.src.peer;
         self.link.event(Event::Paired {
@@ -1728,7 +1735,7 @@ impl Primary {
                 Action::ReleaseAll => {
                     let _ = self.src.vm.hold_output(false);
                 }
-                Action::SendAbort(reason) => {
+                Action::SendAbort(reason) if self.hello_said => {
                     let _ = write_msg(&mut self.src.stream, &Msg::Abort { reason });
                 }
                 _ => {}
@@ -2455,6 +2462,7 @@ pub fn checkpoint(
         round: 0,
         epoch: 0,
         first: true,
+        hello_said: false,
         shape,
         paired,
         released: 0,
