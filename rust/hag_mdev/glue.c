@@ -1233,6 +1233,11 @@ int hag_gvt_save_part(void *vgpu, u32 part, void *buf, size_t len)
 	return intel_gvt_audit_save_part(vgpu, part, buf, len);
 }
 
+int hag_gvt_check_part(void *vgpu, u32 part, const void *buf, size_t len)
+{
+	return intel_gvt_audit_check_part(vgpu, part, buf, len);
+}
+
 int hag_gvt_restore_part(void *vgpu, u32 part, const void *buf, size_t len)
 {
 	return intel_gvt_audit_restore_part(vgpu, part, buf, len);
@@ -1280,6 +1285,11 @@ long hag_gvt_part_size(void *vgpu, u32 part)
 }
 
 int hag_gvt_save_part(void *vgpu, u32 part, void *buf, size_t len)
+{
+	return -ENODEV;
+}
+
+int hag_gvt_check_part(void *vgpu, u32 part, const void *buf, size_t len)
 {
 	return -ENODEV;
 }

@@ -177,6 +177,7 @@ u64 hag_gvt_ggtt_size(void *vgpu);
 int hag_gvt_wait_idle(void *vgpu);
 long hag_gvt_part_size(void *vgpu, u32 part);
 int hag_gvt_save_part(void *vgpu, u32 part, void *buf, size_t len);
+int hag_gvt_check_part(void *vgpu, u32 part, const void *buf, size_t len);
 int hag_gvt_restore_part(void *vgpu, u32 part, const void *buf, size_t len);
 
 #endif /* HAG_GLUE_H */

@@ -956,6 +956,7 @@ extern "C" {
     fn hag_gvt_wait_idle(vgpu: *mut c_void) -> c_int;
     fn hag_gvt_part_size(vgpu: *mut c_void, part: u32) -> c_long;
     fn hag_gvt_save_part(vgpu: *mut c_void, part: u32, buf: *mut c_void, len: usize) -> c_int;
+    fn hag_gvt_check_part(vgpu: *mut c_void, part: u32, buf: *const c_void, len: usize) -> c_int;
     fn hag_gvt_restore_part(vgpu: *mut c_void, part: u32, buf: *const c_void, len: usize)
         -> c_int;
 }
@@ -1098,6 +1099,15 @@ impl GvtHandle {
         // SAFETY: a vGPU GVT has not removed; `buf` is valid for writes of
         // `len` bytes for the call.
         check(self.with_live(|vgpu| unsafe { hag_gvt_save_part(vgpu, part as u32, buf, len) })?)
+    }
+
+    /// Whether GVT would restore this part: the checks `restore_part`
+    /// makes before it changes anything, changing nothing.
+    pub(crate) fn check_part(&self, part: GvtPart, bytes: &[u8]) -> Result {
+        let (buf, len) = (bytes.as_ptr().cast::<c_void>(), bytes.len());
+        // SAFETY: a vGPU GVT has not removed; `buf` is valid for reads of
+        // `len` bytes for the call.
+        check(self.with_live(|vgpu| unsafe { hag_gvt_check_part(vgpu, part as u32, buf, len) })?)
     }
 
     /// Restores one part (GVT checks it, and refuses once the vGPU ran).

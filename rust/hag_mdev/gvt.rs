@@ -593,11 +593,10 @@ impl GvtVgpu {
         Ok(w.finish())
     }
 
-    /// Loads a snapshot into a vGPU that has not run yet (GVT refuses
-    /// otherwise). Everything hag can check (format, checksum, source, GGTT
-    /// size, every part's length) is checked before the first part is
-    /// handed to GVT; GVT checks the contents.
-    pub(crate) fn restore(&self, bytes: &[u8]) -> Result {
+    /// The snapshot's parts, in the order GVT restores them, once
+    /// everything hag can check is: format, checksum, source, GGTT size and
+    /// every part's length. GVT checks the contents.
+    fn parts<'a>(&self, bytes: &'a [u8]) -> Result<[&'a [u8]; GvtPart::RESTORE_ORDER.len()]> {
         let snap = Snapshot::parse(bytes).map_err(errno)?;
         if u32::from(snap.source) != abi::VGPU_SOURCE_GVT || snap.gfx_mem_size != self.ggtt_size {
             pr_info!(
@@ -614,6 +613,14 @@ impl GvtVgpu {
         for (body, part) in bodies.iter_mut().zip(GvtPart::RESTORE_ORDER) {
             *body = snap.section(part.tag(), self.handle.part_size(part)?).map_err(errno)?;
         }
+        Ok(bodies)
+    }
+
+    /// Loads a snapshot into a vGPU that has not run yet (GVT refuses
+    /// otherwise). Every part is checked before the first is handed to GVT.
+    pub(crate) fn restore(&self, bytes: &[u8]) -> Result {
+        let bodies = self.parts(bytes)?;
+        self.check_parts(&bodies)?;
         for (body, part) in bodies.iter().zip(GvtPart::RESTORE_ORDER) {
             if let Err(e) = self.handle.restore_part(part, body) {
                 pr_warn!(
@@ -628,10 +635,28 @@ impl GvtVgpu {
         }
         Ok(())
     }
+
+    /// GVT's own checks of every part, changing nothing (what it can
+    /// only find while restoring, such as memory for the PPGTTs' shadows,
+    /// it finds then).
+    fn check_parts(&self, bodies: &[&[u8]; GvtPart::RESTORE_ORDER.len()]) -> Result {
+        for (body, part) in bodies.iter().zip(GvtPart::RESTORE_ORDER) {
+            self.handle.check_part(part, body).inspect_err(|e| {
+                pr_info!(
+                    "GVT vGPU {} (hag vGPU {}): GVT would refuse the {} of the snapshot (error {})\n",
+                    self.gvt_id,
+                    self.id,
+                    part.name(),
+                    e.to_errno()
+                );
+            })?;
+        }
+        Ok(())
+    }
 }
 
 /// VFIO migration v2 of a GVT-g vGPU: kvmgt's VFIO device hands its
-/// migration and DMA logging to hag (scripts/gvt/0005), and glue.c runs
+/// migration and DMA logging to hag (scripts/gvt/0006), and glue.c runs
 /// them as for a simulated vGPU. The VMM stops the VM's vCPUs before the
 /// device, so nothing new is submitted; RUNNING -> STOP waits for GVT's
 /// queue to drain, and the snapshot is GVT's parts as `/dev/hag` saves them.
@@ -682,17 +707,13 @@ impl GvtVgpu {
         self.restore(bytes)
     }
 
-    /// Whether a complete snapshot the VMM wrote can be restored here
-    /// (format, checksum, source and GGTT size, every part's length); 0 if
-    /// so. GVT checks the contents at the load.
+    /// Whether a complete snapshot the VMM wrote can be restored here; 0
+    /// if so. Checked as the restore will check it (hag's checks and GVT's
+    /// before it changes anything), so that a stream this vGPU would refuse
+    /// fails the migration as it arrives, while the source VM can still
+    /// run on, not at RESUMING -> STOP once the target VM is starting.
     pub(crate) fn mig_check(&self, bytes: &[u8]) -> Result<usize> {
-        let snap = Snapshot::parse(bytes).map_err(errno)?;
-        if u32::from(snap.source) != abi::VGPU_SOURCE_GVT || snap.gfx_mem_size != self.ggtt_size {
-            return Err(EINVAL);
-        }
-        for part in GvtPart::RESTORE_ORDER {
-            snap.section(part.tag(), self.handle.part_size(part)?).map_err(errno)?;
-        }
+        self.check_parts(&self.parts(bytes)?)?;
         Ok(0)
     }
 
