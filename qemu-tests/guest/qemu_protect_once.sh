@@ -273,8 +273,10 @@ if [ "$HAG_HOST" = 1 ]; then
 		fi
 		# A taken-over guest that prints and reports nothing for 60 s (it
 		# does every second while it runs; one resumed from a broken image
-		# may hang) is ended too, as is one that never ends.
-		now=$( (cat /tmp/vm.console /tmp/client.log 2>/dev/null || true) | wc -c)
+		# may hang) is ended too, as is one that never ends. Its kernel's
+		# lines do not count: one resumed from a broken image may print
+		# a network watchdog's complaint every 5 s for ever.
+		now=$( { grep -v '^\[ *[0-9]*\.[0-9]*\]' /tmp/vm.console 2>/dev/null; cat /tmp/client.log 2>/dev/null; } | wc -c)
 		if [ "$now" = "$size" ] && grep -q 'takeover: QEMU (pid' /tmp/backup.err; then
 			quiet=$((quiet + 1))
 		else
