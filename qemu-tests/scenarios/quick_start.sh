@@ -223,6 +223,10 @@ EOF
 	in_root systemctl status --no-pager "hag-backup@$DOM.service" | tee /tmp/unit.txt | head -20
 	grep -q 'Status: "took over: generation 1' /tmp/unit.txt || fail "systemctl status does not say the unit took over"
 	grep -q 'qemu-system-x86_64' /tmp/unit.txt || fail "the taken-over VM is not in the unit's cgroup"
+	# The takeover report goes to stdout and to the log: under a unit both
+	# are the journal, where it shows once.
+	n=$(in_root journalctl --no-pager -u "hag-backup@$DOM.service" | grep -c 'takeover: generation')
+	expect_eq "takeover lines in the unit's journal" "$n" 1
 	vm_result "$DOM" 900 | tee /tmp/result.txt
 	grep -q 'HAG-GUEST-RESULT PASS' /tmp/result.txt || fail "the guest did not verify on B: $(cat /tmp/result.txt)"
 fi

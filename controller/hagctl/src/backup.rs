@@ -2876,16 +2876,19 @@ pub fn backup(opts: &BackupOptions) -> anyhow::Result<Option<ExitStatus>> {
                         continue;
                     }
                 };
-                let line = if opts.json {
-                    serde_json::to_string(&report)? + "\n"
-                } else {
-                    report.text()
-                };
-                let mut out = std::io::stdout().lock();
-                out.write_all(line.as_bytes())?;
-                out.flush()?;
-                drop(out);
-                eprint!("hagctl: {}", report.text());
+                // The report on stdout, and as a log line; once only
+                // where both are the journal (a unit's), as the log line.
+                if opts.json || !crate::log::stdout_is_journal() {
+                    let line = if opts.json {
+                        serde_json::to_string(&report)? + "\n"
+                    } else {
+                        report.text()
+                    };
+                    let mut out = std::io::stdout().lock();
+                    out.write_all(line.as_bytes())?;
+                    out.flush()?;
+                }
+                info!("{}", report.text().trim_end());
                 // `systemctl status` said "standing by" until now.
                 crate::service::notify(
                     false,

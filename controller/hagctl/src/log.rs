@@ -74,10 +74,21 @@ fn style() -> Style {
 /// systemd; it names stderr only if stderr still is that stream.
 fn journal_is_stderr() -> bool {
     use std::os::fd::AsFd;
+    is_journal(std::io::stderr().as_fd())
+}
+
+/// Whether stdout is systemd's journal stream too (a unit's default): then
+/// what is printed there and logged as well would show twice.
+pub fn stdout_is_journal() -> bool {
+    use std::os::fd::AsFd;
+    is_journal(std::io::stdout().as_fd())
+}
+
+fn is_journal(fd: std::os::fd::BorrowedFd<'_>) -> bool {
     let Some(stream) = std::env::var_os("JOURNAL_STREAM") else {
         return false;
     };
-    let Ok(st) = nix::sys::stat::fstat(std::io::stderr().as_fd()) else {
+    let Ok(st) = nix::sys::stat::fstat(fd) else {
         return false;
     };
     stream.to_str() == Some(&format!("{}:{}", st.st_dev, st.st_ino))
