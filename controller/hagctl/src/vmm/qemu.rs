@@ -48,7 +48,15 @@ pub struct Qemu {
     /// The `events` capability was set on by [`Qemu::apply`]: QEMU says
     /// each change of a migration's status in a `MIGRATION` event.
     migration_events: bool,
+    /// After this connection's `stop`: the `RESUME` events it had read
+    /// then ([`Qmp::resumes_seen`]); `None` after its `cont`.
+    stopped_at: Option<u64>,
 }
+
+/// How long [`Vmm::resume`] retries `cont` while QEMU finishes a save it
+/// has announced as completed (its migration thread leaves
+/// `finish-migrate` just after the event; `cont` is refused until then).
+const FINALIZE_WAIT: Duration = Duration::from_secs(2);
 
 /// While a save runs, how often its status is asked for when QEMU sends
 /// no `MIGRATION` events.
@@ -237,7 +245,17 @@ impl Qemu {
             mirrors: None,
             exports: None,
             migration_events: false,
+            stopped_at: None,
         }
+    }
+
+    /// Whether the VM is paused by this connection's `stop` and nothing
+    /// read since says it ran: what lets a paused epoch skip asking
+    /// QEMU's run state. A `cont` from another client shows as a `RESUME`
+    /// event read with the next reply; [`Vmm::save_device_state`] checks
+    /// again after the save.
+    pub fn held_paused(&self) -> bool {
+        self.stopped_at == Some(self.qmp.resumes_seen())
     }
 
     /// QEMU's version.
@@ -274,19 +292,19 @@ impl Qemu {
         self.qmp.discard_events("MIGRATION");
         self.qmp.execute("migrate", Some(json!({ "uri": uri })))?;
         let start = Instant::now();
-        let mut first = true;
+        // Without events, the first poll is at once.
+        let mut first = !self.migration_events;
         loop {
             if !std::mem::take(&mut first) {
                 // Its MIGRATION event, when QEMU sends them, ends the wait
                 // as the save ends, and no query competes with the save
-                // for the CPU meanwhile; query-migrate then says how it
-                // ended (and why, if it failed).
+                // for the CPU meanwhile.
                 let wait = if self.migration_events {
                     SAVE_TIMEOUT.saturating_sub(start.elapsed())
                 } else {
                     SAVE_POLL
                 };
-                self.qmp.wait_event(
+                let ended = self.qmp.wait_event(
                     |e| {
                         e.name == "MIGRATION"
                             && matches!(
@@ -296,6 +314,11 @@ impl Qemu {
                     },
                     wait,
                 )?;
+                // "completed" says all there is (the VM is paused in a
+                // round trip less); a failure's reason is in query-migrate.
+                if ended.is_some_and(|e| e.data["status"] == "completed") {
+                    return Ok(SavedState { bytes: None });
+                }
             }
             let info = self.migration_info()?;
             match info.status.as_str() {
@@ -375,13 +398,27 @@ impl Vmm for Qemu {
     /// `stop`: QEMU returns once the vCPUs are stopped.
     fn pause(&mut self) -> Result<(), VmmError> {
         self.qmp.execute("stop", None)?;
+        self.stopped_at = Some(self.qmp.resumes_seen());
         Ok(())
     }
 
     /// `cont`: also from `postmigrate` (after [`Vmm::save_device_state`], or
     /// a migration that must be undone).
     fn resume(&mut self) -> Result<(), VmmError> {
-        self.qmp.execute("cont", None)?;
+        let deadline = Instant::now() + FINALIZE_WAIT;
+        loop {
+            match self.qmp.execute("cont", None) {
+                Ok(_) => break,
+                Err(e)
+                    if e.desc() == Some("Migration is not finalized yet")
+                        && Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.stopped_at = None;
         Ok(())
     }
 
@@ -401,13 +438,16 @@ impl Vmm for Qemu {
     /// [`Vmm::resume`] continues it). Set `x-ignore-shared` first to leave
     /// out RAM in a shared backend.
     fn save_device_state(&mut self, into: OwnedFd) -> Result<SavedState, VmmError> {
-        let state = self.run_state()?;
-        if state.kind != RunKind::Paused {
-            return Err(VmmError::State {
-                vmm: self.describe(),
-                doing: "save the device state",
-                state: state.name,
-            });
+        let held = self.held_paused();
+        if !held {
+            let state = self.run_state()?;
+            if state.kind != RunKind::Paused {
+                return Err(VmmError::State {
+                    vmm: self.describe(),
+                    doing: "save the device state",
+                    state: state.name,
+                });
+            }
         }
         self.saves += 1;
         // A regular file goes through an fd set as file: (QEMU 10 calls fd:
@@ -440,6 +480,13 @@ impl Vmm for Qemu {
         // An fd set outlives the migration; a getfd name is gone after it.
         if is_file || result.is_err() {
             let _ = self.qmp.execute(cleanup.0, Some(cleanup.1));
+        }
+        if held && result.is_ok() && !self.held_paused() {
+            // The state may be of a moment the caller's other reads
+            // (guest RAM, dirty logs) were not.
+            return Err(self.protocol(
+                "another QMP client resumed the VM while its device state was saved".into(),
+            ));
         }
         result
     }
@@ -790,6 +837,77 @@ mod tests {
         assert_eq!(
             seen[6]["arguments"],
             json!({"uri": "tcp:127.0.0.1:0", "exit-on-error": false})
+        );
+    }
+
+    /// An epoch's save with the VM paused by this connection: no
+    /// `query-status` before it, no `query-migrate` after its "completed"
+    /// event; a `RESUME` seen meanwhile (another client's `cont`) fails
+    /// it; `cont` waits out QEMU's "not finalized yet".
+    #[test]
+    fn a_save_under_its_own_stop_asks_nothing_it_knows() {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        let event = |name: &str, data: Value| {
+            json!({"timestamp": {"seconds": 1, "microseconds": 0}, "event": name, "data": data})
+                .to_string()
+        };
+        let migrates = AtomicUsize::new(0);
+        let conts = AtomicUsize::new(0);
+        let (qmp, server) = fake_qemu(move |req| {
+            Some(match req["execute"].as_str().unwrap_or_default() {
+                "migrate" => {
+                    let mut out = vec![ret(req, json!({}))];
+                    if migrates.fetch_add(1, SeqCst) == 1 {
+                        out.push(event("RESUME", json!({})));
+                    }
+                    out.push(event("MIGRATION", json!({"status": "completed"})));
+                    out
+                }
+                "cont" if conts.fetch_add(1, SeqCst) == 0 => vec![json!({"id": req["id"],
+                    "error": {"class": "GenericError", "desc": "Migration is not finalized yet"}})
+                .to_string()],
+                _ => vec![ret(req, json!({}))],
+            })
+        });
+        let mut vm = Qemu::from_qmp(qmp);
+        vm.apply(&MigrationSettings {
+            capabilities: vec![("events".into(), true)],
+            ..MigrationSettings::default()
+        })
+        .unwrap();
+        assert!(!vm.held_paused());
+        vm.pause().unwrap();
+        assert!(vm.held_paused());
+        let (_r, w) = nix::unistd::pipe().unwrap();
+        assert_eq!(vm.save_device_state(w).unwrap(), SavedState { bytes: None });
+        vm.resume().unwrap();
+        assert!(!vm.held_paused());
+        vm.pause().unwrap();
+        let (_r, w) = nix::unistd::pipe().unwrap();
+        let e = vm.save_device_state(w).unwrap_err().to_string();
+        assert!(e.contains("another QMP client resumed the VM"), "{e}");
+        assert!(!vm.held_paused());
+        drop(vm);
+        let cmds: Vec<String> = server
+            .join()
+            .unwrap()
+            .iter()
+            .map(|r| r["execute"].as_str().unwrap().to_owned())
+            .collect();
+        assert_eq!(
+            cmds,
+            [
+                "qmp_capabilities",
+                "migrate-set-capabilities",
+                "stop",
+                "getfd",
+                "migrate",
+                "cont",
+                "cont",
+                "stop",
+                "getfd",
+                "migrate"
+            ]
         );
     }
 

@@ -515,7 +515,8 @@ impl Vmm for QemuVm {
     /// Soft-dirty bits, read and cleared with the VM paused (paused here
     /// for that long if it runs).
     fn cpu_dirty_log(&mut self) -> Result<Vec<u64>, VmmError> {
-        let running = self.qemu.run_state()?.is_running();
+        // Paused by this epoch's stop: no need to ask.
+        let running = !self.qemu.held_paused() && self.qemu.run_state()?.is_running();
         if running {
             self.qemu.pause()?;
         }

@@ -310,6 +310,8 @@ pub struct Qmp {
     next_id: u64,
     events: VecDeque<Event>,
     dropped_events: u64,
+    /// `RESUME` events read (taken or not), plus one per reconnection.
+    resumes: u64,
     greeting: Greeting,
     timeout: Duration,
     broken: Option<String>,
@@ -372,6 +374,9 @@ impl Qmp {
         events.extend(fresh.events.drain(..));
         fresh.events = events;
         fresh.dropped_events += self.dropped_events;
+        // Whatever QEMU said while nobody listened is lost: it may have
+        // been a RESUME.
+        fresh.resumes += self.resumes + 1;
         fresh.next_id = self.next_id;
         *self = fresh;
         Ok(())
@@ -386,6 +391,7 @@ impl Qmp {
             next_id: 1,
             events: VecDeque::new(),
             dropped_events: 0,
+            resumes: 0,
             greeting: Greeting::default(),
             timeout,
             broken: None,
@@ -546,6 +552,14 @@ impl Qmp {
         self.dropped_events
     }
 
+    /// How many `RESUME` events this connection has read (each time
+    /// anyone ran the VM: this client, another one, or QEMU itself),
+    /// counting a reconnection as one: unchanged between two calls means
+    /// nothing read in between says the VM ran.
+    pub fn resumes_seen(&self) -> u64 {
+        self.resumes
+    }
+
     /// Reads what QEMU sends for up to `timeout` (at least one read
     /// attempt), buffering events; returns how many events are buffered.
     pub fn poll_events(&mut self, timeout: Duration) -> Result<usize, QmpError> {
@@ -588,6 +602,9 @@ impl Qmp {
     }
 
     fn push_event(&mut self, e: Event) {
+        if e.name == "RESUME" {
+            self.resumes += 1;
+        }
         if self.events.len() >= MAX_EVENTS {
             self.events.pop_front();
             self.dropped_events += 1;
