@@ -1102,6 +1102,10 @@ struct Captured {
     resumed_at: Instant,
 }
 
+/// The largest page buffer kept from one epoch for the next (the default
+/// `--page-cache`'s size).
+const SPARE_RAW_MAX: usize = 64 << 20;
+
 struct Primary {
     src: Source,
     link: Arc<Link>,
@@ -1142,6 +1146,10 @@ struct Primary {
     /// reused from frame to frame and epoch to epoch.
     frame: Vec<u8>,
     scratch: PageScratch,
+    /// The last epoch's page buffer, for the next capture: a fresh one
+    /// would be faulted in page by page during the pause (each fault
+    /// emulated in a test host).
+    spare_raw: Vec<u8>,
     /// The pages the backup's committed image holds, as last sent: what
     /// epochs' pages go as deltas against (see `page_cache`).
     page_cache: PageCache,
@@ -1583,7 +1591,9 @@ impl Primary {
         report.disk_capture_ms = ms_since(tk);
         let tc = Instant::now();
         let pages: Vec<u64> = self.carry.iter().copied().collect();
-        let mut raw = vec![0u8; pages.len() * PAGE];
+        // Every byte is copied over below: only growth needs zeroing.
+        let mut raw = std::mem::take(&mut self.spare_raw);
+        raw.resize(pages.len() * PAGE, 0);
         for (i, p) in pages.iter().enumerate() {
             let page = &mut raw[i * PAGE..(i + 1) * PAGE];
             self.src.ram.read(p * PAGE_SIZE, page)?;
@@ -1747,6 +1757,15 @@ impl Primary {
         }
     }
 
+    /// Keeps an epoch's page buffer for the next capture, unless a
+    /// one-off (a catch-up after a resynchronisation) made it larger than
+    /// [`SPARE_RAW_MAX`].
+    fn recycle(&mut self, raw: Vec<u8>) {
+        if raw.capacity() <= SPARE_RAW_MAX {
+            self.spare_raw = raw;
+        }
+    }
+
     /// One epoch: capture, stream, ack, release output.
     fn epoch_once(&mut self) -> Result<(), EpochError> {
         let period = self.schedule.started(Instant::now());
@@ -1763,6 +1782,7 @@ impl Primary {
             // Nothing goes to the backup; the output goes out as if it
             // had acknowledged (the benchmark's VM is not protected).
             cap.report.pages = cap.pages.len() as u64;
+            self.recycle(std::mem::take(&mut cap.raw));
             self.carry.clear();
             let next = self.link.lock().policy.next_epoch();
             cap.report.released = self.src.vm.release_output(next).map_err(EpochError::Vm)?;
@@ -1773,6 +1793,7 @@ impl Primary {
             return Ok(());
         }
         let generation = self.send(&mut cap)?;
+        self.recycle(std::mem::take(&mut cap.raw));
         self.carry.clear();
         self.released = 0;
         self.event(Event::Acked {
@@ -2497,6 +2518,7 @@ pub fn checkpoint(
         acked_state: None,
         frame: Vec::new(),
         scratch: PageScratch::default(),
+        spare_raw: Vec::new(),
         // No bigger than the guest's RAM: more could never fill.
         page_cache: PageCache::new(opts.page_cache.min(ram_size)),
         witness,

@@ -615,7 +615,7 @@ impl Vmm for Qemu {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::super::qmp::tests::{fake_qemu, ret};
     use super::*;
 

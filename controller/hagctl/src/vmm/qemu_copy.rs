@@ -888,4 +888,137 @@ mod tests {
             .unwrap_err()
             .contains("2 shared memory backends (a, b)"));
     }
+
+    /// A native estimate of an epoch's pause (`cargo test --release -p
+    /// hagctl native_pause_steps -- --ignored --nocapture`): a QEMU 10
+    /// shaped as the checkpoint benchmark's VM but for its vGPU (q35, 256
+    /// MiB in a shared file, virtio-net with its option ROM, a serial
+    /// port; TCG, its guest idle in the firmware: KVM cannot run here)
+    /// through the pause's own code, 30 times: `stop`, the soft-dirty
+    /// read and clear, the device-state save, a copy of 2354 pages (the
+    /// 2 s benchmark's median), `cont`. Prints each step's median; asserts
+    /// only that the steps work. What a test host cannot show: the same
+    /// code at the hardware's speed (without KVM's dirty-log switches and
+    /// the vGPU's 131 KB, which a real host adds).
+    #[test]
+    #[ignore = "starts QEMU; a measurement"]
+    fn native_pause_steps() {
+        use crate::vmm::copy::CopyVm;
+        let Some(_) = super::super::qemu::tests::qemu_10() else {
+            eprintln!("skipped: no qemu-system-x86_64 10 or later");
+            return;
+        };
+        let dir = std::env::temp_dir().join(format!("hagctl-native-pause-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sock = dir.join("vm.qmp");
+        let ram_path = dir.join("vm.ram");
+        let mut child = std::process::Command::new("qemu-system-x86_64")
+            .args([
+                "-accel",
+                "tcg",
+                "-machine",
+                "q35,memory-backend=ram0",
+                "-m",
+                "256",
+            ])
+            .arg("-object")
+            .arg(format!(
+                "memory-backend-file,id=ram0,size=256M,mem-path={},share=on",
+                ram_path.display()
+            ))
+            .args(["-nodefaults", "-no-user-config", "-display", "none"])
+            .args([
+                "-netdev",
+                "socket,id=net0,udp=127.0.0.1:9,localaddr=127.0.0.1:0",
+            ])
+            .args(["-device", "virtio-net-pci,netdev=net0"])
+            .arg("-serial")
+            .arg(format!("file:{}", dir.join("console").display()))
+            .arg("-qmp")
+            .arg(format!("unix:{},server=on,wait=off", sock.display()))
+            .stdin(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let t = Instant::now();
+        let mut qemu = loop {
+            match Qemu::connect(&sock, Duration::from_secs(10)) {
+                Ok(q) => break q,
+                Err(_) if t.elapsed() < Duration::from_secs(20) => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+                Err(e) => {
+                    let _ = child.kill();
+                    panic!("{e}");
+                }
+            }
+        };
+        qemu.apply(&MigrationSettings {
+            capabilities: vec![("events".into(), true)],
+            ..MigrationSettings::default()
+        })
+        .unwrap();
+        let pid = qemu.qmp().peer_pid().unwrap();
+        let (ram_map, ram) = Mapping::open(pid, 256 << 20, None).unwrap();
+        let ram_file = RamFile::of(&ram_map, &ram).unwrap();
+        let disks = DiskEpochs::open(qemu.qmp(), &dir.join("deltas")).unwrap();
+        let mut vm = QemuVm {
+            qemu,
+            ram: ram_map,
+            ram_id: "ram0".into(),
+            gates: Vec::new(),
+            holding: false,
+            withhold_cpu_dirty: false,
+            ram_file,
+            memdevs: 1,
+            next_recheck: Instant::now() + RECHECK_EVERY,
+            unprotectable: None,
+            disks,
+        };
+        // Let the firmware settle (it finds nothing to boot and waits).
+        std::thread::sleep(Duration::from_secs(2));
+        let pages: Vec<u64> = (0..2354u64).map(|i| (i * 27) % (256 << 8)).collect();
+        let mut buf = vec![0u8; pages.len() * 4096];
+        let names = [
+            "stop",
+            "dirty logs",
+            "device state",
+            "copy pages",
+            "cont",
+            "pause",
+        ];
+        let mut steps: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+        let mut state_len = 0;
+        for _ in 0..30 {
+            let t0 = Instant::now();
+            let mut last = t0;
+            let mut lap = |steps: &mut Vec<Vec<f64>>, i: usize| {
+                let now = Instant::now();
+                steps[i].push((now - last).as_secs_f64() * 1e3);
+                last = now;
+            };
+            vm.pause().unwrap();
+            lap(&mut steps, 0);
+            vm.cpu_dirty_log().unwrap();
+            lap(&mut steps, 1);
+            state_len = vm.vm_state().unwrap().len();
+            lap(&mut steps, 2);
+            for (p, page) in pages.iter().zip(buf.chunks_exact_mut(4096)) {
+                ram.read(p * 4096, page).unwrap();
+            }
+            lap(&mut steps, 3);
+            vm.resume().unwrap();
+            lap(&mut steps, 4);
+            steps[5].push(t0.elapsed().as_secs_f64() * 1e3);
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        eprintln!("native pause steps, median of 30 epochs (device state {state_len} bytes):");
+        for (name, mut v) in names.iter().zip(steps) {
+            v.sort_by(f64::total_cmp);
+            eprintln!("  {name:<13} {:7.2} ms", v[v.len() / 2]);
+        }
+        drop(vm);
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
