@@ -911,6 +911,24 @@ pub(crate) mod tests {
         );
     }
 
+    /// A connection to the QMP socket `sock` of QEMU `child`, once it
+    /// listens (within 20 s; `child` killed if not).
+    pub(crate) fn connect_when_up(sock: &Path, child: &mut std::process::Child) -> Qemu {
+        let t = Instant::now();
+        loop {
+            match Qemu::connect(sock, Duration::from_secs(10)) {
+                Ok(vm) => return vm,
+                Err(_) if t.elapsed() < Duration::from_secs(20) => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+                Err(e) => {
+                    let _ = child.kill();
+                    panic!("{e}");
+                }
+            }
+        }
+    }
+
     /// `qemu-system-x86_64`, if it is QEMU 10 or later.
     pub(crate) fn qemu_10() -> Option<String> {
         let out = std::process::Command::new("qemu-system-x86_64")
@@ -952,18 +970,7 @@ pub(crate) mod tests {
             .spawn()
             .unwrap();
         let t = Instant::now();
-        let mut vm = loop {
-            match Qemu::connect(&sock, Duration::from_secs(10)) {
-                Ok(vm) => break vm,
-                Err(_) if t.elapsed() < Duration::from_secs(20) => {
-                    std::thread::sleep(Duration::from_millis(50))
-                }
-                Err(e) => {
-                    let _ = child.kill();
-                    panic!("{e}");
-                }
-            }
-        };
+        let mut vm = connect_when_up(&sock, &mut child);
         assert_eq!(vm.version().to_string(), version);
         assert!(vm.run_state().unwrap().is_running());
         // Saving needs a paused VM.

@@ -903,8 +903,9 @@ mod tests {
     #[test]
     #[ignore = "starts QEMU; a measurement"]
     fn native_pause_steps() {
+        use super::super::qemu::tests::{connect_when_up, qemu_10};
         use crate::vmm::copy::CopyVm;
-        let Some(_) = super::super::qemu::tests::qemu_10() else {
+        let Some(_) = qemu_10() else {
             eprintln!("skipped: no qemu-system-x86_64 10 or later");
             return;
         };
@@ -939,19 +940,7 @@ mod tests {
             .stdin(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        let t = Instant::now();
-        let mut qemu = loop {
-            match Qemu::connect(&sock, Duration::from_secs(10)) {
-                Ok(q) => break q,
-                Err(_) if t.elapsed() < Duration::from_secs(20) => {
-                    std::thread::sleep(Duration::from_millis(50))
-                }
-                Err(e) => {
-                    let _ = child.kill();
-                    panic!("{e}");
-                }
-            }
-        };
+        let mut qemu = connect_when_up(&sock, &mut child);
         qemu.apply(&MigrationSettings {
             capabilities: vec![("events".into(), true)],
             ..MigrationSettings::default()
