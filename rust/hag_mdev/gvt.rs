@@ -595,7 +595,8 @@ impl GvtVgpu {
 
     /// The snapshot's parts, in the order GVT restores them, once
     /// everything hag can check is: format, checksum, source, GGTT size and
-    /// every part's length. GVT checks the contents.
+    /// every part's length but the execlist state's. GVT checks the
+    /// contents.
     fn parts<'a>(&self, bytes: &'a [u8]) -> Result<[&'a [u8]; GvtPart::RESTORE_ORDER.len()]> {
         let snap = Snapshot::parse(bytes).map_err(errno)?;
         if u32::from(snap.source) != abi::VGPU_SOURCE_GVT || snap.gfx_mem_size != self.ggtt_size {
@@ -611,7 +612,13 @@ impl GvtVgpu {
         }
         let mut bodies: [&[u8]; GvtPart::RESTORE_ORDER.len()] = [&[]; GvtPart::RESTORE_ORDER.len()];
         for (body, part) in bodies.iter_mut().zip(GvtPart::RESTORE_ORDER) {
-            *body = snap.section(part.tag(), self.handle.part_size(part)?).map_err(errno)?;
+            *body = match part {
+                // Its size follows the PPGTTs the source's guest had: GVT
+                // checks it against their count (and caps it).
+                GvtPart::Execlist => snap.section_as_saved(part.tag()),
+                _ => snap.section(part.tag(), self.handle.part_size(part)?),
+            }
+            .map_err(errno)?;
         }
         Ok(bodies)
     }

@@ -334,14 +334,22 @@ impl<'a> Snapshot<'a> {
 
     /// The body of the section `tag`, which must be `len` bytes.
     pub fn section(&self, tag: u32, len: usize) -> Result<&'a [u8], SnapshotError> {
+        let bytes = self.section_as_saved(tag)?;
+        if bytes.len() == len {
+            Ok(bytes)
+        } else {
+            Err(SnapshotError::Malformed("section of the wrong length"))
+        }
+    }
+
+    /// The body of the section `tag`, of the length it was saved with:
+    /// for a part whose size the saved state decides, checked by its
+    /// reader.
+    pub fn section_as_saved(&self, tag: u32) -> Result<&'a [u8], SnapshotError> {
         for section in self.sections() {
             let (t, bytes) = section?;
             if t == tag {
-                return if bytes.len() == len {
-                    Ok(bytes)
-                } else {
-                    Err(SnapshotError::Malformed("section of the wrong length"))
-                };
+                return Ok(bytes);
             }
         }
         Err(SnapshotError::Malformed("section missing"))
@@ -489,6 +497,10 @@ mod tests {
         assert_eq!(s.section(TAG_GTT, 24).unwrap()[23], 9);
         assert!(s.section(TAG_GTT, 16).is_err());
         assert!(s.section(TAG_REGS, 4).is_err());
+        // A part whose saved state decides its size: as saved, unpadded.
+        assert_eq!(s.section_as_saved(TAG_ENGINE).unwrap().len(), 16);
+        assert_eq!(s.section_as_saved(TAG_GTT).unwrap().len(), 24);
+        assert!(s.section_as_saved(TAG_REGS).is_err());
     }
 
     #[test]
