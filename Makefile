@@ -1,7 +1,8 @@
 # hag: high availability for virtualized GPUs.
 #
-#   make          build only (nothing installed): the test kernel if it is not
-#                 cached under $(HAG_CACHE), hag_mdev.ko and hagctl
+#   make          build only (nothing installed): the test kernel and the test
+#                 hosts' QEMU if they are not cached under $(HAG_CACHE),
+#                 hag_mdev.ko and hagctl
 #   make deps     install what building and testing need (Debian packages,
 #                 bookworm-backports' QEMU and libvirt, bindgen): the test
 #                 targets (test, demo, eval*) run it first
@@ -43,7 +44,7 @@ TOOLCHAIN := . scripts/toolchain.sh
 MODULE := rust/hag_mdev/hag_mdev.ko
 HAGCTL := controller/target/release/hagctl
 
-.PHONY: all deps kernel module controller check-userspace fuzz test demo clean \
+.PHONY: all deps kernel host-qemu module controller check-userspace fuzz test demo clean \
 	install hagctl-production deb package-check test-package-check \
 	test-check-userspace test-production-module test-fuzz test-scenarios test-eval-selftest test-gvt-test \
 	test-debug-test-if-cached \
@@ -52,13 +53,18 @@ HAGCTL := controller/target/release/hagctl
 # Where `make eval` writes: the README links the plots in docs/eval.
 EVAL_OUT ?= docs/eval
 
-all: module controller
+all: module controller host-qemu
 
 deps:
 	@scripts/install-deps.sh
 
 kernel:
 	@scripts/build-kernel.sh
+
+# The test hosts' qemu-system-x86_64: Debian's QEMU 10.0.2 source with the
+# TCG fixes in scripts/qemu/ (scripts/build-qemu.sh says why), cached.
+host-qemu:
+	@scripts/build-qemu.sh
 
 # The kernel's build system decides itself whether the module is up to date,
 # but only within one tree: its command lines use tree-relative paths, so

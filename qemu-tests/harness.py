@@ -2,7 +2,8 @@
 private network, running scenario scripts.
 
 A test host is `qemu-system-x86_64 -accel tcg` (this machine's /dev/kvm
-cannot boot Linux) with the test kernel and an initramfs holding busybox,
+cannot boot Linux; the binary scripts/build-qemu.sh builds, QEMU 10.0.2
+with two fixes for TCG's nested SVM) with the test kernel and an initramfs holding busybox,
 hag_mdev.ko, hagctl (with its shared libraries) and the guest scripts. Its
 /init (guest/init) runs the scenario named on the kernel command line and
 reports on the serial console, which goes to a log file here.
@@ -108,6 +109,9 @@ class Build:
     hagctl: Path
     vmm: Path
     guest: Path
+    # The test hosts' QEMU (scripts/build-qemu.sh: 10.0.2 with two TCG
+    # fixes for nested SVM); the VMs inside them run Debian's.
+    qemu: Path
     # In-tree modules hag_mdev.ko needs loaded first (besides mdev.ko).
     needs: list = field(default_factory=list)
 
@@ -139,10 +143,15 @@ class Build:
             hagctl=ROOT / "controller/target/release/hagctl",
             vmm=ROOT / "controller/target/release/hag-vmm",
             guest=Path(os.environ.get("HAG_GUEST_BIN", ROOT / "controller/target/release/hag-guest")),
+            # HAG_HOST_QEMU: another qemu-system-x86_64 (Debian's, to compare).
+            qemu=Path(os.environ.get("HAG_HOST_QEMU") or subprocess.run(
+                [str(ROOT / "scripts/build-qemu.sh"), "--print-path"],
+                check=True, capture_output=True, text=True,
+            ).stdout.strip()),
             needs=[tree / "drivers/gpu/drm/i915/kvmgt.ko"] if gvt else [],
         )
         make = f"make {flavour} controller" if flavour in ("gvt", "debug") else "make"
-        for path in (build.bzimage, build.module, build.hagctl, build.vmm, build.guest, *build.needs):
+        for path in (build.bzimage, build.module, build.hagctl, build.vmm, build.guest, build.qemu, *build.needs):
             if not path.exists():
                 raise SystemExit(f"qemu-tests: {path} missing: run `{make}` first")
         return build
@@ -697,7 +706,7 @@ def run_scenario(build, initramfs, script, logdir, on_output=None, placement=Non
             cmd = [
                 # Threads named for what they run ("CPU 1/TCG"): the
                 # benchmark's placement pins them by name.
-                "qemu-system-x86_64", "-name", f"host{i},debug-threads=on",
+                str(build.qemu), "-name", f"host{i},debug-threads=on",
                 # HAG_HOST_ACCEL: e.g. tcg,thread=single (every vCPU of a
                 # host in one thread; see Host.lost_cpu).
                 "-accel", os.environ.get("HAG_HOST_ACCEL", "tcg"), "-m", str(memory),

@@ -13,6 +13,9 @@
 #   VMs with them (Debian 12's QEMU 7.2 has only VFIO migration v1, which
 #   kernel 6.12 removed). Only these packages are pinned to backports, so
 #   nothing else (systemd, say) is upgraded from there.
+#   The test hosts' QEMU (scripts/build-qemu.sh) builds from source with
+#   meson 1.7 (QEMU 10 needs 1.5; Debian 12 has 1.0) and python3-pycotap
+#   from bookworm-backports, pinned like QEMU, and ninja, GLib, zlib, libfdt.
 #   bindgen-cli: Debian's 0.60 is older than the kernel's minimum 0.65.1, so
 #   a pinned version is built from crates.io into $HAG_TOOLS.
 set -euo pipefail
@@ -31,6 +34,8 @@ packages=(
 	qemu-utils
 	# real VMs in the test hosts (from bookworm-backports, pinned below)
 	libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients
+	# UEFI firmware for a VM (qemu_migrate_ovmf)
+	ovmf
 	# the evaluation's plots (qemu-tests/eval)
 	python3-matplotlib
 	# the Debian guest's root filesystem (scripts/build-guest-rootfs.sh)
@@ -45,13 +50,17 @@ packages=(
 	pacemaker pacemaker-cli-utils corosync corosync-qdevice corosync-qnetd pcs
 	# make package-check validates the resource agent's meta-data
 	libxml2-utils
+	# scripts/build-qemu.sh: the test hosts' QEMU (meson and pycotap from
+	# bookworm-backports, pinned below)
+	curl bzip2 pkg-config ninja-build meson python3-pycotap python3-venv
+	libglib2.0-dev zlib1g-dev libfdt-dev
 	# libvirt under AppArmor in a test host (quick_start): the parser of
 	# libvirt's profiles (libvirt-daemon has them and virt-aa-helper)
 	apparmor
 )
 
-# Backports, and a pin that takes just QEMU, libvirt and QEMU's firmware
-# from there.
+# Backports, and a pin that takes just QEMU, libvirt, QEMU's firmware and
+# the meson that builds the test hosts' QEMU from there.
 backports_list=/etc/apt/sources.list.d/hag-backports.sources
 backports_pin=/etc/apt/preferences.d/hag-backports
 want_list='Types: deb
@@ -59,7 +68,7 @@ URIs: http://deb.debian.org/debian
 Suites: bookworm-backports
 Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg'
-want_pin='Package: qemu-system-x86 qemu-system-common qemu-system-data qemu-system-gui qemu-system-modules-* qemu-block-extra qemu-utils libvirt* seabios ipxe-qemu ovmf
+want_pin='Package: qemu-system-x86 qemu-system-common qemu-system-data qemu-system-gui qemu-system-modules-* qemu-block-extra qemu-utils libvirt* seabios ipxe-qemu ovmf meson python3-pycotap
 Pin: release n=bookworm-backports
 Pin-Priority: 500'
 if [ "$(cat "$backports_list" 2>/dev/null)" != "$want_list" ] || [ "$(cat "$backports_pin" 2>/dev/null)" != "$want_pin" ]; then
@@ -77,6 +86,11 @@ qemu_version=$(dpkg-query -W -f='${Version}' qemu-system-x86 2>/dev/null || true
 case $qemu_version in
 '' | 1:10.* | 1:1[1-9].*) ;;
 *) missing+=(qemu-system-x86) ;;
+esac
+# So is a meson older than QEMU 10's minimum 1.5 (Debian 12's own 1.0).
+case $(dpkg-query -W -f='${Version}' meson 2>/dev/null || true) in
+'' | 1.[5-9].* | 1.[1-9][0-9].*) ;;
+*) missing+=(meson) ;;
 esac
 if ((${#missing[@]})); then
 	echo "install-deps: installing Debian packages: ${missing[*]}"

@@ -259,12 +259,20 @@ VM_MIB=256
 # words. VM_DISK=FILE adds a virtio-blk disk with device id vda (the
 # guest's /dev/vda) on that image, of format VM_DISK_FORMAT (qcow2 unless
 # set). VM_DEBIAN=1 boots the Debian guest from that disk instead
-# (debian_disk makes one; vm-init switches to its root). The same words start a standby (hagctl backup -- …).
+# (debian_disk makes one; vm-init switches to its root). VM_FIRMWARE=ovmf
+# boots through UEFI firmware (Debian's ovmf) instead of SeaBIOS; VM_MEM_OPTS
+# adds -m options (",slots=1,maxmem=…"); VM_QEMU_ARGS more QEMU words. The
+# same words start a standby (hagctl backup -- …).
 vm_words() {
 	local name=$1 uuid=$2 gargs=$3 w names=
 	[ "${VM_THREAD_NAMES:-0}" != 1 ] || names=,debug-threads=on
-	w="qemu-system-x86_64 -name $name$names -accel kvm -cpu host -m $VM_MIB -smp 1"
+	w="qemu-system-x86_64 -name $name$names -accel kvm -cpu host -m $VM_MIB${VM_MEM_OPTS:-} -smp 1"
 	w="$w -machine q35 -nodefaults -no-user-config -display none -no-reboot"
+	case ${VM_FIRMWARE:-seabios} in
+	seabios) ;;
+	ovmf) w="$w -bios /usr/share/ovmf/OVMF.fd" ;;
+	*) fail "VM_FIRMWARE=$VM_FIRMWARE: seabios or ovmf" ;;
+	esac
 	w="$w -kernel $(vm_kernel) -initrd $(vm_initrd)"
 	local root=
 	[ "${VM_DEBIAN:-0}" != 1 ] || root=$DEBIAN_BOOT_WORDS
@@ -287,7 +295,7 @@ vm_words() {
 		w="$w -netdev tap,id=net0,ifname=vmtap0,script=/hag/vm-ifup,downscript=no"
 		w="$w -device virtio-net-pci,netdev=net0,mac=52:54:00:56:4d:01"
 	fi
-	echo "$w"
+	echo "$w ${VM_QEMU_ARGS:-}"
 }
 
 # debian_image: the runner's cached Debian guest image (read-only).
