@@ -1157,6 +1157,11 @@ static void hag_gvt_gtt_mapped(struct intel_vgpu *vgpu, u64 gfn, u64 nr)
 	hag_ops->gvt_gtt_mapped(hag_ctx, vgpu, gfn, nr);
 }
 
+static void hag_gvt_aperture_mapped(struct intel_vgpu *vgpu, u64 gfn, u64 nr)
+{
+	hag_ops->gvt_aperture_mapped(hag_ctx, vgpu, gfn, nr);
+}
+
 static void hag_gvt_guest_written(struct intel_vgpu *vgpu, u64 gpa, u64 len)
 {
 	hag_ops->gvt_guest_written(hag_ctx, vgpu, gpa, len);
@@ -1176,6 +1181,7 @@ static const struct intel_gvt_audit_ops hag_gvt_ops = {
 	.guest_written = hag_gvt_guest_written,
 	.pages_mapped = hag_gvt_pages_mapped,
 	.gtt_mapped = hag_gvt_gtt_mapped,
+	.aperture_mapped = hag_gvt_aperture_mapped,
 	.batch_check = hag_gvt_batch_check,
 	.owner = THIS_MODULE,
 	.vfio = &hag_gvt_vfio_ops,
@@ -1221,6 +1227,11 @@ u64 hag_gvt_ggtt_size(void *vgpu)
 int hag_gvt_wait_idle(void *vgpu)
 {
 	return intel_gvt_audit_wait_idle(vgpu);
+}
+
+void hag_gvt_mark_aperture(void *vgpu)
+{
+	intel_gvt_audit_mark_aperture(vgpu);
 }
 
 long hag_gvt_part_size(void *vgpu, u32 part)
@@ -1277,6 +1288,10 @@ u64 hag_gvt_ggtt_size(void *vgpu)
 int hag_gvt_wait_idle(void *vgpu)
 {
 	return -ENODEV;
+}
+
+void hag_gvt_mark_aperture(void *vgpu)
+{
 }
 
 long hag_gvt_part_size(void *vgpu, u32 part)

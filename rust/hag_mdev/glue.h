@@ -92,6 +92,8 @@ struct hag_rs_ops {
 	void (*gvt_pages_mapped)(const void *ctx, void *vgpu, u64 gfn, u64 nr,
 				 bool map);
 	void (*gvt_gtt_mapped)(const void *ctx, void *vgpu, u64 gfn, u64 nr);
+	void (*gvt_aperture_mapped)(const void *ctx, void *vgpu, u64 gfn,
+				    u64 nr);
 };
 
 /* An event message under construction; freed by multicast or cancel. */
@@ -175,6 +177,7 @@ unsigned int hag_gvt_nr_devices(void);
 int hag_gvt_gma_to_gfn(const void *wl, u64 gma, u32 ppgtt, u64 *gfn);
 u64 hag_gvt_ggtt_size(void *vgpu);
 int hag_gvt_wait_idle(void *vgpu);
+void hag_gvt_mark_aperture(void *vgpu);
 long hag_gvt_part_size(void *vgpu, u32 part);
 int hag_gvt_save_part(void *vgpu, u32 part, void *buf, size_t len);
 int hag_gvt_check_part(void *vgpu, u32 part, const void *buf, size_t len);

@@ -114,6 +114,10 @@ pub(crate) trait GvtObserver {
     fn gvt_pages_mapped(&self, vgpu: usize, gfn: u64, nr: u64, map: bool);
     /// A GTT entry of the vGPU at `vgpu` now maps `nr` pages from `gfn`.
     fn gvt_gtt_mapped(&self, vgpu: usize, gfn: u64, nr: u64);
+    /// The mappable GGTT range of the vGPU at `vgpu` maps, or mapped until
+    /// now, `nr` pages from `gfn`: the guest's CPU may have written them
+    /// through the aperture.
+    fn gvt_aperture_mapped(&self, vgpu: usize, gfn: u64, nr: u64);
 }
 
 /// Everything the registered interfaces call back.
@@ -151,6 +155,7 @@ pub(crate) struct RsOps {
     gvt_guest_written: extern "C" fn(*const c_void, *mut c_void, u64, u64),
     gvt_pages_mapped: extern "C" fn(*const c_void, *mut c_void, u64, u64, bool),
     gvt_gtt_mapped: extern "C" fn(*const c_void, *mut c_void, u64, u64),
+    gvt_aperture_mapped: extern "C" fn(*const c_void, *mut c_void, u64, u64),
 }
 
 /// The table for driver `T`, as upstream's `MiscdeviceVTable<T>` builds
@@ -185,6 +190,7 @@ impl<T: Driver> Vtable<T> {
         gvt_guest_written: gvt_guest_written::<T>,
         gvt_pages_mapped: gvt_pages_mapped::<T>,
         gvt_gtt_mapped: gvt_gtt_mapped::<T>,
+        gvt_aperture_mapped: gvt_aperture_mapped::<T>,
     };
 
     fn build() -> &'static RsOps {
@@ -954,6 +960,7 @@ extern "C" {
     fn hag_gvt_gma_to_gfn(wl: *const c_void, gma: u64, ppgtt: u32, gfn: *mut u64) -> c_int;
     fn hag_gvt_ggtt_size(vgpu: *mut c_void) -> u64;
     fn hag_gvt_wait_idle(vgpu: *mut c_void) -> c_int;
+    fn hag_gvt_mark_aperture(vgpu: *mut c_void);
     fn hag_gvt_part_size(vgpu: *mut c_void, part: u32) -> c_long;
     fn hag_gvt_save_part(vgpu: *mut c_void, part: u32, buf: *mut c_void, len: usize) -> c_int;
     fn hag_gvt_check_part(vgpu: *mut c_void, part: u32, buf: *const c_void, len: usize) -> c_int;
@@ -1081,6 +1088,16 @@ impl GvtHandle {
     pub(crate) fn wait_idle(&self) -> Result {
         // SAFETY: `with_live` passes a vGPU GVT has not removed.
         check(self.with_live(|vgpu| unsafe { hag_gvt_wait_idle(vgpu) })?)
+    }
+
+    /// Has GVT report, through `GvtObserver::gvt_aperture_mapped`, every
+    /// guest page the vGPU's mappable GGTT range maps now
+    /// (`intel_gvt_audit_mark_aperture`, under GVT's vGPU lock): the
+    /// caller holds neither the table's lock nor the vGPU's, which that
+    /// callback takes.
+    pub(crate) fn mark_aperture(&self) -> Result {
+        // SAFETY: `with_live` passes a vGPU GVT has not removed.
+        self.with_live(|vgpu| unsafe { hag_gvt_mark_aperture(vgpu) })
     }
 
     /// Bytes of one part of the vGPU's snapshot.
@@ -1211,6 +1228,12 @@ extern "C" fn gvt_batch_check<T: Driver>(ctx: *const c_void, vgpu: *mut c_void) 
 extern "C" fn gvt_gtt_mapped<T: Driver>(ctx: *const c_void, vgpu: *mut c_void, gfn: u64, nr: u64) {
     // SAFETY: as in `gvt_vgpu_added`.
     unsafe { state::<T>(ctx) }.gvt_gtt_mapped(vgpu as usize, gfn, nr);
+}
+
+/// The aperture maps, or mapped, guest pages.
+extern "C" fn gvt_aperture_mapped<T: Driver>(ctx: *const c_void, vgpu: *mut c_void, gfn: u64, nr: u64) {
+    // SAFETY: as in `gvt_vgpu_added`.
+    unsafe { state::<T>(ctx) }.gvt_aperture_mapped(vgpu as usize, gfn, nr);
 }
 
 /// GVT wrote guest memory itself.

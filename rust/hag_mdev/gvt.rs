@@ -27,6 +27,13 @@
 //! guest memory (context write-back, context status buffer) are reported
 //! and marked as they happen.
 //!
+//! The guest's CPU writes guest pages through the aperture (BAR2, mapped
+//! into the VM with no trap: no dirty log of the VM's sees those writes).
+//! GVT reports every page the mappable GGTT range maps before each read of
+//! either log, and each page a guest GGTT write stops it mapping, and hag
+//! marks them ([`GvtVgpu::aperture_mapped`]): a conservative set, all the
+//! pages the guest could have written that way.
+//!
 //! Context snapshots of a GVT-g vGPU are GVT's own parts (virtual
 //! registers, config space, GGTT entries, execlist state) saved through the
 //! functions the patch exports, each in a section of hag's snapshot format;
@@ -80,6 +87,9 @@ pub(crate) struct GvtStats {
     pub(crate) pages_marked: u64,
     /// Guest writes GVT reported (context write-back, status buffer).
     pub(crate) gvt_writes: u64,
+    /// Pages the aperture mapped when it was reported (at each read, and
+    /// as a GGTT entry stopped mapping one), each marked.
+    pub(crate) aperture_pages: u64,
     /// Workloads whose PPGTT batch the guest changed after the scan.
     pub(crate) changed_batches: u64,
 }
@@ -502,6 +512,35 @@ impl GvtVgpu {
         inner.stats.pages_marked += marked;
     }
 
+    /// The mappable GGTT range maps, or mapped until now, `nr` pages from
+    /// `gfn`: the guest's CPU may have written them through the aperture
+    /// (BAR2), which no dirty log of the VM's sees. They are marked. GVT
+    /// reports every page the range maps at each read of either log,
+    /// before the read, and each page an entry stops mapping as it does,
+    /// so a page written through the aperture is marked after the write
+    /// and reported by the next read that takes the log after that mark.
+    pub(crate) fn aperture_mapped(&self, gfn: u64, nr: u64) {
+        // No run is longer than the GGTT has entries.
+        let nr = nr.min(self.ggtt_size / abi::DIRTY_PAGE_SIZE);
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        if inner.logs.present() == 0 {
+            return;
+        }
+        inner.stats.aperture_pages += nr;
+        let marked: u64 = (gfn..gfn.saturating_add(nr)).map(|page| u64::from(inner.logs.mark_gfn(page))).sum();
+        inner.stats.pages_marked += marked;
+    }
+
+    /// Moves `/dev/hag`'s dirty bits into `words`; returns how many pages
+    /// that is ([`GvtInner::read_and_clear`]). GVT reports what the
+    /// aperture maps first (kvmgt's DMA-logging read does the same for
+    /// VFIO's log), with neither lock held: its callback takes them.
+    pub(crate) fn read_and_clear(&self, room: u64, words: &mut KVVec<u64>) -> Result<u64> {
+        self.handle.mark_aperture()?;
+        self.inner.lock().read_and_clear(room, words)
+    }
+
     /// GVT mapped (`map`) or is unmapping `nr` guest pages from `gfn`.
     pub(crate) fn pages_mapped(&self, gfn: u64, nr: u64, map: bool) {
         let mut guard = self.inner.lock();
@@ -540,7 +579,7 @@ impl GvtVgpu {
             (inner.stats, inner.coverage())
         };
         pr_info!(
-            "GVT vGPU {} (hag vGPU {}) {}: {} workloads, {} precise, {} fallback ({} not modelled, {} PPGTT batches changed), {} commands, {} pages marked, {} GVT writes\n",
+            "GVT vGPU {} (hag vGPU {}) {}: {} workloads, {} precise, {} fallback ({} not modelled, {} PPGTT batches changed), {} commands, {} pages marked, {} GVT writes, {} aperture pages\n",
             self.gvt_id,
             self.id,
             why,
@@ -551,7 +590,8 @@ impl GvtVgpu {
             s.changed_batches,
             s.commands,
             s.pages_marked,
-            s.gvt_writes
+            s.gvt_writes,
+            s.aperture_pages
         );
     }
 
@@ -849,6 +889,12 @@ impl glue::GvtObserver for State {
     fn gvt_pages_mapped(&self, vgpu: usize, gfn: u64, nr: u64, map: bool) {
         if let Some(gvt) = self.gvt_vgpu(vgpu) {
             gvt.pages_mapped(gfn, nr, map);
+        }
+    }
+
+    fn gvt_aperture_mapped(&self, vgpu: usize, gfn: u64, nr: u64) {
+        if let Some(gvt) = self.gvt_vgpu(vgpu) {
+            gvt.aperture_mapped(gfn, nr);
         }
     }
 }
