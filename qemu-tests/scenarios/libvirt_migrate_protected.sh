@@ -103,6 +103,11 @@ else
 		domain_running() { [ "$(in_root virsh domstate "$DOM")" = running ]; }
 		wait_for 10 domain_running || {
 			tail -20 "$CP_LOG"
+			# What QEMU itself says, through libvirt's monitor.
+			for cmd in query-status query-migrate query-migrate-capabilities; do
+				timeout 40 chroot "$HOST_ROOT" virsh qemu-monitor-command "$DOM" "{\"execute\": \"$cmd\"}" || true
+			done
+			echo "hagctl's log since:"; tail -5 "$CP_LOG"
 			fail "domain state after a refused migration: $(in_root virsh domstate --reason "$DOM"), expected running"
 		}
 		sleep 2
