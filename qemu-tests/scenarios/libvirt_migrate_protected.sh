@@ -101,8 +101,10 @@ else
 		# the epoch whose save refused it has ended (a virsh domstate right
 		# after the refusal may still fall in it).
 		domain_running() { [ "$(in_root virsh domstate "$DOM")" = running ]; }
-		wait_for 10 domain_running || true
-		expect_eq "domain state after a refused migration" "$(in_root virsh domstate "$DOM")" running
+		wait_for 10 domain_running || {
+			tail -20 "$CP_LOG"
+			fail "domain state after a refused migration: $(in_root virsh domstate --reason "$DOM"), expected running"
+		}
 		sleep 2
 	done
 	[ -n "$migrated" ] || fail "virsh migrate met an epoch's save 5 times"

@@ -483,10 +483,16 @@ impl Vmm for Qemu {
         }
         if held && result.is_ok() && !self.held_paused() {
             // The state may be of a moment the caller's other reads
-            // (guest RAM, dirty logs) were not.
-            return Err(self.protocol(
-                "another QMP client resumed the VM while its device state was saved".into(),
-            ));
+            // (guest RAM, dirty logs) were not. The other client wanted
+            // the VM running (libvirt restores a domain that way after a
+            // migration QEMU refused during this save), but the save's
+            // end stopped it again, in `postmigrate`: left so, it would
+            // look migrated away and stay paused. It runs again here.
+            let what = "another QMP client resumed the VM while its device state was saved";
+            return Err(match self.resume() {
+                Ok(()) => self.protocol(format!("{what} (it runs on)")),
+                Err(e) => self.protocol(format!("{what}, and it could not run on after the save: {e}")),
+            });
         }
         result
     }
@@ -843,7 +849,8 @@ pub(crate) mod tests {
     /// An epoch's save with the VM paused by this connection: no
     /// `query-status` before it, no `query-migrate` after its "completed"
     /// event; a `RESUME` seen meanwhile (another client's `cont`) fails
-    /// it; `cont` waits out QEMU's "not finalized yet".
+    /// it and runs the VM again, as that client left it; `cont` waits out
+    /// QEMU's "not finalized yet".
     #[test]
     fn a_save_under_its_own_stop_asks_nothing_it_knows() {
         use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
@@ -886,6 +893,7 @@ pub(crate) mod tests {
         let (_r, w) = nix::unistd::pipe().unwrap();
         let e = vm.save_device_state(w).unwrap_err().to_string();
         assert!(e.contains("another QMP client resumed the VM"), "{e}");
+        assert!(e.contains("(it runs on)"), "{e}");
         assert!(!vm.held_paused());
         drop(vm);
         let cmds: Vec<String> = server
@@ -906,7 +914,8 @@ pub(crate) mod tests {
                 "cont",
                 "stop",
                 "getfd",
-                "migrate"
+                "migrate",
+                "cont"
             ]
         );
     }
