@@ -460,7 +460,7 @@ extern "C" fn vgpu_remove<T: Driver>(ctx: *const c_void, rs: *const c_void) {
     // SAFETY: called by glue.c's mdev remove while registered.
     let state = unsafe { state::<T>(ctx) };
     // SAFETY: glue.c passes the reference `vgpu_probe` gave, before its put.
-    state.vgpu_remove(&unsafe { vgpu::<T>(rs) });
+    state.vgpu_remove(&*unsafe { vgpu::<T>(rs) });
 }
 
 /// The end of a remove: glue.c no longer reaches the vGPU (no VFIO
@@ -476,7 +476,7 @@ extern "C" fn vgpu_open<T: Driver>(ctx: *const c_void, rs: *const c_void, open: 
     // SAFETY: called by glue.c's VFIO device ops while registered.
     let state = unsafe { state::<T>(ctx) };
     // SAFETY: glue.c passes the device's reference (see `vgpu`).
-    state.vgpu_open(&unsafe { vgpu::<T>(rs) }, open);
+    state.vgpu_open(&*unsafe { vgpu::<T>(rs) }, open);
 }
 
 /// A VMM read or wrote a VFIO region of the vGPU (`pos` encodes the region).
@@ -493,7 +493,7 @@ extern "C" fn vfio_rw<T: Driver>(
     // SAFETY: glue.c passes the device's reference (see `vgpu`).
     let vgpu = unsafe { vgpu::<T>(rs) };
     let user = UserSlice::new(buf as usize, count);
-    match state.region_rw(&vgpu, user, count, pos, write) {
+    match state.region_rw(&*vgpu, user, count, pos, write) {
         Ok(done) => c_long::try_from(done).unwrap_or(c_long::MAX),
         Err(e) => e.to_errno() as c_long,
     }
@@ -505,7 +505,7 @@ extern "C" fn vfio_ioctl<T: Driver>(ctx: *const c_void, rs: *const c_void, cmd: 
     let state = unsafe { state::<T>(ctx) };
     // SAFETY: glue.c passes the device's reference (see `vgpu`).
     let vgpu = unsafe { vgpu::<T>(rs) };
-    match state.device_ioctl(&vgpu, cmd, arg as usize) {
+    match state.device_ioctl(&*vgpu, cmd, arg as usize) {
         Ok(ret) => ret,
         Err(e) => e.to_errno() as c_long,
     }
@@ -517,7 +517,7 @@ extern "C" fn vgpu_tick<T: Driver>(ctx: *const c_void, rs: *const c_void) {
     // (and the state goes away), so this runs while registered with it.
     let state = unsafe { state::<T>(ctx) };
     // SAFETY: as above.
-    state.tick(&unsafe { vgpu::<T>(rs) });
+    state.tick(&*unsafe { vgpu::<T>(rs) });
 }
 
 /// VFIO DMA logging started on the vGPU over the VMM's ranges (glue.c
@@ -539,7 +539,7 @@ extern "C" fn dma_log_start<T: Driver>(
     // (the layout of `dirty::Range`) in an array on its stack that outlives
     // this call; `count` is capped just above.
     let ranges = unsafe { core::slice::from_raw_parts(ranges, count as usize) };
-    match state.dma_log_start(&vgpu, ranges) {
+    match state.dma_log_start(&*vgpu, ranges) {
         Ok(()) => 0,
         Err(e) => e.to_errno(),
     }
@@ -550,7 +550,7 @@ extern "C" fn dma_log_stop<T: Driver>(ctx: *const c_void, rs: *const c_void) -> 
     // SAFETY: called by glue.c's VFIO log ops while registered.
     let state = unsafe { state::<T>(ctx) };
     // SAFETY: glue.c passes the device's reference (see `vgpu`).
-    match state.dma_log_stop(&unsafe { vgpu::<T>(rs) }) {
+    match state.dma_log_stop(&*unsafe { vgpu::<T>(rs) }) {
         Ok(()) => 0,
         Err(e) => e.to_errno(),
     }
@@ -574,7 +574,7 @@ extern "C" fn dma_log_report<T: Driver>(
         // valid until we return; iova_bitmap_set ignores pages outside it.
         unsafe { hag_glue_iova_bitmap_set(dirty, page_gpa, abi::DIRTY_PAGE_SIZE) }
     };
-    match state.dma_log_report(&vgpu, iova, length, &mut report) {
+    match state.dma_log_report(&*vgpu, iova, length, &mut report) {
         Ok(()) => 0,
         Err(e) => e.to_errno(),
     }
@@ -653,7 +653,7 @@ extern "C" fn mig_set_state<T: Driver>(
     // SAFETY: glue.c passes the device's reference (see `vgpu`).
     let vgpu = unsafe { vgpu::<T>(rs) };
     let vdev = VfioDeviceRef { vdev, _callback: core::marker::PhantomData };
-    match state.mig_set_state(&vgpu, &vdev, new_state) {
+    match state.mig_set_state(&*vgpu, &vdev, new_state) {
         Ok(file) => {
             if let Some(file) = file {
                 // SAFETY: glue.c passes a pointer to its local, valid for
@@ -671,7 +671,7 @@ extern "C" fn mig_get_state<T: Driver>(ctx: *const c_void, rs: *const c_void) ->
     // SAFETY: called by glue.c's VFIO migration ops while registered.
     let state = unsafe { state::<T>(ctx) };
     // SAFETY: glue.c passes the device's reference (see `vgpu`).
-    state.mig_state(&unsafe { vgpu::<T>(rs) })
+    state.mig_state(&*unsafe { vgpu::<T>(rs) })
 }
 
 /// A size for glue.c, or a negative errno.
@@ -687,7 +687,7 @@ extern "C" fn mig_data_bytes<T: Driver>(ctx: *const c_void, rs: *const c_void) -
     // SAFETY: called by glue.c's VFIO migration ops while registered.
     let state = unsafe { state::<T>(ctx) };
     // SAFETY: glue.c passes the device's reference (see `vgpu`).
-    size_or_errno(state.mig_data_bytes(&unsafe { vgpu::<T>(rs) }))
+    size_or_errno(state.mig_data_bytes(&*unsafe { vgpu::<T>(rs) }))
 }
 
 /// A GVT-g device reset: migration back to RUNNING, no data session.
@@ -695,7 +695,7 @@ extern "C" fn mig_reset<T: Driver>(ctx: *const c_void, rs: *const c_void) {
     // SAFETY: called by glue.c's GVT trampolines while registered.
     let state = unsafe { state::<T>(ctx) };
     // SAFETY: glue.c passes the device's reference (see `vgpu`).
-    state.mig_reset(&unsafe { vgpu::<T>(rs) });
+    state.mig_reset(&*unsafe { vgpu::<T>(rs) });
 }
 
 /// The contents of a migration data file, borrowed for a call on it.
@@ -716,7 +716,7 @@ extern "C" fn mig_file_read<T: Driver>(ctx: *const c_void, migf: *const c_void, 
     let state = unsafe { state::<T>(ctx) };
     // SAFETY: glue.c passes the file's private_data during a read of it.
     let contents = unsafe { mig_contents::<T>(migf) };
-    size_or_errno(state.mig_file_read(&contents, UserSlice::new(buf as usize, len), len))
+    size_or_errno(state.mig_file_read(&*contents, UserSlice::new(buf as usize, len), len))
 }
 
 /// The VMM writes a migration data file.
@@ -725,7 +725,7 @@ extern "C" fn mig_file_write<T: Driver>(ctx: *const c_void, migf: *const c_void,
     let state = unsafe { state::<T>(ctx) };
     // SAFETY: glue.c passes the file's private_data during a write to it.
     let contents = unsafe { mig_contents::<T>(migf) };
-    size_or_errno(state.mig_file_write(&contents, UserSlice::new(buf as usize, len), len))
+    size_or_errno(state.mig_file_write(&*contents, UserSlice::new(buf as usize, len), len))
 }
 
 /// A migration data file was released: its contents' reference comes back.
