@@ -1,7 +1,8 @@
 # hosts: 1
 # timeout: 600
 # VFIO migration v2 of a hag-sim vGPU, as QEMU >= 8 drives it: hag-vmm
-# attaches two vGPUs; a quiesce held through /dev/hag outlives STOP -> RUNNING;
+# attaches two vGPUs; a quiesce held through /dev/hag outlives STOP -> RUNNING
+# and goes with its own opener's file (not another's);
 # runs work on A, checks that RUNNING -> STOP times out
 # (ETIMEDOUT, still RUNNING) while a submission is held at a semaphore (busy
 # within every budget: the timeout is certain), that STOP succeeds after a
@@ -21,7 +22,7 @@ step "migrate A to B through VFIO"
 hag-vmm vfio-migration-check --mdev "$a" --mdev2 "$b" >/tmp/result 2>&1 || fail "hag-vmm failed: $(cat /tmp/result)"
 cat /tmp/result
 grep -q '^PASS vfio-migration:' /tmp/result || fail "no PASS line"
-expect_eq "steps passed" "$(grep -c "^ok:" /tmp/result)" 13
+expect_eq "steps passed" "$(grep -c "^ok:" /tmp/result)" 14
 
 step "the module said why it refused"
 dmesg | grep -E 'VFIO migration|restore refused' || true

@@ -10,27 +10,80 @@ use kernel::prelude::*;
 use kernel::types::{AsBytes, FromBytes};
 use kernel::uaccess::UserSlice;
 
+use core::sync::atomic::{AtomicU64, Ordering};
+
 use crate::abi;
 use crate::dirty::DirtyLog;
 use crate::events::Event;
-use crate::vgpu::{Entry, Vgpu};
-use kernel::sync::Arc;
+use crate::vgpu::{Entry, Vgpu, MAX_VGPUS};
+use kernel::sync::{Arc, Mutex};
+use kernel::{new_mutex, pin_init};
 use crate::State;
 
-impl crate::glue::FileOps for State {
-    fn ioctl(&self, opener: u64, cmd: u32, arg: usize) -> Result {
-        ioctl(self, opener, cmd, arg)
+/// One open of `/dev/hag`: the simulated vGPUs it holds quiesced (by
+/// `IOC_QUIESCE`, or a context it restored), let go when its file is
+/// released (closed, or its process died), by that release alone.
+#[pin_data]
+pub(crate) struct Opener {
+    /// Names its holds ([`crate::sim::Sim::held_by`]): numbered, never
+    /// reused while the module is loaded, so a hold left by an opener
+    /// that is gone is never taken for a new one's.
+    id: u64,
+    /// The vGPUs it held at some point; at most one slot per vGPU, a
+    /// removed one's slot reused.
+    #[pin]
+    holds: Mutex<[Option<Arc<Vgpu>>; MAX_VGPUS]>,
+}
+
+/// The last opener's number.
+static OPENERS: AtomicU64 = AtomicU64::new(0);
+
+impl Opener {
+    fn new() -> Result<Pin<KBox<Self>>> {
+        let id = OPENERS.fetch_add(1, Ordering::Relaxed) + 1;
+        KBox::pin_init(
+            pin_init!(Self { id, holds <- new_mutex!([const { None }; MAX_VGPUS], "hag_opener") }),
+            GFP_KERNEL,
+        )
     }
 
-    fn release(&self, opener: u64) {
-        self.opener_closed(opener)
+    /// Records that this opener holds `vgpu` (its release lets it go).
+    fn record_hold(&self, vgpu: &Arc<Vgpu>) -> Result {
+        let mut holds = self.holds.lock();
+        if holds.iter().flatten().any(|v| Arc::ptr_eq(v, vgpu)) {
+            return Ok(());
+        }
+        // At most MAX_VGPUS vGPUs exist at once: a free or removed slot.
+        let slot = holds.iter_mut().find(|s| s.as_ref().is_none_or(|v| v.is_removed())).ok_or(ENOSPC)?;
+        *slot = Some(vgpu.clone());
+        Ok(())
     }
 }
 
-/// Dispatches one ioctl of the `/dev/hag` opener numbered `opener`.
-/// Unknown commands get `ENOTTY`, as the kernel's convention for "not my
-/// ioctl" asks.
-pub(crate) fn ioctl(state: &State, opener: u64, cmd: u32, arg: usize) -> Result {
+impl crate::glue::FileOps for State {
+    type Opened = Opener;
+
+    fn open(&self) -> Result<Pin<KBox<Opener>>> {
+        Opener::new()
+    }
+
+    fn ioctl(&self, opener: &Opener, cmd: u32, arg: usize) -> Result {
+        ioctl(self, opener, cmd, arg)
+    }
+
+    /// Every vGPU the opener still holds quiesced (and VFIO migration does
+    /// not hold stopped) runs again.
+    fn release(&self, opener: Pin<KBox<Opener>>) {
+        let holds = core::mem::replace(&mut *opener.holds.lock(), [const { None }; MAX_VGPUS]);
+        for vgpu in holds.iter().flatten() {
+            vgpu.let_go(opener.id);
+        }
+    }
+}
+
+/// Dispatches one ioctl of a `/dev/hag` opener. Unknown commands get
+/// `ENOTTY`, as the kernel's convention for "not my ioctl" asks.
+pub(crate) fn ioctl(state: &State, opener: &Opener, cmd: u32, arg: usize) -> Result {
     match cmd {
         abi::IOC_VERSION => version(state, arg),
         abi::IOC_LIST_VGPUS => list_vgpus(state, arg),
@@ -216,14 +269,18 @@ fn write_user<T: AsBytes>(addr: usize, value: &T) -> Result {
     UserSlice::new(addr, core::mem::size_of::<T>()).writer().write(value)
 }
 
-fn quiesce(state: &State, opener: u64, arg: usize) -> Result {
+fn quiesce(state: &State, opener: &Opener, arg: usize) -> Result {
     let req: abi::HagQuiesce = read_user(arg)?;
     if req.timeout_ms > abi::QUIESCE_MAX_MS {
         return Err(EINVAL);
     }
     let vgpu = named(state, req.vgpu_id)?;
     match &vgpu {
-        Entry::Sim(sim) => sim.quiesce(req.timeout_ms, Some(opener))?,
+        Entry::Sim(sim) => {
+            // Recorded first: a hold it then takes is never unrecorded.
+            opener.record_hold(sim)?;
+            sim.quiesce(req.timeout_ms, Some(opener.id))?;
+        }
         // GVT's own wait: it does not hold new workloads, and its
         // timeout is GVT's.
         Entry::Gvt(gvt) => gvt.quiesce()?,
@@ -271,7 +328,7 @@ fn save_context(state: &State, arg: usize) -> Result {
     write_user(arg, &req)
 }
 
-fn restore_context(state: &State, opener: u64, arg: usize) -> Result {
+fn restore_context(state: &State, opener: &Opener, arg: usize) -> Result {
     let req: abi::HagContextBuf = read_user(arg)?;
     if req.reserved != 0 {
         return Err(EINVAL);
@@ -284,7 +341,10 @@ fn restore_context(state: &State, opener: u64, arg: usize) -> Result {
     let mut bytes = KVVec::from_elem(0u8, len, GFP_KERNEL)?;
     let buf = usize::try_from(req.buf).map_err(|_| EFAULT)?;
     UserSlice::new(buf, len).reader().read_slice(&mut bytes)?;
-    vgpu.restore(&bytes, opener)?;
+    if let Entry::Sim(sim) = &vgpu {
+        opener.record_hold(sim)?;
+    }
+    vgpu.restore(&bytes, opener.id)?;
     vgpu.event("restored");
     Ok(())
 }

@@ -101,34 +101,31 @@ static u16 hag_pad_attr;
 /* ---- /dev/hag --------------------------------------------------------- */
 
 /*
- * Each open of /dev/hag is numbered (never 0, never reused while loaded),
- * and the number kept in private_data: Rust records which opener holds a
- * vGPU quiesced, and lets it go when that opener's file is released (the
- * process closed it or died).
+ * Each open of /dev/hag has its own state, which Rust makes at open and
+ * keeps in private_data: what the opener holds (a vGPU it quiesced) is let
+ * go by that file's own release (the process closed it or died).
  */
-static atomic64_t hag_openers;
-
-static u64 hag_opener(struct file *file)
-{
-	return (u64)(uintptr_t)file->private_data;
-}
-
 static int hag_misc_open(struct inode *inode, struct file *file)
 {
-	file->private_data = (void *)(uintptr_t)atomic64_inc_return(&hag_openers);
+	const void *opened;
+	int ret = hag_ops->open(hag_ctx, &opened);
+
+	if (ret)
+		return ret;
+	file->private_data = (void *)opened;
 	return 0;
 }
 
 static int hag_misc_release(struct inode *inode, struct file *file)
 {
-	hag_ops->release(hag_ctx, hag_opener(file));
+	hag_ops->release(hag_ctx, file->private_data);
 	return 0;
 }
 
 static long hag_misc_ioctl(struct file *file, unsigned int cmd,
 			   unsigned long arg)
 {
-	return hag_ops->ioctl(hag_ctx, hag_opener(file), cmd, arg);
+	return hag_ops->ioctl(hag_ctx, file->private_data, cmd, arg);
 }
 
 static const struct file_operations hag_misc_fops = {
@@ -200,40 +197,12 @@ void hag_glue_msg_cancel(struct hag_glue_msg *msg)
 
 /* ---- mdev parent and the VFIO device of each vGPU -------------------- */
 
-/*
- * A VFIO migration data file: the snapshot read out in STOP_COPY, or the
- * bytes written in RESUMING. It points at nothing of its vGPU, so it may
- * outlive the state that made it (and the vGPU): once disabled, read and
- * write fail with -ENODEV until the VMM closes it.
- */
-struct hag_mig_file {
-	struct file *filp;
-	u32 vgpu_id; /* whose state it carries */
-	struct mutex lock; /* the fields below */
-	bool disabled;
-	u8 *data; /* kvmalloc'd, cap bytes */
-	size_t cap;
-	size_t size; /* bytes of data that are valid */
-};
-
-/*
- * VFIO migration v2 of one hag vGPU (simulated or GVT-g), named by hag's
- * id. The lock is taken before the Rust vGPU lock, never after.
- */
-struct hag_mig_dev {
-	u32 id;
-	struct mutex lock;
-	enum vfio_device_mig_state state;
-	struct hag_mig_file *saving; /* in STOP_COPY */
-	struct hag_mig_file *resuming; /* in RESUMING */
-};
-
 struct hag_vgpu {
 	struct vfio_device vdev; /* first: vfio_alloc_device() requires it */
-	u32 id;
+	/* hag's vGPU: the counted reference vgpu_probe gave, put at remove. */
+	const void *rs;
 	/* Runs the engine's slices and the watchdog: hag_ops->vgpu_tick(). */
 	struct delayed_work tick;
-	struct hag_mig_dev mig;
 };
 
 static struct hag_vgpu *to_hag_vgpu(struct vfio_device *vdev)
@@ -246,7 +215,7 @@ static void hag_vgpu_tick(struct work_struct *work)
 	struct hag_vgpu *vgpu =
 		container_of(to_delayed_work(work), struct hag_vgpu, tick);
 
-	hag_ops->vgpu_tick(hag_ctx, vgpu->id);
+	hag_ops->vgpu_tick(hag_ctx, vgpu->rs);
 }
 
 int hag_glue_dma_rw(struct hag_vgpu *vgpu, u64 gpa, void *data, u64 len,
@@ -285,105 +254,48 @@ void hag_glue_eventfd_put(struct eventfd_ctx *ctx)
 }
 
 /* ---- VFIO migration v2 ------------------------------------------------ */
+/*
+ * The state machine and the data files' contents are Rust's
+ * (migration.rs); here are VFIO's path helper and the files themselves,
+ * whose private_data is Rust's @migf.
+ */
 
-static void hag_mig_disable_file(struct hag_mig_file *migf)
+bool hag_glue_mig_data_corrupted(void)
 {
-	mutex_lock(&migf->lock);
-	migf->disabled = true;
-	migf->size = 0;
-	migf->filp->f_pos = 0;
-	mutex_unlock(&migf->lock);
+	return READ_ONCE(corrupt_mig_data);
 }
 
-/* Ends both data sessions and drops the vGPU's references to the files. */
-static void hag_mig_disable_files(struct hag_mig_dev *m)
+int hag_glue_mig_next_state(struct vfio_device *vdev, u32 cur, u32 target,
+			    u32 *next)
 {
-	if (m->saving) {
-		hag_mig_disable_file(m->saving);
-		fput(m->saving->filp);
-		m->saving = NULL;
-	}
-	if (m->resuming) {
-		hag_mig_disable_file(m->resuming);
-		fput(m->resuming->filp);
-		m->resuming = NULL;
-	}
+	enum vfio_device_mig_state state;
+	int ret = vfio_mig_get_next_state(vdev, cur, target, &state);
+
+	*next = state;
+	return ret;
 }
 
 static int hag_mig_release(struct inode *inode, struct file *filp)
 {
-	struct hag_mig_file *migf = filp->private_data;
-
-	mutex_destroy(&migf->lock);
-	kvfree(migf->data);
-	kfree(migf);
+	hag_ops->mig_file_release(hag_ctx, filp->private_data);
 	return 0;
 }
 
+/* Stream files: no position of their own (Rust keeps the read offset). */
 static ssize_t hag_mig_read(struct file *filp, char __user *buf, size_t len,
 			    loff_t *pos)
 {
-	struct hag_mig_file *migf = filp->private_data;
-	ssize_t ret;
-
 	if (pos)
 		return -ESPIPE;
-	pos = &filp->f_pos;
-
-	mutex_lock(&migf->lock);
-	if (migf->disabled)
-		ret = -ENODEV;
-	else
-		ret = simple_read_from_buffer(buf, len, pos, migf->data,
-					      migf->size);
-	mutex_unlock(&migf->lock);
-	return ret;
+	return hag_ops->mig_file_read(hag_ctx, filp->private_data, buf, len);
 }
 
 static ssize_t hag_mig_write(struct file *filp, const char __user *buf,
 			     size_t len, loff_t *pos)
 {
-	struct hag_mig_file *migf = filp->private_data;
-	ssize_t ret;
-
 	if (pos)
 		return -ESPIPE;
-	pos = &filp->f_pos;
-
-	mutex_lock(&migf->lock);
-	if (migf->disabled) {
-		ret = -ENODEV;
-		goto out;
-	}
-	/* Stream file: the position is the size, always within cap. */
-	if (len > migf->cap - migf->size) {
-		ret = -EFBIG;
-		goto out;
-	}
-	if (copy_from_user(migf->data + migf->size, buf, len)) {
-		ret = -EFAULT;
-		goto out;
-	}
-	/*
-	 * A damaged or foreign state is refused by the write that completes
-	 * it, so that the VMM's load fails (and the migration with it) before
-	 * the VM would start here; the bytes stay out of the file.
-	 */
-	ret = hag_ops->mig_check(hag_ctx, migf->vgpu_id, migf->data,
-				 migf->size + len);
-	if (ret < 0)
-		goto out;
-	/* A header that declares more than the file can hold. */
-	if (ret > migf->cap - migf->size - len) {
-		ret = -EFBIG;
-		goto out;
-	}
-	migf->size += len;
-	*pos = migf->size;
-	ret = len;
-out:
-	mutex_unlock(&migf->lock);
-	return ret;
+	return hag_ops->mig_file_write(hag_ctx, filp->private_data, buf, len);
 }
 
 static const struct file_operations hag_mig_save_fops = {
@@ -398,207 +310,67 @@ static const struct file_operations hag_mig_resume_fops = {
 	.release = hag_mig_release,
 };
 
-static struct hag_mig_file *hag_mig_file_new(const struct file_operations *fops,
-					     int flags, size_t cap)
+/* A data file to read (or, @write, to write) whose contents are @migf. */
+int hag_glue_mig_file(const void *migf, bool write, struct file **filp)
 {
-	struct hag_mig_file *migf;
-	struct file *filp;
+	struct file *f = anon_inode_getfile("hag_mig",
+					    write ? &hag_mig_resume_fops :
+						    &hag_mig_save_fops,
+					    (void *)migf,
+					    write ? O_WRONLY : O_RDONLY);
 
-	migf = kzalloc(sizeof(*migf), GFP_KERNEL_ACCOUNT);
-	if (!migf)
-		return ERR_PTR(-ENOMEM);
-	migf->data = kvzalloc(cap, GFP_KERNEL_ACCOUNT);
-	if (!migf->data) {
-		kfree(migf);
-		return ERR_PTR(-ENOMEM);
-	}
-	migf->cap = cap;
-	mutex_init(&migf->lock);
-	filp = anon_inode_getfile("hag_mig", fops, migf, flags);
-	if (IS_ERR(filp)) {
-		mutex_destroy(&migf->lock);
-		kvfree(migf->data);
-		kfree(migf);
-		return ERR_CAST(filp);
-	}
-	stream_open(filp->f_inode, filp);
-	migf->filp = filp;
-	return migf;
-}
-
-/* STOP -> STOP_COPY: the snapshot, in a file to read it from. */
-static struct file *hag_mig_save(struct hag_mig_dev *m)
-{
-	struct hag_mig_file *migf;
-	long used;
-
-	long cap = hag_ops->mig_data_bytes(hag_ctx, m->id);
-
-	if (cap < 0)
-		return ERR_PTR(cap);
-	migf = hag_mig_file_new(&hag_mig_save_fops, O_RDONLY, cap);
-	if (IS_ERR(migf))
-		return ERR_CAST(migf);
-	used = hag_ops->mig_save(hag_ctx, m->id, migf->data, migf->cap);
-	if (used < 0) {
-		fput(migf->filp);
-		return ERR_PTR(used);
-	}
-	migf->size = used;
-	if (READ_ONCE(corrupt_mig_data) && used > 0)
-		((u8 *)migf->data)[used / 2] ^= 0x5a;
-	m->saving = migf;
-	get_file(migf->filp);
-	return migf->filp;
-}
-
-/* STOP -> RESUMING: a file to write a snapshot into. */
-static struct file *hag_mig_resume(struct hag_mig_dev *m)
-{
-	struct hag_mig_file *migf;
-
-	long cap = hag_ops->mig_max_bytes(hag_ctx, m->id);
-
-	if (cap < 0)
-		return ERR_PTR(cap);
-	migf = hag_mig_file_new(&hag_mig_resume_fops, O_WRONLY, cap);
-	if (IS_ERR(migf))
-		return ERR_CAST(migf);
-	migf->vgpu_id = m->id;
-	m->resuming = migf;
-	get_file(migf->filp);
-	return migf->filp;
-}
-
-/* RESUMING -> STOP: loads what was written, then ends the session. */
-static int hag_mig_load(struct hag_mig_dev *m)
-{
-	struct hag_mig_file *migf = m->resuming;
-	int ret;
-
-	if (!migf)
-		return -EINVAL;
-	mutex_lock(&migf->lock);
-	ret = hag_ops->mig_restore(hag_ctx, m->id, migf->data, migf->size);
-	mutex_unlock(&migf->lock);
-	if (!ret)
-		hag_mig_disable_files(m);
-	return ret;
-}
-
-/* One arc: Rust checks it and acts on the vGPU; the files are done here. */
-static struct file *hag_mig_step(struct hag_mig_dev *m,
-				 enum vfio_device_mig_state next)
-{
-	int action = hag_ops->mig_step(hag_ctx, m->id, m->state, next);
-
-	switch (action) {
-	case HAG_MIG_NONE:
-		return NULL;
-	case HAG_MIG_SAVE:
-		return hag_mig_save(m);
-	case HAG_MIG_RESUME:
-		return hag_mig_resume(m);
-	case HAG_MIG_LOAD: {
-		int ret = hag_mig_load(m);
-
-		return ret ? ERR_PTR(ret) : NULL;
-	}
-	case HAG_MIG_CLOSE:
-		hag_mig_disable_files(m);
-		return NULL;
-	default:
-		return ERR_PTR(action < 0 ? action : -EINVAL);
-	}
-}
-
-static struct file *hag_mig_dev_set_state(struct hag_mig_dev *m,
-					  struct vfio_device *vdev,
-					  enum vfio_device_mig_state new_state)
-{
-	struct file *ret = NULL;
-
-	mutex_lock(&m->lock);
-	while (m->state != new_state) {
-		enum vfio_device_mig_state next;
-		int rc = vfio_mig_get_next_state(vdev, m->state,
-						 new_state, &next);
-
-		if (rc) {
-			ret = ERR_PTR(rc);
-			break;
-		}
-		ret = hag_mig_step(m, next);
-		if (IS_ERR(ret))
-			break;
-		m->state = next;
-		/* Only the last arc of a path may return a file. */
-		if (WARN_ON(ret && next != new_state)) {
-			fput(ret);
-			ret = ERR_PTR(-EINVAL);
-			break;
-		}
-	}
-	mutex_unlock(&m->lock);
-	return ret;
-}
-
-static int hag_mig_dev_get_state(struct hag_mig_dev *m,
-				 enum vfio_device_mig_state *state)
-{
-	mutex_lock(&m->lock);
-	*state = m->state;
-	mutex_unlock(&m->lock);
+	if (IS_ERR(f))
+		return PTR_ERR(f);
+	stream_open(f->f_inode, f);
+	*filp = f;
 	return 0;
 }
 
-static int hag_mig_dev_get_data_size(struct hag_mig_dev *m,
-				     unsigned long *stop_copy_length)
+void hag_glue_fput(struct file *filp)
 {
-	long bytes;
+	fput(filp);
+}
 
-	mutex_lock(&m->lock);
-	bytes = m->saving ? m->saving->size :
-			    hag_ops->mig_data_bytes(hag_ctx, m->id);
-	mutex_unlock(&m->lock);
+/* The migration ops of the vGPU @rs, for hag-sim's device and GVT-g's. */
+static struct file *hag_mig_set_state_of(const void *rs,
+					 struct vfio_device *vdev,
+					 enum vfio_device_mig_state new_state)
+{
+	struct file *filp = NULL;
+	int ret = hag_ops->mig_set_state(hag_ctx, rs, vdev, new_state, &filp);
+
+	return ret ? ERR_PTR(ret) : filp;
+}
+
+static int hag_mig_get_data_size_of(const void *rs,
+				    unsigned long *stop_copy_length)
+{
+	long bytes = hag_ops->mig_data_bytes(hag_ctx, rs);
+
 	if (bytes < 0)
 		return bytes;
 	*stop_copy_length = bytes;
 	return 0;
 }
 
-static void hag_mig_dev_init(struct hag_mig_dev *m)
-{
-	mutex_init(&m->lock);
-	m->state = VFIO_DEVICE_STATE_RUNNING;
-}
-
-static void hag_mig_dev_destroy(struct hag_mig_dev *m)
-{
-	/* The device was closed, which ended any data session; be sure. */
-	mutex_lock(&m->lock);
-	hag_mig_disable_files(m);
-	mutex_unlock(&m->lock);
-	mutex_destroy(&m->lock);
-}
-
 static struct file *hag_mig_set_state(struct vfio_device *vdev,
 				      enum vfio_device_mig_state new_state)
 {
-	return hag_mig_dev_set_state(&to_hag_vgpu(vdev)->mig, vdev, new_state);
+	return hag_mig_set_state_of(to_hag_vgpu(vdev)->rs, vdev, new_state);
 }
 
 static int hag_mig_get_state(struct vfio_device *vdev,
 			     enum vfio_device_mig_state *state)
 {
-	return hag_mig_dev_get_state(&to_hag_vgpu(vdev)->mig, state);
+	*state = hag_ops->mig_get_state(hag_ctx, to_hag_vgpu(vdev)->rs);
+	return 0;
 }
 
 static int hag_mig_get_data_size(struct vfio_device *vdev,
 				 unsigned long *stop_copy_length)
 {
-	return hag_mig_dev_get_data_size(&to_hag_vgpu(vdev)->mig,
-					 stop_copy_length);
+	return hag_mig_get_data_size_of(to_hag_vgpu(vdev)->rs,
+					stop_copy_length);
 }
 
 static const struct vfio_migration_ops hag_mig_ops = {
@@ -607,56 +379,37 @@ static const struct vfio_migration_ops hag_mig_ops = {
 	.migration_get_data_size = hag_mig_get_data_size,
 };
 
-/* Close, reset and remove: back to RUNNING with no data session open. */
-static void hag_mig_reset(struct hag_mig_dev *m)
-{
-	mutex_lock(&m->lock);
-	hag_mig_disable_files(m);
-	if (m->state != VFIO_DEVICE_STATE_RUNNING)
-		hag_ops->mig_reset(hag_ctx, m->id);
-	m->state = VFIO_DEVICE_STATE_RUNNING;
-	mutex_unlock(&m->lock);
-}
-
 static ssize_t hag_vfio_read(struct vfio_device *vdev, char __user *buf,
 			     size_t count, loff_t *ppos)
 {
-	return hag_ops->vfio_rw(hag_ctx, to_hag_vgpu(vdev)->id, buf, count,
-			        *ppos, false);
+	return hag_ops->vfio_rw(hag_ctx, to_hag_vgpu(vdev)->rs, buf, count,
+				*ppos, false);
 }
 
 static ssize_t hag_vfio_write(struct vfio_device *vdev, const char __user *buf,
 			      size_t count, loff_t *ppos)
 {
-	return hag_ops->vfio_rw(hag_ctx, to_hag_vgpu(vdev)->id, (char __user *)buf,
-			        count, *ppos, true);
+	return hag_ops->vfio_rw(hag_ctx, to_hag_vgpu(vdev)->rs,
+				(char __user *)buf, count, *ppos, true);
 }
 
+/* A reset device is RUNNING again (uapi/linux/vfio.h): Rust sees to it. */
 static long hag_vfio_ioctl(struct vfio_device *vdev, unsigned int cmd,
 			   unsigned long arg)
 {
-	struct hag_vgpu *vgpu = to_hag_vgpu(vdev);
-	long ret = hag_ops->vfio_ioctl(hag_ctx, vgpu->id, cmd, arg);
-
-	/* A reset device is RUNNING again (uapi/linux/vfio.h). */
-	if (cmd == VFIO_DEVICE_RESET && !ret)
-		hag_mig_reset(&vgpu->mig);
-	return ret;
+	return hag_ops->vfio_ioctl(hag_ctx, to_hag_vgpu(vdev)->rs, cmd, arg);
 }
 
 static int hag_vfio_open_device(struct vfio_device *vdev)
 {
-	hag_ops->vgpu_open(hag_ctx, to_hag_vgpu(vdev)->id, true);
+	hag_ops->vgpu_open(hag_ctx, to_hag_vgpu(vdev)->rs, true);
 	return 0;
 }
 
+/* Files the VMM still holds read and write nothing from here on. */
 static void hag_vfio_close_device(struct vfio_device *vdev)
 {
-	struct hag_vgpu *vgpu = to_hag_vgpu(vdev);
-
-	hag_ops->vgpu_open(hag_ctx, vgpu->id, false);
-	/* Files the VMM still holds read and write nothing from here on. */
-	hag_mig_reset(&vgpu->mig);
+	hag_ops->vgpu_open(hag_ctx, to_hag_vgpu(vdev)->rs, false);
 }
 
 /*
@@ -666,13 +419,13 @@ static void hag_vfio_close_device(struct vfio_device *vdev)
  */
 #if IS_ENABLED(CONFIG_IOMMUFD_DRIVER)
 /*
- * Starts DMA logging of vGPU @id over @ranges, at 4 KiB pages, one bitmap
+ * Starts DMA logging of the vGPU @rs over @ranges, at 4 KiB pages, one bitmap
  * per range: not one over their span, which with OVMF's 64-bit PCI hole at
  * the top of the address space would be terabytes. VFIO checked each range
  * (aligned, non-empty, no overlap); dirty.rs caps what they cover in all.
  */
-static int hag_log_start_id(u32 id, struct rb_root_cached *ranges, u32 nnodes,
-			    u64 *page_size)
+static int hag_log_start_of(const void *rs, struct rb_root_cached *ranges,
+			    u32 nnodes, u64 *page_size)
 {
 	struct hag_log_range spans[HAG_LOG_MAX_RANGES];
 	struct interval_tree_node *node;
@@ -689,27 +442,27 @@ static int hag_log_start_id(u32 id, struct rb_root_cached *ranges, u32 nnodes,
 		n++;
 	}
 	*page_size = SZ_4K;
-	return hag_ops->dma_log_start(hag_ctx, id, spans, n);
+	return hag_ops->dma_log_start(hag_ctx, rs, spans, n);
 }
 
 static int hag_log_start(struct vfio_device *vdev,
 			 struct rb_root_cached *ranges, u32 nnodes,
 			 u64 *page_size)
 {
-	return hag_log_start_id(to_hag_vgpu(vdev)->id, ranges, nnodes,
+	return hag_log_start_of(to_hag_vgpu(vdev)->rs, ranges, nnodes,
 				page_size);
 }
 
 static int hag_log_stop(struct vfio_device *vdev)
 {
-	return hag_ops->dma_log_stop(hag_ctx, to_hag_vgpu(vdev)->id);
+	return hag_ops->dma_log_stop(hag_ctx, to_hag_vgpu(vdev)->rs);
 }
 
 static int hag_log_read_and_clear(struct vfio_device *vdev,
 				  unsigned long iova, unsigned long length,
 				  struct iova_bitmap *dirty)
 {
-	return hag_ops->dma_log_report(hag_ctx, to_hag_vgpu(vdev)->id, iova,
+	return hag_ops->dma_log_report(hag_ctx, to_hag_vgpu(vdev)->rs, iova,
 				       length, dirty);
 }
 
@@ -755,28 +508,26 @@ static int hag_mdev_probe(struct mdev_device *mdev)
 		return PTR_ERR(vgpu);
 
 	INIT_DELAYED_WORK(&vgpu->tick, hag_vgpu_tick);
-	hag_mig_dev_init(&vgpu->mig);
 	vgpu->vdev.migration_flags = VFIO_MIGRATION_STOP_COPY;
 	vgpu->vdev.mig_ops = &hag_mig_ops;
 #if IS_ENABLED(CONFIG_IOMMUFD_DRIVER)
 	vgpu->vdev.log_ops = &hag_log_ops;
 #endif
-	ret = hag_ops->vgpu_probe(hag_ctx, mdev->uuid.b, vgpu, &vgpu->id);
+	ret = hag_ops->vgpu_probe(hag_ctx, mdev->uuid.b, vgpu, &vgpu->rs);
 	if (ret)
 		goto err_put;
-	vgpu->mig.id = vgpu->id;
 
 	ret = vfio_register_emulated_iommu_dev(&vgpu->vdev);
 	if (ret)
-		goto err_forget;
+		goto err_remove;
 	dev_set_drvdata(&mdev->dev, vgpu);
 	return 0;
 
-err_forget:
-	hag_ops->vgpu_remove(hag_ctx, vgpu->id);
+err_remove:
+	hag_ops->vgpu_remove(hag_ctx, vgpu->rs);
 	cancel_delayed_work_sync(&vgpu->tick);
+	hag_ops->vgpu_put(hag_ctx, vgpu->rs);
 err_put:
-	hag_mig_dev_destroy(&vgpu->mig);
 	vfio_put_device(&vgpu->vdev);
 	return ret;
 }
@@ -788,14 +539,15 @@ static void hag_mdev_remove(struct mdev_device *mdev)
 	/* No VFIO access after this returns. */
 	vfio_unregister_group_dev(&vgpu->vdev);
 	/*
-	 * Forgotten before the tick is cancelled: a /dev/hag resume still
-	 * running could otherwise kick it again after the cancel, on memory
-	 * vfio_put_device frees. Once forgotten nothing kicks it, and a tick
-	 * already queued finds no vGPU.
+	 * Gone from hag's table before the tick is cancelled: a /dev/hag
+	 * resume still running could otherwise kick it again after the
+	 * cancel, on memory vfio_put_device frees. Once removed nothing
+	 * kicks it, and a tick already queued finds no vGPU. The reference
+	 * goes last: the tick borrows it.
 	 */
-	hag_ops->vgpu_remove(hag_ctx, vgpu->id);
+	hag_ops->vgpu_remove(hag_ctx, vgpu->rs);
 	cancel_delayed_work_sync(&vgpu->tick);
-	hag_mig_dev_destroy(&vgpu->mig);
+	hag_ops->vgpu_put(hag_ctx, vgpu->rs);
 	vfio_put_device(&vgpu->vdev);
 }
 
@@ -943,14 +695,14 @@ static_assert((int)HAG_GVT_PART_GGTT == (int)INTEL_GVT_AUDIT_GGTT);
 static_assert((int)HAG_GVT_PART_EXECLIST == (int)INTEL_GVT_AUDIT_EXECLIST);
 
 /*
- * A GVT-g vGPU's VFIO migration state: kvmgt's VFIO device delegates its
- * migration and DMA logging to hag (gvt_audit.h's vfio ops), and hag runs
- * them with the same code as for its own vGPUs, under hag's id.
+ * A GVT-g vGPU whose VFIO device (kvmgt's) delegates its migration and
+ * DMA logging to hag (gvt_audit.h's vfio ops): hag runs them with the same
+ * code as for its own vGPUs, on the vGPU @rs that gvt_vgpu_added gave.
  */
 struct hag_gvt_dev {
 	struct list_head link; /* in hag_gvt_devs */
 	struct intel_vgpu *vgpu;
-	struct hag_mig_dev mig;
+	const void *rs;
 };
 
 static LIST_HEAD(hag_gvt_devs);
@@ -980,14 +732,12 @@ static int hag_gvt_vgpu_added(struct intel_vgpu *vgpu, unsigned int id)
 
 	if (!dev)
 		return -ENOMEM;
-	ret = hag_ops->gvt_vgpu_added(hag_ctx, vgpu, id);
-	if (ret < 0) {
+	ret = hag_ops->gvt_vgpu_added(hag_ctx, vgpu, id, &dev->rs);
+	if (ret) {
 		kfree(dev);
 		return ret;
 	}
 	dev->vgpu = vgpu;
-	hag_mig_dev_init(&dev->mig);
-	dev->mig.id = ret;
 	mutex_lock(&hag_gvt_devs_lock);
 	list_add_tail(&dev->link, &hag_gvt_devs);
 	mutex_unlock(&hag_gvt_devs_lock);
@@ -997,15 +747,16 @@ static int hag_gvt_vgpu_added(struct intel_vgpu *vgpu, unsigned int id)
 static void hag_gvt_vgpu_removed(struct intel_vgpu *vgpu)
 {
 	struct hag_gvt_dev *dev = hag_gvt_dev_of(vgpu);
+	const void *rs = NULL;
 
 	if (dev) {
 		mutex_lock(&hag_gvt_devs_lock);
 		list_del(&dev->link);
 		mutex_unlock(&hag_gvt_devs_lock);
-		hag_mig_dev_destroy(&dev->mig);
+		rs = dev->rs;
 		kfree(dev);
 	}
-	hag_ops->gvt_vgpu_removed(hag_ctx, vgpu);
+	hag_ops->gvt_vgpu_removed(hag_ctx, vgpu, rs);
 }
 
 static struct file *hag_gvt_mig_set_state(struct intel_vgpu *vgpu,
@@ -1014,7 +765,7 @@ static struct file *hag_gvt_mig_set_state(struct intel_vgpu *vgpu,
 {
 	struct hag_gvt_dev *dev = hag_gvt_dev_of(vgpu);
 
-	return dev ? hag_mig_dev_set_state(&dev->mig, vdev, state) :
+	return dev ? hag_mig_set_state_of(dev->rs, vdev, state) :
 		     ERR_PTR(-ENODEV);
 }
 
@@ -1023,7 +774,10 @@ static int hag_gvt_mig_get_state(struct intel_vgpu *vgpu,
 {
 	struct hag_gvt_dev *dev = hag_gvt_dev_of(vgpu);
 
-	return dev ? hag_mig_dev_get_state(&dev->mig, state) : -ENODEV;
+	if (!dev)
+		return -ENODEV;
+	*state = hag_ops->mig_get_state(hag_ctx, dev->rs);
+	return 0;
 }
 
 static int hag_gvt_mig_get_data_size(struct intel_vgpu *vgpu,
@@ -1031,7 +785,7 @@ static int hag_gvt_mig_get_data_size(struct intel_vgpu *vgpu,
 {
 	struct hag_gvt_dev *dev = hag_gvt_dev_of(vgpu);
 
-	return dev ? hag_mig_dev_get_data_size(&dev->mig, stop_copy_length) :
+	return dev ? hag_mig_get_data_size_of(dev->rs, stop_copy_length) :
 		     -ENODEV;
 }
 
@@ -1040,7 +794,7 @@ static void hag_gvt_vfio_reset(struct intel_vgpu *vgpu)
 	struct hag_gvt_dev *dev = hag_gvt_dev_of(vgpu);
 
 	if (dev)
-		hag_mig_reset(&dev->mig);
+		hag_ops->mig_reset(hag_ctx, dev->rs);
 }
 
 #if IS_ENABLED(CONFIG_IOMMUFD_DRIVER)
@@ -1050,7 +804,7 @@ static int hag_gvt_log_start(struct intel_vgpu *vgpu,
 {
 	struct hag_gvt_dev *dev = hag_gvt_dev_of(vgpu);
 
-	return dev ? hag_log_start_id(dev->mig.id, ranges, nnodes, page_size) :
+	return dev ? hag_log_start_of(dev->rs, ranges, nnodes, page_size) :
 		     -ENODEV;
 }
 
@@ -1058,7 +812,7 @@ static int hag_gvt_log_stop(struct intel_vgpu *vgpu)
 {
 	struct hag_gvt_dev *dev = hag_gvt_dev_of(vgpu);
 
-	return dev ? hag_ops->dma_log_stop(hag_ctx, dev->mig.id) : -ENODEV;
+	return dev ? hag_ops->dma_log_stop(hag_ctx, dev->rs) : -ENODEV;
 }
 
 static int hag_gvt_log_read_and_clear(struct intel_vgpu *vgpu,
@@ -1067,8 +821,8 @@ static int hag_gvt_log_read_and_clear(struct intel_vgpu *vgpu,
 {
 	struct hag_gvt_dev *dev = hag_gvt_dev_of(vgpu);
 
-	return dev ? hag_ops->dma_log_report(hag_ctx, dev->mig.id, iova,
-					     length, dirty) : -ENODEV;
+	return dev ? hag_ops->dma_log_report(hag_ctx, dev->rs, iova, length,
+					     dirty) : -ENODEV;
 }
 #else
 static int hag_gvt_log_start(struct intel_vgpu *vgpu,

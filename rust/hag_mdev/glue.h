@@ -23,21 +23,9 @@ struct hag_glue_config {
 };
 
 struct hag_vgpu;
+struct vfio_device;
+struct file;
 
-/* What glue.c does for one VFIO migration arc, after hag_rs_mig_step(). */
-enum hag_mig_action {
-	HAG_MIG_NONE = 0, /* nothing more */
-	HAG_MIG_SAVE = 1, /* hag_rs_mig_save() into a new file to read */
-	HAG_MIG_RESUME = 2, /* a new file to write a snapshot into */
-	HAG_MIG_LOAD = 3, /* hag_rs_mig_restore() of it, then close it */
-	HAG_MIG_CLOSE = 4, /* end the data session */
-};
-
-/*
- * The Rust callbacks, built by glue.rs for the driver type it registers
- * (as upstream's miscdevice.rs builds file_operations): every one takes
- * the registered context first. Mirrored by glue::RsOps.
- */
 struct hag_gvt_wl;
 
 /*
@@ -52,36 +40,58 @@ struct hag_log_range {
 	u64 length;
 };
 
+/*
+ * The Rust callbacks, built by glue.rs for the driver type it registers
+ * (as upstream's miscdevice.rs builds file_operations): every one takes
+ * the registered context first. Mirrored by glue::RsOps. The pointers
+ * Rust hands out and takes back (its `ForeignOwnable`s) are opaque
+ * here: @opened, one open of /dev/hag (kept in the file's private_data
+ * from open to release); @rs, a vGPU as its VFIO device reaches it (a
+ * counted reference kept in the device's data: struct hag_vgpu's, or the
+ * record of a GVT-g vGPU, from probe or gvt_vgpu_added until vgpu_put or
+ * gvt_vgpu_removed); @migf, a VFIO migration data file's contents (in the
+ * file's private_data until its release).
+ */
 struct hag_rs_ops {
-	long (*ioctl)(const void *ctx, u64 opener, unsigned int cmd,
+	int (*open)(const void *ctx, const void **opened);
+	long (*ioctl)(const void *ctx, const void *opened, unsigned int cmd,
 		      unsigned long arg);
-	void (*release)(const void *ctx, u64 opener);
+	void (*release)(const void *ctx, const void *opened);
 	int (*vgpu_probe)(const void *ctx, const u8 *uuid,
-			  struct hag_vgpu *vgpu, u32 *id);
-	void (*vgpu_remove)(const void *ctx, u32 id);
-	void (*vgpu_open)(const void *ctx, u32 id, bool open);
-	long (*vfio_rw)(const void *ctx, u32 id, char __user *buf,
+			  struct hag_vgpu *vgpu, const void **rs);
+	/* Gone from hag's table; @rs stays valid until vgpu_put. */
+	void (*vgpu_remove)(const void *ctx, const void *rs);
+	void (*vgpu_put)(const void *ctx, const void *rs);
+	void (*vgpu_open)(const void *ctx, const void *rs, bool open);
+	long (*vfio_rw)(const void *ctx, const void *rs, char __user *buf,
 			size_t count, u64 pos, bool write);
-	long (*vfio_ioctl)(const void *ctx, u32 id, unsigned int cmd,
+	long (*vfio_ioctl)(const void *ctx, const void *rs, unsigned int cmd,
 			   unsigned long arg);
-	void (*vgpu_tick)(const void *ctx, u32 id);
-	int (*dma_log_start)(const void *ctx, u32 id,
+	void (*vgpu_tick)(const void *ctx, const void *rs);
+	/* VFIO DMA logging and migration, of either kind of vGPU. */
+	int (*dma_log_start)(const void *ctx, const void *rs,
 			     const struct hag_log_range *ranges, u32 count);
-	int (*dma_log_stop)(const void *ctx, u32 id);
-	int (*dma_log_report)(const void *ctx, u32 id, u64 iova, u64 length,
-			      void *dirty);
-	int (*mig_step)(const void *ctx, u32 id, u32 cur, u32 next);
-	long (*mig_save)(const void *ctx, u32 id, u8 *buf, size_t cap);
-	int (*mig_restore)(const void *ctx, u32 id, const u8 *buf, size_t len);
-	long (*mig_check)(const void *ctx, u32 id, const u8 *buf, size_t len);
-	void (*mig_reset)(const void *ctx, u32 id);
-	/* Bytes of a VFIO migration snapshot of vGPU id, the most it accepts. */
-	long (*mig_data_bytes)(const void *ctx, u32 id);
-	long (*mig_max_bytes)(const void *ctx, u32 id);
+	int (*dma_log_stop)(const void *ctx, const void *rs);
+	int (*dma_log_report)(const void *ctx, const void *rs, u64 iova,
+			      u64 length, void *dirty);
+	/* 0 and the file the last arc opened (or NULL), or a negative errno. */
+	int (*mig_set_state)(const void *ctx, const void *rs,
+			     struct vfio_device *vdev, u32 new_state,
+			     struct file **filp);
+	u32 (*mig_get_state)(const void *ctx, const void *rs);
+	long (*mig_data_bytes)(const void *ctx, const void *rs);
+	/* Back to RUNNING, no data session (GVT-g's device reset). */
+	void (*mig_reset)(const void *ctx, const void *rs);
+	long (*mig_file_read)(const void *ctx, const void *migf,
+			      char __user *buf, size_t len);
+	long (*mig_file_write)(const void *ctx, const void *migf,
+			       const char __user *buf, size_t len);
+	void (*mig_file_release)(const void *ctx, const void *migf);
 	/* GVT-g (called only while registered with GVT). */
-	/* Returns hag's id of the vGPU, or a negative errno. */
-	int (*gvt_vgpu_added)(const void *ctx, void *vgpu, unsigned int id);
-	void (*gvt_vgpu_removed)(const void *ctx, void *vgpu);
+	int (*gvt_vgpu_added)(const void *ctx, void *vgpu, unsigned int id,
+			      const void **rs);
+	/* @rs: what gvt_vgpu_added gave, or NULL if it failed. */
+	void (*gvt_vgpu_removed)(const void *ctx, void *vgpu, const void *rs);
 	void (*gvt_workload)(const void *ctx, const void *wl, void *vgpu,
 			     const struct hag_gvt_wl *w);
 	void (*gvt_workload_done)(const void *ctx, void *vgpu, u64 cookie,
@@ -128,6 +138,11 @@ void hag_glue_msleep(u32 ms);
 bool hag_glue_fatal_signal_pending(void);
 void hag_glue_cond_resched(void);
 void hag_glue_iova_bitmap_set(void *dirty, u64 iova, u64 length);
+bool hag_glue_mig_data_corrupted(void);
+int hag_glue_mig_next_state(struct vfio_device *vdev, u32 cur, u32 target,
+			    u32 *next);
+int hag_glue_mig_file(const void *migf, bool write, struct file **filp);
+void hag_glue_fput(struct file *filp);
 
 /*
  * GVT-g (glue.c's GVT section): hag as the observer of i915's workload

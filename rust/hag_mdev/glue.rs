@@ -24,7 +24,8 @@ use core::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use kernel::prelude::*;
 use kernel::types::{AsBytes, FromBytes};
-use kernel::sync::Mutex;
+use kernel::sync::{Arc, ArcBorrow, Mutex};
+use kernel::types::ForeignOwnable;
 use kernel::uaccess::UserSlice;
 use kernel::{new_mutex, pin_init};
 
@@ -33,62 +34,77 @@ use crate::audit::AddressSpace;
 use crate::dirty;
 use crate::handoff;
 
-/// `/dev/hag`'s file operations, for the opener numbered `opener` (each
-/// open of the file is numbered, never reusing a number while loaded).
+/// `/dev/hag`'s file operations. Each open has its own state
+/// ([`Self::Opened`]), kept in the file's `private_data` from open to
+/// release, as upstream's `MiscDevice::Ptr`.
 pub(crate) trait FileOps {
-    /// An ioctl.
-    fn ioctl(&self, opener: u64, cmd: u32, arg: usize) -> Result;
-    /// The opener's file was released (closed, or its process died).
-    fn release(&self, opener: u64);
+    /// What one open keeps.
+    type Opened: Send + Sync + 'static;
+    /// The file was opened.
+    fn open(&self) -> Result<Pin<KBox<Self::Opened>>>;
+    /// An ioctl on it.
+    fn ioctl(&self, opened: &Self::Opened, cmd: u32, arg: usize) -> Result;
+    /// It was released (closed, or its process died).
+    fn release(&self, opened: Pin<KBox<Self::Opened>>);
 }
 
 /// The mdev parent: vGPUs of the `hag-sim` type come and go.
-pub(crate) trait MdevParent {
-    /// A vGPU was created through sysfs; returns its id.
-    fn vgpu_probe(&self, uuid: [u8; 16], handle: VgpuHandle) -> Result<u32>;
-    /// It is being removed (or its probe failed after `vgpu_probe`).
-    fn vgpu_remove(&self, id: u32);
+pub(crate) trait MdevParent: VfioDevice {
+    /// A vGPU was created through sysfs; returns it as its VFIO device
+    /// reaches it (glue.c keeps the reference in the device until remove).
+    fn vgpu_probe(&self, uuid: [u8; 16], handle: VgpuHandle) -> Result<Arc<Self::Vgpu>>;
+    /// It is being removed (or its probe failed after `vgpu_probe`). The
+    /// reference is dropped after this, once its work item is cancelled.
+    fn vgpu_remove(&self, vgpu: &Self::Vgpu);
 }
 
-/// The VFIO device of vGPU `id`, as a VMM uses it.
+/// A vGPU's VFIO device, as a VMM uses it: hag-sim's own, or, for
+/// migration and DMA logging only, a GVT-g vGPU's (kvmgt's device
+/// delegates those to hag).
 pub(crate) trait VfioDevice {
+    /// A vGPU as its VFIO device reaches it: a counted reference in the
+    /// device's data, borrowed for each callback.
+    type Vgpu: Send + Sync + 'static;
+    /// A migration data file's contents: the file's `private_data`.
+    type MigFile: Send + Sync + 'static;
     /// The VMM opened (`true`) or closed the device.
-    fn vgpu_open(&self, id: u32, open: bool);
+    fn vgpu_open(&self, vgpu: &Self::Vgpu, open: bool);
     /// A region read or write; returns the bytes transferred.
-    fn region_rw(&self, id: u32, user: UserSlice, count: usize, pos: u64, write: bool) -> Result<usize>;
+    fn region_rw(&self, vgpu: &Self::Vgpu, user: UserSlice, count: usize, pos: u64, write: bool) -> Result<usize>;
     /// A device ioctl.
-    fn device_ioctl(&self, id: u32, cmd: u32, arg: usize) -> Result<i64>;
+    fn device_ioctl(&self, vgpu: &Self::Vgpu, cmd: u32, arg: usize) -> Result<i64>;
     /// The vGPU's work item ran.
-    fn tick(&self, id: u32);
+    fn tick(&self, vgpu: &Self::Vgpu);
     /// DMA logging starts over `ranges`.
-    fn dma_log_start(&self, id: u32, ranges: &[dirty::Range]) -> Result;
+    fn dma_log_start(&self, vgpu: &Self::Vgpu, ranges: &[dirty::Range]) -> Result;
     /// DMA logging stops.
-    fn dma_log_stop(&self, id: u32) -> Result;
+    fn dma_log_stop(&self, vgpu: &Self::Vgpu) -> Result;
     /// Hands out (to `report`) and clears the dirty pages of a range.
-    fn dma_log_report(&self, id: u32, iova: u64, length: u64, report: &mut dyn FnMut(u64)) -> Result;
-    /// A VFIO migration arc `cur` to `next` (`enum vfio_device_mig_state`).
-    fn mig_step(&self, id: u32, cur: u32, next: u32) -> Result<MigAction>;
-    /// The snapshot of a stopped vGPU into `out`; returns the bytes used.
-    fn mig_save(&self, id: u32, out: &mut [u8]) -> Result<usize>;
-    /// Loads a snapshot a VMM wrote.
-    fn mig_restore(&self, id: u32, bytes: &[u8]) -> Result;
-    /// Checks a snapshot as the VMM writes it: the bytes still to come
-    /// (0: complete and valid), or why it is refused.
-    fn mig_check(&self, id: u32, bytes: &[u8]) -> Result<usize>;
-    /// The migration state went back to RUNNING (close or reset).
-    fn mig_reset(&self, id: u32);
-    /// Bytes of a VFIO migration snapshot of the vGPU now.
-    fn mig_data_bytes(&self, id: u32) -> Result<usize>;
-    /// The most a VMM may write into the vGPU in RESUMING.
-    fn mig_max_bytes(&self, id: u32) -> Result<usize>;
+    fn dma_log_report(&self, vgpu: &Self::Vgpu, iova: u64, length: u64, report: &mut dyn FnMut(u64)) -> Result;
+    /// VFIO migration to `target` (`enum vfio_device_mig_state`) along
+    /// the path `vdev` gives; the file the last arc opened, if any (made
+    /// with [`mig_file`]).
+    fn mig_set_state(&self, vgpu: &Self::Vgpu, vdev: &VfioDeviceRef<'_>, target: u32) -> Result<Option<File>>;
+    /// The migration state.
+    fn mig_state(&self, vgpu: &Self::Vgpu) -> u32;
+    /// Bytes of a STOP_COPY snapshot of the vGPU.
+    fn mig_data_bytes(&self, vgpu: &Self::Vgpu) -> Result<usize>;
+    /// Back to RUNNING with no data session (a GVT-g device reset).
+    fn mig_reset(&self, vgpu: &Self::Vgpu);
+    /// The VMM reads a data file.
+    fn mig_file_read(&self, file: &Self::MigFile, user: UserSlice, len: usize) -> Result<usize>;
+    /// The VMM writes a data file.
+    fn mig_file_write(&self, file: &Self::MigFile, user: UserSlice, len: usize) -> Result<usize>;
 }
 
 /// GVT-g's hooks (the i915 patch), for the vGPUs GVT runs.
-pub(crate) trait GvtObserver {
-    /// GVT created (or had) a vGPU; returns hag's id for it.
-    fn gvt_vgpu_added(&self, gvt_id: u32, ggtt_size: u64, vgpu: GvtVgpuPtr) -> Result<u32>;
-    /// GVT is destroying the vGPU at `vgpu`.
-    fn gvt_vgpu_removed(&self, vgpu: usize);
+pub(crate) trait GvtObserver: VfioDevice {
+    /// GVT created (or had) a vGPU; returns it as kvmgt's VFIO device
+    /// reaches it through hag (glue.c keeps the reference until removal).
+    fn gvt_vgpu_added(&self, gvt_id: u32, ggtt_size: u64, vgpu: GvtVgpuPtr) -> Result<Arc<Self::Vgpu>>;
+    /// GVT is destroying the vGPU at `vgpu`; `device` is the reference
+    /// `gvt_vgpu_added` gave (`None` if it failed).
+    fn gvt_vgpu_removed(&self, vgpu: usize, device: Option<Arc<Self::Vgpu>>);
     /// GVT scanned and shadowed workload `cookie` of the vGPU at `vgpu`
     /// (or the glue could not read what GVT passed, or GVT could not pass
     /// all of it: why).
@@ -129,26 +145,28 @@ impl<T: FileOps + MdevParent + VfioDevice + GvtObserver + Send + Sync + 'static>
 /// `struct hag_rs_ops` in glue.h.
 #[repr(C)]
 pub(crate) struct RsOps {
-    ioctl: extern "C" fn(*const c_void, u64, c_uint, c_ulong) -> c_long,
-    release: extern "C" fn(*const c_void, u64),
-    vgpu_probe: extern "C" fn(*const c_void, *const u8, *mut CVgpu, *mut u32) -> c_int,
-    vgpu_remove: extern "C" fn(*const c_void, u32),
-    vgpu_open: extern "C" fn(*const c_void, u32, bool),
-    vfio_rw: extern "C" fn(*const c_void, u32, *mut u8, usize, u64, bool) -> c_long,
-    vfio_ioctl: extern "C" fn(*const c_void, u32, c_uint, c_ulong) -> c_long,
-    vgpu_tick: extern "C" fn(*const c_void, u32),
-    dma_log_start: extern "C" fn(*const c_void, u32, *const dirty::Range, u32) -> c_int,
-    dma_log_stop: extern "C" fn(*const c_void, u32) -> c_int,
-    dma_log_report: extern "C" fn(*const c_void, u32, u64, u64, *mut c_void) -> c_int,
-    mig_step: extern "C" fn(*const c_void, u32, u32, u32) -> c_int,
-    mig_save: extern "C" fn(*const c_void, u32, *mut u8, usize) -> c_long,
-    mig_restore: extern "C" fn(*const c_void, u32, *const u8, usize) -> c_int,
-    mig_check: extern "C" fn(*const c_void, u32, *const u8, usize) -> c_long,
-    mig_reset: extern "C" fn(*const c_void, u32),
-    mig_data_bytes: extern "C" fn(*const c_void, u32) -> c_long,
-    mig_max_bytes: extern "C" fn(*const c_void, u32) -> c_long,
-    gvt_vgpu_added: extern "C" fn(*const c_void, *mut c_void, c_uint) -> c_int,
-    gvt_vgpu_removed: extern "C" fn(*const c_void, *mut c_void),
+    open: extern "C" fn(*const c_void, *mut *const c_void) -> c_int,
+    ioctl: extern "C" fn(*const c_void, *const c_void, c_uint, c_ulong) -> c_long,
+    release: extern "C" fn(*const c_void, *const c_void),
+    vgpu_probe: extern "C" fn(*const c_void, *const u8, *mut CVgpu, *mut *const c_void) -> c_int,
+    vgpu_remove: extern "C" fn(*const c_void, *const c_void),
+    vgpu_put: extern "C" fn(*const c_void, *const c_void),
+    vgpu_open: extern "C" fn(*const c_void, *const c_void, bool),
+    vfio_rw: extern "C" fn(*const c_void, *const c_void, *mut u8, usize, u64, bool) -> c_long,
+    vfio_ioctl: extern "C" fn(*const c_void, *const c_void, c_uint, c_ulong) -> c_long,
+    vgpu_tick: extern "C" fn(*const c_void, *const c_void),
+    dma_log_start: extern "C" fn(*const c_void, *const c_void, *const dirty::Range, u32) -> c_int,
+    dma_log_stop: extern "C" fn(*const c_void, *const c_void) -> c_int,
+    dma_log_report: extern "C" fn(*const c_void, *const c_void, u64, u64, *mut c_void) -> c_int,
+    mig_set_state: extern "C" fn(*const c_void, *const c_void, *mut c_void, u32, *mut *mut c_void) -> c_int,
+    mig_get_state: extern "C" fn(*const c_void, *const c_void) -> u32,
+    mig_data_bytes: extern "C" fn(*const c_void, *const c_void) -> c_long,
+    mig_reset: extern "C" fn(*const c_void, *const c_void),
+    mig_file_read: extern "C" fn(*const c_void, *const c_void, *mut u8, usize) -> c_long,
+    mig_file_write: extern "C" fn(*const c_void, *const c_void, *const u8, usize) -> c_long,
+    mig_file_release: extern "C" fn(*const c_void, *const c_void),
+    gvt_vgpu_added: extern "C" fn(*const c_void, *mut c_void, c_uint, *mut *const c_void) -> c_int,
+    gvt_vgpu_removed: extern "C" fn(*const c_void, *mut c_void, *const c_void),
     gvt_workload: extern "C" fn(*const c_void, *const c_void, *mut c_void, *const CGvtWl),
     gvt_workload_done: extern "C" fn(*const c_void, *mut c_void, u64, bool),
     gvt_batch_check: extern "C" fn(*const c_void, *mut c_void) -> bool,
@@ -164,10 +182,12 @@ struct Vtable<T>(core::marker::PhantomData<T>);
 
 impl<T: Driver> Vtable<T> {
     const OPS: RsOps = RsOps {
+        open: open::<T>,
         ioctl: ioctl::<T>,
         release: release::<T>,
         vgpu_probe: vgpu_probe::<T>,
         vgpu_remove: vgpu_remove::<T>,
+        vgpu_put: vgpu_put::<T>,
         vgpu_open: vgpu_open::<T>,
         vfio_rw: vfio_rw::<T>,
         vfio_ioctl: vfio_ioctl::<T>,
@@ -175,13 +195,13 @@ impl<T: Driver> Vtable<T> {
         dma_log_start: dma_log_start::<T>,
         dma_log_stop: dma_log_stop::<T>,
         dma_log_report: dma_log_report::<T>,
-        mig_step: mig_step::<T>,
-        mig_save: mig_save::<T>,
-        mig_restore: mig_restore::<T>,
-        mig_check: mig_check::<T>,
-        mig_reset: mig_reset::<T>,
+        mig_set_state: mig_set_state::<T>,
+        mig_get_state: mig_get_state::<T>,
         mig_data_bytes: mig_data_bytes::<T>,
-        mig_max_bytes: mig_max_bytes::<T>,
+        mig_reset: mig_reset::<T>,
+        mig_file_read: mig_file_read::<T>,
+        mig_file_write: mig_file_write::<T>,
+        mig_file_release: mig_file_release::<T>,
         gvt_vgpu_added: gvt_vgpu_added::<T>,
         gvt_vgpu_removed: gvt_vgpu_removed::<T>,
         gvt_workload: gvt_workload::<T>,
@@ -246,6 +266,10 @@ extern "C" {
     fn hag_glue_fatal_signal_pending() -> bool;
     fn hag_glue_cond_resched();
     fn hag_glue_iova_bitmap_set(dirty: *mut c_void, iova: u64, length: u64);
+    fn hag_glue_mig_data_corrupted() -> bool;
+    fn hag_glue_mig_next_state(vdev: *mut c_void, cur: u32, target: u32, next: *mut u32) -> c_int;
+    fn hag_glue_mig_file(migf: *const c_void, write: bool, filp: *mut *mut c_void) -> c_int;
+    fn hag_glue_fput(filp: *mut c_void);
     fn hag_glue_register(ctx: *const c_void, ops: *const RsOps, cfg: *const GlueConfig) -> c_int;
     fn hag_glue_unregister();
     fn hag_glue_msg_new(msg: *mut GlueMsg, cmd: u8) -> c_int;
@@ -341,30 +365,78 @@ unsafe fn state<'a, T: Driver>(ctx: *const c_void) -> &'a T {
     unsafe { &*ctx.cast::<T>() }
 }
 
-/// `/dev/hag` ioctl, by the opener numbered `opener`.
-extern "C" fn ioctl<T: Driver>(ctx: *const c_void, opener: u64, cmd: c_uint, arg: c_ulong) -> c_long {
+/// `/dev/hag` was opened: its state goes into `*opened` (the file's
+/// `private_data`).
+extern "C" fn open<T: Driver>(ctx: *const c_void, opened: *mut *const c_void) -> c_int {
     // SAFETY: called by glue.c's file operations, which exist only while
     // registered, with the registered context.
     let state = unsafe { state::<T>(ctx) };
-    match state.ioctl(opener, cmd, arg as usize) {
+    match state.open() {
+        Ok(file) => {
+            // SAFETY: glue.c passes a pointer to its local, valid for
+            // writes; it stores the value in the file's private_data, which
+            // `ioctl` borrows and `release` takes back.
+            unsafe { opened.write(file.into_foreign()) };
+            0
+        }
+        Err(e) => e.to_errno(),
+    }
+}
+
+/// The `/dev/hag` state of an open file, borrowed for a call on it.
+///
+/// # Safety
+///
+/// `opened` must be what `open::<T>` stored for the file, and the file not
+/// yet released (VFS does not release a file during a call on it).
+unsafe fn opened<'a, T: Driver>(opened: *const c_void) -> Pin<&'a T::Opened> {
+    // SAFETY: per this function's contract.
+    unsafe { <Pin<KBox<T::Opened>> as ForeignOwnable>::borrow(opened) }
+}
+
+/// `/dev/hag` ioctl.
+extern "C" fn ioctl<T: Driver>(ctx: *const c_void, opened: *const c_void, cmd: c_uint, arg: c_ulong) -> c_long {
+    // SAFETY: called by glue.c's file operations while registered.
+    let state = unsafe { state::<T>(ctx) };
+    // SAFETY: glue.c passes the file's private_data during an ioctl on it.
+    let file = unsafe { self::opened::<T>(opened) };
+    match state.ioctl(file.get_ref(), cmd, arg as usize) {
         Ok(()) => 0,
         Err(e) => e.to_errno() as c_long,
     }
 }
 
-/// `/dev/hag` opener `opener` released its file (closed, or its process
-/// died): what it held goes.
-extern "C" fn release<T: Driver>(ctx: *const c_void, opener: u64) {
+/// `/dev/hag` file released (closed, or its process died): what its opener
+/// held goes.
+extern "C" fn release<T: Driver>(ctx: *const c_void, opened: *const c_void) {
     // SAFETY: called by glue.c's file operations while registered.
-    unsafe { state::<T>(ctx) }.release(opener);
+    let state = unsafe { state::<T>(ctx) };
+    // SAFETY: glue.c passes the file's private_data, which `open::<T>`
+    // stored, once, at the file's release: ownership comes back here.
+    let file = unsafe { <Pin<KBox<T::Opened>> as ForeignOwnable>::from_foreign(opened) };
+    state.release(file);
 }
 
-/// mdev probe: a vGPU was created through sysfs.
+/// The vGPU of a VFIO callback, borrowed for the call.
+///
+/// # Safety
+///
+/// `rs` must be a reference `vgpu_probe::<T>` or `gvt_vgpu_added::<T>`
+/// handed out and not yet taken back (`vgpu_put::<T>`,
+/// `gvt_vgpu_removed::<T>`): glue.c keeps it in the device and calls back
+/// with it only in between.
+unsafe fn vgpu<'a, T: Driver>(rs: *const c_void) -> ArcBorrow<'a, T::Vgpu> {
+    // SAFETY: per this function's contract.
+    unsafe { <Arc<T::Vgpu> as ForeignOwnable>::borrow(rs) }
+}
+
+/// mdev probe: a vGPU was created through sysfs. Its reference goes into
+/// `*rs` (`struct hag_vgpu`'s).
 extern "C" fn vgpu_probe<T: Driver>(
     ctx: *const c_void,
     uuid: *const u8,
     vgpu: *mut CVgpu,
-    id: *mut u32,
+    rs: *mut *const c_void,
 ) -> c_int {
     // SAFETY: called by glue.c's mdev probe while registered.
     let state = unsafe { state::<T>(ctx) };
@@ -373,9 +445,10 @@ extern "C" fn vgpu_probe<T: Driver>(
     let guid: [u8; 16] = unsafe { ptr::read(uuid.cast::<[u8; 16]>()) };
     let handle = VgpuHandle::new(vgpu);
     match state.vgpu_probe(abi::uuid_from_guid(guid), handle) {
-        Ok(new_id) => {
-            // SAFETY: `id` points to the `u32` field of glue.c's vGPU struct.
-            unsafe { id.write(new_id) };
+        Ok(device) => {
+            // SAFETY: `rs` points to the field of glue.c's vGPU struct,
+            // valid for writes; glue.c passes it back until `vgpu_put`.
+            unsafe { rs.write(device.into_foreign()) };
             0
         }
         Err(e) => e.to_errno(),
@@ -383,15 +456,33 @@ extern "C" fn vgpu_probe<T: Driver>(
 }
 
 /// mdev remove, or a failed probe after `vgpu_probe` succeeded.
-extern "C" fn vgpu_remove<T: Driver>(ctx: *const c_void, id: u32) {
+extern "C" fn vgpu_remove<T: Driver>(ctx: *const c_void, rs: *const c_void) {
     // SAFETY: called by glue.c's mdev remove while registered.
-    unsafe { state::<T>(ctx) }.vgpu_remove(id);
+    let state = unsafe { state::<T>(ctx) };
+    // SAFETY: glue.c passes the reference `vgpu_probe` gave, before its put.
+    state.vgpu_remove(&*unsafe { vgpu::<T>(rs) });
+}
+
+/// The end of a remove: glue.c no longer reaches the vGPU (no VFIO
+/// access, its work item cancelled), and gives its reference back.
+extern "C" fn vgpu_put<T: Driver>(_ctx: *const c_void, rs: *const c_void) {
+    // SAFETY: glue.c passes the reference `vgpu_probe` gave, once, after
+    // its last use: ownership comes back here.
+    drop(unsafe { <Arc<T::Vgpu> as ForeignOwnable>::from_foreign(rs) });
+}
+
+/// A VMM opened or closed the vGPU's VFIO device.
+extern "C" fn vgpu_open<T: Driver>(ctx: *const c_void, rs: *const c_void, open: bool) {
+    // SAFETY: called by glue.c's VFIO device ops while registered.
+    let state = unsafe { state::<T>(ctx) };
+    // SAFETY: glue.c passes the device's reference (see `vgpu`).
+    state.vgpu_open(&*unsafe { vgpu::<T>(rs) }, open);
 }
 
 /// A VMM read or wrote a VFIO region of the vGPU (`pos` encodes the region).
 extern "C" fn vfio_rw<T: Driver>(
     ctx: *const c_void,
-    id: u32,
+    rs: *const c_void,
     buf: *mut u8,
     count: usize,
     pos: u64,
@@ -399,35 +490,48 @@ extern "C" fn vfio_rw<T: Driver>(
 ) -> c_long {
     // SAFETY: called by glue.c's VFIO device ops while registered.
     let state = unsafe { state::<T>(ctx) };
+    // SAFETY: glue.c passes the device's reference (see `vgpu`).
+    let vgpu = unsafe { vgpu::<T>(rs) };
     let user = UserSlice::new(buf as usize, count);
-    match state.region_rw(id, user, count, pos, write) {
+    match state.region_rw(&*vgpu, user, count, pos, write) {
         Ok(done) => c_long::try_from(done).unwrap_or(c_long::MAX),
         Err(e) => e.to_errno() as c_long,
     }
 }
 
 /// A VMM issued an ioctl on the vGPU's VFIO device fd.
-extern "C" fn vfio_ioctl<T: Driver>(ctx: *const c_void, id: u32, cmd: c_uint, arg: c_ulong) -> c_long {
+extern "C" fn vfio_ioctl<T: Driver>(ctx: *const c_void, rs: *const c_void, cmd: c_uint, arg: c_ulong) -> c_long {
     // SAFETY: called by glue.c's VFIO device ops while registered.
     let state = unsafe { state::<T>(ctx) };
-    match state.device_ioctl(id, cmd, arg as usize) {
+    // SAFETY: glue.c passes the device's reference (see `vgpu`).
+    let vgpu = unsafe { vgpu::<T>(rs) };
+    match state.device_ioctl(&*vgpu, cmd, arg as usize) {
         Ok(ret) => ret,
         Err(e) => e.to_errno() as c_long,
     }
 }
 
 /// The vGPU's delayed work ran: an engine slice and the watchdog.
-extern "C" fn vgpu_tick<T: Driver>(ctx: *const c_void, id: u32) {
-    // SAFETY: glue.c cancels the work before the vGPU (and the state)
-    // goes away, so this runs while registered.
-    unsafe { state::<T>(ctx) }.tick(id);
+extern "C" fn vgpu_tick<T: Driver>(ctx: *const c_void, rs: *const c_void) {
+    // SAFETY: glue.c cancels the work before the vGPU's reference is put
+    // (and the state goes away), so this runs while registered with it.
+    let state = unsafe { state::<T>(ctx) };
+    // SAFETY: as above.
+    state.tick(&*unsafe { vgpu::<T>(rs) });
 }
 
 /// VFIO DMA logging started on the vGPU over the VMM's ranges (glue.c
 /// merged them to at most `HAG_LOG_MAX_RANGES`).
-extern "C" fn dma_log_start<T: Driver>(ctx: *const c_void, id: u32, ranges: *const dirty::Range, count: u32) -> c_int {
+extern "C" fn dma_log_start<T: Driver>(
+    ctx: *const c_void,
+    rs: *const c_void,
+    ranges: *const dirty::Range,
+    count: u32,
+) -> c_int {
     // SAFETY: called by glue.c's VFIO log ops while registered.
     let state = unsafe { state::<T>(ctx) };
+    // SAFETY: glue.c passes the device's reference (see `vgpu`).
+    let vgpu = unsafe { vgpu::<T>(rs) };
     if ranges.is_null() || count as usize > dirty::MAX_SPANS {
         return EINVAL.to_errno();
     }
@@ -435,17 +539,18 @@ extern "C" fn dma_log_start<T: Driver>(ctx: *const c_void, id: u32, ranges: *con
     // (the layout of `dirty::Range`) in an array on its stack that outlives
     // this call; `count` is capped just above.
     let ranges = unsafe { core::slice::from_raw_parts(ranges, count as usize) };
-    match state.dma_log_start(id, ranges) {
+    match state.dma_log_start(&*vgpu, ranges) {
         Ok(()) => 0,
         Err(e) => e.to_errno(),
     }
 }
 
 /// VFIO DMA logging stopped.
-extern "C" fn dma_log_stop<T: Driver>(ctx: *const c_void, id: u32) -> c_int {
+extern "C" fn dma_log_stop<T: Driver>(ctx: *const c_void, rs: *const c_void) -> c_int {
     // SAFETY: called by glue.c's VFIO log ops while registered.
     let state = unsafe { state::<T>(ctx) };
-    match state.dma_log_stop(id) {
+    // SAFETY: glue.c passes the device's reference (see `vgpu`).
+    match state.dma_log_stop(&*unsafe { vgpu::<T>(rs) }) {
         Ok(()) => 0,
         Err(e) => e.to_errno(),
     }
@@ -455,104 +560,118 @@ extern "C" fn dma_log_stop<T: Driver>(ctx: *const c_void, id: u32) -> c_int {
 /// its `struct iova_bitmap` and cleared here.
 extern "C" fn dma_log_report<T: Driver>(
     ctx: *const c_void,
-    id: u32,
+    rs: *const c_void,
     iova: u64,
     length: u64,
     dirty: *mut c_void,
 ) -> c_int {
     // SAFETY: called by glue.c's VFIO log ops while registered.
     let state = unsafe { state::<T>(ctx) };
+    // SAFETY: glue.c passes the device's reference (see `vgpu`).
+    let vgpu = unsafe { vgpu::<T>(rs) };
     let mut report = |page_gpa: u64| {
         // SAFETY: `dirty` is the iova_bitmap VFIO passed for this call,
         // valid until we return; iova_bitmap_set ignores pages outside it.
         unsafe { hag_glue_iova_bitmap_set(dirty, page_gpa, abi::DIRTY_PAGE_SIZE) }
     };
-    match state.dma_log_report(id, iova, length, &mut report) {
+    match state.dma_log_report(&*vgpu, iova, length, &mut report) {
         Ok(()) => 0,
         Err(e) => e.to_errno(),
     }
 }
 
-/// What glue.c does for a VFIO migration arc once Rust has acted on it.
-/// Mirrors `enum hag_mig_action` in glue.h.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-#[repr(i32)]
-pub(crate) enum MigAction {
-    /// Nothing more.
-    None = 0,
-    /// Take the snapshot (`mig_save`) into a new file to read.
-    Save = 1,
-    /// Open a file the VMM writes a snapshot into.
-    Resume = 2,
-    /// Load what was written (`mig_restore`), then close the file.
-    Load = 3,
-    /// End the data session.
-    Close = 4,
+/// The VFIO device of a migration callback: asks VFIO's core for the next
+/// arc of a path. Lives only for the callback.
+pub(crate) struct VfioDeviceRef<'a> {
+    vdev: *mut c_void,
+    _callback: core::marker::PhantomData<&'a ()>,
 }
 
-/// VFIO migration: the device moves from `cur` to `next`, one arc that
-/// `vfio_mig_get_next_state` chose (`enum vfio_device_mig_state` values).
-/// Returns a [`MigAction`] for glue.c, or a negative errno.
-extern "C" fn mig_step<T: Driver>(ctx: *const c_void, id: u32, cur: u32, next: u32) -> c_int {
+impl VfioDeviceRef<'_> {
+    /// The next state on VFIO's path from `cur` to `target`.
+    pub(crate) fn next_state(&self, cur: u32, target: u32) -> Result<u32> {
+        let mut next = 0;
+        // SAFETY: `vdev` is the device VFIO passed to the migration callback
+        // this value lives in; `next` is valid for writes.
+        check(unsafe { hag_glue_mig_next_state(self.vdev, cur, target, &mut next) })?;
+        Ok(next)
+    }
+}
+
+/// A reference to an open file, put when dropped unless handed to VFIO.
+pub(crate) struct File {
+    filp: *mut c_void,
+}
+
+// SAFETY: a file reference may be put from any task.
+unsafe impl Send for File {}
+
+impl File {
+    /// Gives the reference to C (VFIO installs it in the VMM's fd table).
+    fn into_raw(self) -> *mut c_void {
+        core::mem::ManuallyDrop::new(self).filp
+    }
+}
+
+impl Drop for File {
+    fn drop(&mut self) {
+        // SAFETY: `self` owns one reference to the file.
+        unsafe { hag_glue_fput(self.filp) };
+    }
+}
+
+/// A VFIO migration data file whose contents are `contents`, for the VMM
+/// to read (or, if `write`, to write); its release drops `contents`.
+pub(crate) fn mig_file<T: Driver>(contents: Arc<T::MigFile>, write: bool) -> Result<File> {
+    let migf = contents.into_foreign();
+    let mut filp = ptr::null_mut();
+    // SAFETY: `migf` is an `Arc<T::MigFile>` in foreign form; glue.c keeps
+    // it in the new file's private_data and passes it only to
+    // `mig_file_{read,write}::<T>`, which borrow it, and, at the file's
+    // release, to `mig_file_release::<T>`, which takes it back. `filp` is
+    // valid for writes.
+    let ret = unsafe { hag_glue_mig_file(migf, write, &mut filp) };
+    if ret != 0 {
+        // SAFETY: no file was made: the reference is still ours.
+        drop(unsafe { <Arc<T::MigFile> as ForeignOwnable>::from_foreign(migf) });
+        return Err(Error::from_errno(ret));
+    }
+    Ok(File { filp })
+}
+
+/// VFIO migration: the device moves to `new_state` (`enum
+/// vfio_device_mig_state`); the file the last arc opened goes into `*filp`.
+extern "C" fn mig_set_state<T: Driver>(
+    ctx: *const c_void,
+    rs: *const c_void,
+    vdev: *mut c_void,
+    new_state: u32,
+    filp: *mut *mut c_void,
+) -> c_int {
     // SAFETY: called by glue.c's VFIO migration ops while registered.
     let state = unsafe { state::<T>(ctx) };
-    match state.mig_step(id, cur, next) {
-        Ok(action) => action as c_int,
+    // SAFETY: glue.c passes the device's reference (see `vgpu`).
+    let vgpu = unsafe { vgpu::<T>(rs) };
+    let vdev = VfioDeviceRef { vdev, _callback: core::marker::PhantomData };
+    match state.mig_set_state(&*vgpu, &vdev, new_state) {
+        Ok(file) => {
+            if let Some(file) = file {
+                // SAFETY: glue.c passes a pointer to its local, valid for
+                // writes; it returns the reference to VFIO.
+                unsafe { filp.write(file.into_raw()) };
+            }
+            0
+        }
         Err(e) => e.to_errno(),
     }
 }
 
-/// VFIO migration, STOP to STOP_COPY: writes the vGPU's snapshot into the
-/// `cap` bytes at `buf`; returns the bytes used or a negative errno.
-extern "C" fn mig_save<T: Driver>(ctx: *const c_void, id: u32, buf: *mut u8, cap: usize) -> c_long {
+/// VFIO migration: the device's state.
+extern "C" fn mig_get_state<T: Driver>(ctx: *const c_void, rs: *const c_void) -> u32 {
     // SAFETY: called by glue.c's VFIO migration ops while registered.
     let state = unsafe { state::<T>(ctx) };
-    // SAFETY: glue.c passes the kvmalloc'd buffer of a migration file it
-    // has just made, `cap` bytes long, which nothing else reaches before
-    // this returns (the file is not installed in any fd table yet).
-    let out = unsafe { core::slice::from_raw_parts_mut(buf, cap) };
-    match state.mig_save(id, out) {
-        Ok(used) => c_long::try_from(used).unwrap_or(c_long::MAX),
-        Err(e) => e.to_errno() as c_long,
-    }
-}
-
-/// VFIO migration, RESUMING to STOP: loads the `len` bytes at `buf` the VMM
-/// wrote. 0 or a negative errno (the vGPU is then unchanged).
-extern "C" fn mig_restore<T: Driver>(ctx: *const c_void, id: u32, buf: *const u8, len: usize) -> c_int {
-    // SAFETY: called by glue.c's VFIO migration ops while registered.
-    let state = unsafe { state::<T>(ctx) };
-    // SAFETY: glue.c passes the migration file's kvmalloc'd (non-NULL)
-    // buffer and the bytes written into it, at most its size, and holds
-    // the file's lock across the call, so no write changes it meanwhile.
-    let bytes = unsafe { core::slice::from_raw_parts(buf, len) };
-    match state.mig_restore(id, bytes) {
-        Ok(()) => 0,
-        Err(e) => e.to_errno(),
-    }
-}
-
-/// VFIO migration, RESUMING: checks the `len` bytes at `buf` the VMM has
-/// written so far. The bytes still to come (0: complete and valid), or a
-/// negative errno, which glue.c returns from the write.
-extern "C" fn mig_check<T: Driver>(ctx: *const c_void, id: u32, buf: *const u8, len: usize) -> c_long {
-    // SAFETY: called by glue.c's migration file write while registered.
-    let state = unsafe { state::<T>(ctx) };
-    // SAFETY: glue.c passes the migration file's kvmalloc'd (non-NULL)
-    // buffer and the bytes written into it, at most its size, and holds
-    // the file's lock across the call, so no write changes it meanwhile.
-    let bytes = unsafe { core::slice::from_raw_parts(buf, len) };
-    match state.mig_check(id, bytes) {
-        Ok(more) => c_long::try_from(more).unwrap_or(c_long::MAX),
-        Err(e) => c_long::from(e.to_errno()),
-    }
-}
-
-/// VFIO migration state back to RUNNING without a transition (device
-/// close or reset): the vGPU is let go.
-extern "C" fn mig_reset<T: Driver>(ctx: *const c_void, id: u32) {
-    // SAFETY: called by glue.c's VFIO device ops while registered.
-    unsafe { state::<T>(ctx) }.mig_reset(id);
+    // SAFETY: glue.c passes the device's reference (see `vgpu`).
+    state.mig_state(&*unsafe { vgpu::<T>(rs) })
 }
 
 /// A size for glue.c, or a negative errno.
@@ -564,15 +683,56 @@ fn size_or_errno(size: Result<usize>) -> c_long {
 }
 
 /// VFIO migration: bytes of the vGPU's snapshot (the STOP_COPY file's).
-extern "C" fn mig_data_bytes<T: Driver>(ctx: *const c_void, id: u32) -> c_long {
+extern "C" fn mig_data_bytes<T: Driver>(ctx: *const c_void, rs: *const c_void) -> c_long {
     // SAFETY: called by glue.c's VFIO migration ops while registered.
-    size_or_errno(unsafe { state::<T>(ctx) }.mig_data_bytes(id))
+    let state = unsafe { state::<T>(ctx) };
+    // SAFETY: glue.c passes the device's reference (see `vgpu`).
+    size_or_errno(state.mig_data_bytes(&*unsafe { vgpu::<T>(rs) }))
 }
 
-/// VFIO migration: the most the RESUMING file of the vGPU takes.
-extern "C" fn mig_max_bytes<T: Driver>(ctx: *const c_void, id: u32) -> c_long {
-    // SAFETY: called by glue.c's VFIO migration ops while registered.
-    size_or_errno(unsafe { state::<T>(ctx) }.mig_max_bytes(id))
+/// A GVT-g device reset: migration back to RUNNING, no data session.
+extern "C" fn mig_reset<T: Driver>(ctx: *const c_void, rs: *const c_void) {
+    // SAFETY: called by glue.c's GVT trampolines while registered.
+    let state = unsafe { state::<T>(ctx) };
+    // SAFETY: glue.c passes the device's reference (see `vgpu`).
+    state.mig_reset(&*unsafe { vgpu::<T>(rs) });
+}
+
+/// The contents of a migration data file, borrowed for a call on it.
+///
+/// # Safety
+///
+/// `migf` must be the private_data `mig_file::<T>` gave the file, and the
+/// file not yet released.
+unsafe fn mig_contents<'a, T: Driver>(migf: *const c_void) -> ArcBorrow<'a, T::MigFile> {
+    // SAFETY: per this function's contract.
+    unsafe { <Arc<T::MigFile> as ForeignOwnable>::borrow(migf) }
+}
+
+/// The VMM reads a migration data file (a stream: no position).
+extern "C" fn mig_file_read<T: Driver>(ctx: *const c_void, migf: *const c_void, buf: *mut u8, len: usize) -> c_long {
+    // SAFETY: the file holds a reference on the module, which stays
+    // registered while it is open.
+    let state = unsafe { state::<T>(ctx) };
+    // SAFETY: glue.c passes the file's private_data during a read of it.
+    let contents = unsafe { mig_contents::<T>(migf) };
+    size_or_errno(state.mig_file_read(&*contents, UserSlice::new(buf as usize, len), len))
+}
+
+/// The VMM writes a migration data file.
+extern "C" fn mig_file_write<T: Driver>(ctx: *const c_void, migf: *const c_void, buf: *const u8, len: usize) -> c_long {
+    // SAFETY: as in `mig_file_read`.
+    let state = unsafe { state::<T>(ctx) };
+    // SAFETY: glue.c passes the file's private_data during a write to it.
+    let contents = unsafe { mig_contents::<T>(migf) };
+    size_or_errno(state.mig_file_write(&*contents, UserSlice::new(buf as usize, len), len))
+}
+
+/// A migration data file was released: its contents' reference comes back.
+extern "C" fn mig_file_release<T: Driver>(_ctx: *const c_void, migf: *const c_void) {
+    // SAFETY: glue.c passes the private_data `mig_file::<T>` gave the file,
+    // once, at its release.
+    drop(unsafe { <Arc<T::MigFile> as ForeignOwnable>::from_foreign(migf) });
 }
 
 /// The C side of one vGPU: DMA to its VM's memory and its work item.
@@ -685,6 +845,13 @@ pub(crate) fn gpu_dirty_withheld() -> bool {
     unsafe { hag_glue_gpu_dirty_withheld() }
 }
 
+/// The test-only module parameter `corrupt_mig_data`: a byte of every
+/// VFIO migration snapshot this host hands out is flipped.
+pub(crate) fn mig_data_corrupted() -> bool {
+    // SAFETY: reads a module parameter; no preconditions.
+    unsafe { hag_glue_mig_data_corrupted() }
+}
+
 /// The test-only module parameter `test_hold_vgpu_ms` (at most 10 s).
 pub(crate) fn test_hold_vgpu_ms() -> u32 {
     // SAFETY: reads a module parameter; no preconditions.
@@ -748,12 +915,6 @@ impl Drop for EventFd {
         // SAFETY: drops the reference `from_fd` took.
         unsafe { hag_glue_eventfd_put(self.ctx) };
     }
-}
-
-/// A VMM opened or closed the vGPU's VFIO device.
-extern "C" fn vgpu_open<T: Driver>(ctx: *const c_void, id: u32, open: bool) {
-    // SAFETY: called by glue.c's VFIO device ops while registered.
-    unsafe { state::<T>(ctx) }.vgpu_open(id, open);
 }
 
 // The ABI structures cross to and from userspace as raw bytes.
@@ -1163,15 +1324,27 @@ impl handoff::Translate for GvtTranslate {
     }
 }
 
-/// GVT created a vGPU (or had it when hag registered).
-extern "C" fn gvt_vgpu_added<T: Driver>(ctx: *const c_void, vgpu: *mut c_void, id: c_uint) -> c_int {
+/// GVT created a vGPU (or had it when hag registered). The reference to
+/// it that kvmgt's VFIO device reaches goes into `*rs`.
+extern "C" fn gvt_vgpu_added<T: Driver>(
+    ctx: *const c_void,
+    vgpu: *mut c_void,
+    id: c_uint,
+    rs: *mut *const c_void,
+) -> c_int {
     // SAFETY: glue.c's GVT trampolines run only while registered with GVT,
     // which is while registered, with the registered context.
     let state = unsafe { state::<T>(ctx) };
     // SAFETY: GVT passes a vGPU it has initialised, valid for the call.
     let ggtt_size = unsafe { hag_gvt_ggtt_size(vgpu) };
     match state.gvt_vgpu_added(id, ggtt_size, GvtVgpuPtr(vgpu)) {
-        Ok(hag_id) => c_int::try_from(hag_id).unwrap_or(-(EINVAL.to_errno().abs())),
+        Ok(device) => {
+            // SAFETY: `rs` points to the field of glue.c's record of the
+            // vGPU, valid for writes; glue.c passes it back until
+            // `gvt_vgpu_removed`.
+            unsafe { rs.write(device.into_foreign()) };
+            0
+        }
         Err(e) => {
             pr_warn!("GVT vGPU {}: not tracked (error {}): its writes are not logged\n", id, e.to_errno());
             e.to_errno()
@@ -1179,10 +1352,17 @@ extern "C" fn gvt_vgpu_added<T: Driver>(ctx: *const c_void, vgpu: *mut c_void, i
     }
 }
 
-/// GVT is destroying a vGPU.
-extern "C" fn gvt_vgpu_removed<T: Driver>(ctx: *const c_void, vgpu: *mut c_void) {
+/// GVT is destroying a vGPU; `rs` is what `gvt_vgpu_added` gave (NULL if
+/// it failed), given back.
+extern "C" fn gvt_vgpu_removed<T: Driver>(ctx: *const c_void, vgpu: *mut c_void, rs: *const c_void) {
     // SAFETY: as in `gvt_vgpu_added`.
-    unsafe { state::<T>(ctx) }.gvt_vgpu_removed(vgpu as usize);
+    let state = unsafe { state::<T>(ctx) };
+    let device = (!rs.is_null()).then(|| {
+        // SAFETY: a non-NULL `rs` is the reference `gvt_vgpu_added` gave,
+        // passed back once, after GVT's last call for the vGPU.
+        unsafe { <Arc<T::Vgpu> as ForeignOwnable>::from_foreign(rs) }
+    });
+    state.gvt_vgpu_removed(vgpu as usize, device);
 }
 
 /// GVT scanned and shadowed a workload of `vgpu` (under its vgpu_lock).

@@ -42,13 +42,14 @@
 use kernel::alloc::flags::GFP_KERNEL_ACCOUNT;
 use kernel::prelude::*;
 use kernel::rbtree::RBTree;
-use kernel::sync::Mutex;
+use kernel::sync::{Arc, Mutex};
 use kernel::{new_mutex, pin_init};
 
 use crate::abi;
 use crate::dirty::{self, DirtyLog};
 pub(crate) use crate::glue::GvtPart;
-use crate::glue::{self, GvtHandle, GvtTranslate, GvtVgpuPtr, GvtWorkload, MigAction};
+use crate::glue::{self, GvtHandle, GvtTranslate, GvtVgpuPtr, GvtWorkload};
+use crate::migration::{MigAction, VfioVgpu};
 use crate::sim::vfio::mig_state;
 use crate::State;
 use crate::handoff::{self, Limits, Outcome, Workload};
@@ -835,11 +836,14 @@ fn errno(e: SnapshotError) -> Error {
 }
 
 impl glue::GvtObserver for State {
-    fn gvt_vgpu_added(&self, gvt_id: u32, ggtt_size: u64, vgpu: GvtVgpuPtr) -> Result<u32> {
+    fn gvt_vgpu_added(&self, gvt_id: u32, ggtt_size: u64, vgpu: GvtVgpuPtr) -> Result<Arc<VfioVgpu>> {
         State::gvt_vgpu_added(self, gvt_id, ggtt_size, GvtHandle::new(vgpu))
     }
 
-    fn gvt_vgpu_removed(&self, vgpu: usize) {
+    fn gvt_vgpu_removed(&self, vgpu: usize, device: Option<Arc<VfioVgpu>>) {
+        if let Some(device) = device {
+            device.end_session();
+        }
         State::gvt_vgpu_removed(self, vgpu)
     }
 

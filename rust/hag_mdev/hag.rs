@@ -11,7 +11,9 @@
 //! Layout: [`glue`] is the one place that talks to C (and holds every
 //! `unsafe` block); it calls back through traits that [`vgpu::State`]
 //! implements, and names nothing above it; [`vgpu`] keeps the vGPU table; [`sim`] is the simulated
-//! vGPU (registers, GTT, engine, VFIO protocol); [`dirty`] its GPU dirty log;
+//! vGPU (registers, GTT, engine, VFIO protocol); [`migration`] VFIO
+//! migration's state machine and data files, for both kinds of vGPU;
+//! [`dirty`] its GPU dirty log;
 //! [`control`] answers the `/dev/hag` ioctls; [`events`] sends netlink
 //! events. [`abi`] and [`audit`] are the shared crates' sources (the ABI and
 //! the command auditor), compiled in so kernel and userspace use the same
@@ -41,6 +43,7 @@ mod dirty;
 mod events;
 mod glue;
 mod gvt;
+mod migration;
 mod sim;
 mod vgpu;
 

@@ -25,7 +25,8 @@ use kernel::{new_mutex, pin_init};
 use crate::abi;
 use crate::dirty::{self, DirtyLog};
 use crate::events::Event;
-use crate::glue::{self, GvtHandle, MigAction, VgpuHandle, VgpuIo};
+use crate::glue::{self, File, GvtHandle, VfioDeviceRef, VgpuHandle, VgpuIo};
+use crate::migration::{MigAction, MigFile, VfioVgpu};
 use crate::gvt::GvtVgpu;
 use crate::sim::vfio::mig_state;
 use crate::sim::{self, vfio, Sim};
@@ -144,6 +145,85 @@ impl Vgpu {
 
     fn event(&self, what: &str) {
         Event::new(abi::EVENT_STATE_CHANGED, self.id, &self.uuid).message(what).send();
+    }
+
+    /// Whether the vGPU was removed.
+    pub(crate) fn is_removed(&self) -> bool {
+        !self.handle.is_live()
+    }
+
+    /// `/dev/hag` opener `holder` is gone: if it holds the vGPU quiesced
+    /// (and VFIO migration does not hold it stopped), it runs again.
+    pub(crate) fn let_go(&self, holder: u64) {
+        let released = {
+            let Ok(mut sim) = self.lock() else { return };
+            let held = sim.quiesced && sim.held_by == Some(holder) && !sim.vfio_stopped;
+            if held {
+                sim.resume();
+            }
+            held
+        };
+        if released {
+            self.event("resumed: the process that quiesced it closed /dev/hag");
+        }
+    }
+
+    /// VFIO migration: acts on the arc `cur` to `next`. Only the arcs of
+    /// `VFIO_MIGRATION_STOP_COPY` exist; VFIO's core picks nothing else.
+    fn mig_step(&self, cur: u32, next: u32) -> Result<MigAction> {
+        use mig_state::{RESUMING, RUNNING, STOP, STOP_COPY};
+        let action = match (cur, next) {
+            (RUNNING, STOP) => {
+                if let Err(e) = self.quiesce(MIG_QUIESCE_MS, None) {
+                    pr_info!(
+                        "vGPU {}: VFIO migration: the engine did not go idle within {} ms; staying RUNNING\n",
+                        self.id,
+                        MIG_QUIESCE_MS
+                    );
+                    return Err(e);
+                }
+                let mut sim = self.lock()?;
+                // IOC_RESUME may have let it go meanwhile.
+                if !sim.quiesced || sim.busy() {
+                    return Err(EBUSY);
+                }
+                sim.vfio_stopped = true;
+                drop(sim);
+                self.event("stopped for VFIO migration");
+                MigAction::None
+            }
+            (STOP, RUNNING) => {
+                let mut sim = self.lock()?;
+                sim.vfio_stopped = false;
+                // A /dev/hag opener's quiesce is its own to let go
+                // (IOC_RESUME, or closing /dev/hag).
+                let held = sim.held_by.is_some();
+                if !held {
+                    sim.resume();
+                }
+                drop(sim);
+                self.event(if held {
+                    "VFIO migration ran again; still quiesced by a /dev/hag opener"
+                } else {
+                    "resumed by VFIO migration"
+                });
+                MigAction::None
+            }
+            (STOP, STOP_COPY) => MigAction::Save,
+            (STOP_COPY, STOP) => MigAction::Close,
+            (STOP, RESUMING) => MigAction::Resume,
+            (RESUMING, STOP) => MigAction::Load,
+            _ => {
+                pr_info!(
+                    "vGPU {}: VFIO migration arc {} -> {} is not supported\n",
+                    self.id,
+                    mig_state::name(cur),
+                    mig_state::name(next)
+                );
+                return Err(EINVAL);
+            }
+        };
+        Ok(action)
     }
 }
 
@@ -284,6 +364,163 @@ impl Entry {
             Entry::Gvt(g) => merge(g.inner.lock().logs.dev.as_mut()),
         }
     }
+
+    /// VFIO DMA logging: start over `ranges`.
+    pub(crate) fn dma_log_start(&self, ranges: &[dirty::Range]) -> Result {
+        match self {
+            Entry::Gvt(g) => g.dma_log_start(ranges),
+            Entry::Sim(v) => {
+                let log = DirtyLog::with_ranges(ranges)?;
+                v.lock()?.start_vfio_dirty_log(log)
+            }
+        }
+    }
+
+    /// VFIO DMA logging: stop.
+    pub(crate) fn dma_log_stop(&self) -> Result {
+        match self {
+            Entry::Gvt(g) => g.dma_log_stop(),
+            Entry::Sim(v) => {
+                // Freed after the lock is released.
+                let log = v.lock()?.vfio_dirty.take();
+                drop(log);
+            }
+        }
+        Ok(())
+    }
+
+    /// VFIO DMA logging: hand out and clear the dirty pages of a range.
+    pub(crate) fn dma_log_report(&self, iova: u64, length: u64, report: &mut dyn FnMut(u64)) -> Result {
+        let vgpu = match self {
+            Entry::Gvt(g) => return g.dma_log_report(iova, length, report),
+            Entry::Sim(v) => v,
+        };
+        let mut taken = {
+            let mut sim = vgpu.lock()?;
+            let taken = sim.vfio_dirty.as_mut().ok_or(EINVAL)?.take_range(iova, length)?;
+            // As for /dev/hag's log: a running submission's pages stay dirty.
+            sim.mark_running_write_set();
+            taken
+        };
+        if glue::gpu_dirty_withheld() {
+            // Tests only: the bits are taken and dropped, so the VMM sees a
+            // GPU that never writes (qemu_migrate_no_gpu_dirty).
+            return Ok(());
+        }
+        // Without the lock: setting the VMM's bitmap may fault (see
+        // DirtyLog::take_range).
+        taken.drain_range(iova, length, report);
+        Ok(())
+    }
+
+    /// VFIO migration: acts on the arc `cur` to `next` and says what to do
+    /// with the data session (`migration.rs`).
+    pub(crate) fn mig_step(&self, cur: u32, next: u32) -> Result<MigAction> {
+        match self {
+            Entry::Gvt(g) => g.mig_step(cur, next),
+            Entry::Sim(v) => v.mig_step(cur, next),
+        }
+    }
+
+    /// VFIO migration: the snapshot of a stopped vGPU into `out`; returns
+    /// the bytes used.
+    pub(crate) fn mig_save(&self, out: &mut [u8]) -> Result<usize> {
+        match self {
+            Entry::Gvt(g) => g.mig_save(out),
+            Entry::Sim(v) => {
+                let sim = v.lock()?;
+                if !sim.vfio_stopped {
+                    return Err(EBUSY);
+                }
+                sim.save(out)
+            }
+        }
+    }
+
+    /// VFIO migration: loads a snapshot a VMM wrote into a stopped vGPU.
+    /// A snapshot that does not check out is refused, the vGPU unchanged.
+    pub(crate) fn mig_restore(&self, bytes: &[u8]) -> Result {
+        let vgpu = match self {
+            Entry::Gvt(g) => return g.mig_restore(bytes),
+            Entry::Sim(v) => v,
+        };
+        let mut sim = vgpu.lock()?;
+        if !sim.vfio_stopped {
+            return Err(EBUSY);
+        }
+        if let Err(e) = sim.restore(bytes) {
+            pr_info!(
+                "vGPU {}: VFIO migration: snapshot of {} bytes refused (error {}); the vGPU keeps its context\n",
+                vgpu.id,
+                bytes.len(),
+                e.to_errno()
+            );
+            return Err(e);
+        }
+        drop(sim);
+        vgpu.event("restored by VFIO migration");
+        Ok(())
+    }
+
+    /// VFIO migration, while the VMM writes a snapshot (RESUMING): how
+    /// many more bytes the snapshot's header says are to come, or, once
+    /// all are there, whether it checks out (version, checksum, layout, a
+    /// vGPU like this one). Refusing the write that completes a damaged
+    /// snapshot fails the VMM's load of the device state, so the migration
+    /// fails while the source VM can still run on; a refusal only at
+    /// RESUMING -> STOP comes after QEMU has finished loading and started
+    /// the VM, too late to fail the migration.
+    pub(crate) fn mig_check(&self, bytes: &[u8]) -> Result<usize> {
+        use crate::snapshot::{declared_len, HEADER_BYTES};
+        let id = self.id();
+        let total = match declared_len(bytes) {
+            Some(total) => total,
+            None if bytes.len() < HEADER_BYTES => return Ok(HEADER_BYTES - bytes.len()),
+            None => {
+                pr_info!("vGPU {}: VFIO migration: the device state written is not a hag snapshot (bad magic)\n", id);
+                return Err(EINVAL);
+            }
+        };
+        if bytes.len() < total {
+            return Ok(total - bytes.len());
+        }
+        if bytes.len() > total {
+            pr_info!(
+                "vGPU {}: VFIO migration: {} bytes of device state written, its header says {}\n",
+                id,
+                bytes.len(),
+                total
+            );
+            return Err(EINVAL);
+        }
+        let checked = match self {
+            Entry::Gvt(g) => g.mig_check(bytes),
+            Entry::Sim(v) => v.lock()?.parse_compatible(bytes).map(|_| 0),
+        };
+        checked.inspect_err(|e| {
+            pr_info!(
+                "vGPU {}: VFIO migration: device state of {} bytes refused as it arrived (error {})\n",
+                id,
+                bytes.len(),
+                e.to_errno()
+            );
+        })
+    }
+
+    /// VFIO migration state reset to RUNNING (close or device reset):
+    /// VFIO's hold on the vGPU goes.
+    pub(crate) fn mig_reset(&self) {
+        match self {
+            Entry::Gvt(g) => g.mig_reset(),
+            Entry::Sim(v) => {
+                let Ok(mut sim) = v.lock() else { return };
+                if sim.vfio_stopped {
+                    sim.vfio_stopped = false;
+                    sim.resume();
+                }
+            }
+        }
+    }
 }
 
 /// Fixed slots: adding a vGPU never grows the table, and removal is O(1).
@@ -335,61 +572,60 @@ impl State {
         found.cloned().ok_or(ENODEV)
     }
 
-    /// The simulated vGPU with this id; `EOPNOTSUPP` for a GVT-g vGPU
-    /// (what is asked exists only in the simulated device).
-    pub(crate) fn vgpu(&self, id: u32) -> Result<Arc<Vgpu>> {
-        match self.entry(id)? {
-            Entry::Sim(v) => Ok(v),
-            Entry::Gvt(_) => Err(crate::errno(kernel::bindings::EOPNOTSUPP)),
-        }
-    }
-
-    /// Adds a simulated vGPU; returns its id.
-    pub(crate) fn vgpu_created(&self, uuid: [u8; 16], handle: VgpuHandle) -> Result<u32> {
+    /// Adds a simulated vGPU; returns it as its VFIO device reaches it.
+    pub(crate) fn vgpu_created(&self, uuid: [u8; 16], handle: VgpuHandle) -> Result<Arc<VfioVgpu>> {
+        let mut device = None;
         let id = self.table.lock().insert(|id| {
             let sim = Sim::new(id, uuid)?;
             let vgpu = Arc::pin_init(
                 pin_init!(Vgpu { id, uuid, handle, sim <- new_mutex!(sim, "hag_vgpu") }),
                 GFP_KERNEL,
             )?;
-            Ok(Entry::Sim(vgpu))
+            let entry = Entry::Sim(vgpu);
+            device = Some(VfioVgpu::new(entry.clone())?);
+            Ok(entry)
         })?;
         Event::new(abi::EVENT_VGPU_CREATED, id, &uuid).send();
-        Ok(id)
+        device.ok_or(EINVAL)
     }
 
-    /// Forgets a simulated vGPU. Unknown ids are ignored: glue.c only
-    /// passes ids that `vgpu_created` returned.
-    pub(crate) fn vgpu_removed(&self, id: u32) {
-        let removed = self.table.lock().remove(|e| matches!(e, Entry::Sim(v) if v.id == id));
-        if let Some(Entry::Sim(vgpu)) = &removed {
+    /// Forgets a simulated vGPU, and ends its VFIO data session.
+    pub(crate) fn vgpu_removed(&self, device: &VfioVgpu) {
+        let Entry::Sim(vgpu) = &device.entry else { return };
+        let removed = self.table.lock().remove(|e| matches!(e, Entry::Sim(v) if Arc::ptr_eq(v, vgpu)));
+        {
             // Clones of the vGPU may live on (a quiesce in flight, an
-            // ioctl in a user copy): from here their uses of the C side and
-            // of the device model find nothing (`Vgpu::lock`). The one lock
-            // not taken through `Vgpu::lock`: it ends the vGPU's liveness,
-            // under the mutex every use holds.
+            // ioctl in a user copy, a migration file): from here their
+            // uses of the C side and of the device model find nothing
+            // (`Vgpu::lock`). The one lock not taken through `Vgpu::lock`:
+            // it ends the vGPU's liveness, under the mutex every use holds.
             let _sim = vgpu.sim.lock();
             vgpu.handle.forget();
         }
-        if let Some(entry) = removed {
-            Event::new(abi::EVENT_VGPU_REMOVED, entry.id(), &entry.uuid()).send();
+        device.end_session();
+        if removed.is_some() {
+            Event::new(abi::EVENT_VGPU_REMOVED, vgpu.id, &vgpu.uuid).send();
         }
     }
 
-    /// Adds a GVT-g vGPU (GVT's id `gvt_id`); returns hag's id for it.
+    /// Adds a GVT-g vGPU (GVT's id `gvt_id`); returns it as kvmgt's VFIO
+    /// device reaches it through hag.
     pub(crate) fn gvt_vgpu_added(
         &self,
         gvt_id: u32,
         ggtt_size: u64,
         handle: impl PinInit<GvtHandle>,
-    ) -> Result<u32> {
+    ) -> Result<Arc<VfioVgpu>> {
+        let mut device = None;
         let id = self.table.lock().insert(|id| {
             let vgpu = Arc::pin_init(GvtVgpu::new(id, gvt_id, ggtt_size, handle), GFP_KERNEL)?;
-            Ok(Entry::Gvt(vgpu))
+            let entry = Entry::Gvt(vgpu);
+            device = Some(VfioVgpu::new(entry.clone())?);
+            Ok(entry)
         })?;
         pr_info!("GVT vGPU {} is hag vGPU {} (GGTT of {:#x} bytes)\n", gvt_id, id, ggtt_size);
         Event::new(abi::EVENT_VGPU_CREATED, id, &[0; 16]).send();
-        Ok(id)
+        device.ok_or(EINVAL)
     }
 
     /// The GVT-g vGPU whose GVT pointer is `vgpu`.
@@ -412,42 +648,27 @@ impl State {
         }
     }
 
-    /// `/dev/hag` opener `opener` is gone: every simulated vGPU it holds
-    /// quiesced (and VFIO migration does not hold stopped) runs again.
-    pub(crate) fn opener_closed(&self, opener: u64) {
-        let vgpus = self.entries();
-        for entry in vgpus.iter().flatten() {
-            let Entry::Sim(vgpu) = entry else { continue };
-            let released = {
-                let Ok(mut sim) = vgpu.lock() else { continue };
-                let held = sim.quiesced && sim.held_by == Some(opener) && !sim.vfio_stopped;
-                if held {
-                    sim.resume();
-                }
-                held
-            };
-            if released {
-                vgpu.event("resumed: the process that quiesced it closed /dev/hag");
+    /// Records that a VMM opened (or closed) the vGPU's VFIO device; a
+    /// close also ends its migration (back to RUNNING, no data session).
+    pub(crate) fn vgpu_opened(&self, device: &VfioVgpu, open: bool) {
+        if let Entry::Sim(vgpu) = &device.entry {
+            if let Ok(mut sim) = vgpu.lock() {
+                sim.set_open(open);
+                drop(sim);
+                let what = if open { "opened" } else { "closed" };
+                Event::new(abi::EVENT_STATE_CHANGED, vgpu.id, &vgpu.uuid).message(what).send();
             }
         }
-    }
-
-    /// Records that a VMM opened (or closed) the vGPU's VFIO device.
-    pub(crate) fn vgpu_opened(&self, id: u32, open: bool) {
-        let Ok(vgpu) = self.vgpu(id) else { return };
-        let Ok(mut sim) = vgpu.lock() else { return };
-        sim.set_open(open);
-        drop(sim);
-        let what = if open { "opened" } else { "closed" };
-        Event::new(abi::EVENT_STATE_CHANGED, id, &vgpu.uuid).message(what).send();
+        if !open {
+            device.reset();
+        }
     }
 
     /// A VFIO region access. The VMM's buffer is read before the vGPU's
     /// lock is taken and written after it is let go: a fault on it that
     /// never ends (a userfaultfd or FUSE mapping) stalls only this call,
     /// never the vGPU, its work item or `/dev/hag`.
-    pub(crate) fn vfio_rw(&self, id: u32, user: UserSlice, count: usize, pos: u64, write: bool) -> Result<usize> {
-        let vgpu = self.vgpu(id)?;
+    pub(crate) fn vfio_rw(vgpu: &Vgpu, user: UserSlice, count: usize, pos: u64, write: bool) -> Result<usize> {
         let mut bytes = [0u8; sim::REGION_ACCESS_MAX];
         let buf = bytes.get_mut(..count).ok_or(EINVAL)?;
         if write {
@@ -461,235 +682,16 @@ impl State {
     }
 
     /// A VFIO device ioctl: its argument read and its answer written
-    /// without the vGPU's lock, as for [`Self::vfio_rw`].
-    pub(crate) fn vfio_ioctl(&self, id: u32, cmd: u32, arg: usize) -> Result<i64> {
-        let vgpu = self.vgpu(id)?;
+    /// without the vGPU's lock, as for [`Self::vfio_rw`]. A reset device
+    /// is RUNNING again, with no data session (uapi/linux/vfio.h).
+    pub(crate) fn vfio_ioctl(device: &VfioVgpu, vgpu: &Vgpu, cmd: u32, arg: usize) -> Result<i64> {
         let ioctl = vfio::Ioctl::read(cmd, arg)?;
         let reply = ioctl.apply(&mut *vgpu.lock()?);
-        reply.write(arg)
-    }
-
-    /// VFIO DMA logging: start over `ranges`.
-    pub(crate) fn dma_log_start(&self, id: u32, ranges: &[dirty::Range]) -> Result {
-        if let Entry::Gvt(g) = self.entry(id)? {
-            return g.dma_log_start(ranges);
+        let answer = reply.write(arg)?;
+        if cmd == vfio::VFIO_DEVICE_RESET {
+            device.reset();
         }
-        let log = DirtyLog::with_ranges(ranges)?;
-        self.vgpu(id)?.sim.lock().start_vfio_dirty_log(log)
-    }
-
-    /// VFIO DMA logging: stop.
-    pub(crate) fn dma_log_stop(&self, id: u32) -> Result {
-        if let Entry::Gvt(g) = self.entry(id)? {
-            g.dma_log_stop();
-            return Ok(());
-        }
-        let log = self.vgpu(id)?.sim.lock().vfio_dirty.take();
-        drop(log);
-        Ok(())
-    }
-
-    /// VFIO DMA logging: hand out and clear the dirty pages of a range.
-    pub(crate) fn dma_log_report(&self, id: u32, iova: u64, length: u64, report: &mut dyn FnMut(u64)) -> Result {
-        if let Entry::Gvt(g) = self.entry(id)? {
-            return g.dma_log_report(iova, length, report);
-        }
-        let vgpu = self.vgpu(id)?;
-        let mut taken = {
-            let mut sim = vgpu.lock()?;
-            let taken = sim.vfio_dirty.as_mut().ok_or(EINVAL)?.take_range(iova, length)?;
-            // As for /dev/hag's log: a running submission's pages stay dirty.
-            sim.mark_running_write_set();
-            taken
-        };
-        if glue::gpu_dirty_withheld() {
-            // Tests only: the bits are taken and dropped, so the VMM sees a
-            // GPU that never writes (qemu_migrate_no_gpu_dirty).
-            return Ok(());
-        }
-        // Without the lock: setting the VMM's bitmap may fault (see
-        // DirtyLog::take_range).
-        taken.drain_range(iova, length, report);
-        Ok(())
-    }
-
-    /// VFIO migration: acts on the arc `cur` to `next` and tells glue.c
-    /// what to do with the data files. Only the arcs of
-    /// `VFIO_MIGRATION_STOP_COPY` exist; VFIO's core picks nothing else.
-    pub(crate) fn mig_step(&self, id: u32, cur: u32, next: u32) -> Result<MigAction> {
-        use mig_state::{RESUMING, RUNNING, STOP, STOP_COPY};
-        if let Entry::Gvt(g) = self.entry(id)? {
-            return g.mig_step(cur, next);
-        }
-        let vgpu = self.vgpu(id)?;
-        let action = match (cur, next) {
-            (RUNNING, STOP) => {
-                if let Err(e) = vgpu.quiesce(MIG_QUIESCE_MS, None) {
-                    pr_info!(
-                        "vGPU {}: VFIO migration: the engine did not go idle within {} ms; staying RUNNING\n",
-                        id,
-                        MIG_QUIESCE_MS
-                    );
-                    return Err(e);
-                }
-                let mut sim = vgpu.lock()?;
-                // IOC_RESUME may have let it go meanwhile.
-                if !sim.quiesced || sim.busy() {
-                    return Err(EBUSY);
-                }
-                sim.vfio_stopped = true;
-                drop(sim);
-                vgpu.event("stopped for VFIO migration");
-                MigAction::None
-            }
-            (STOP, RUNNING) => {
-                let mut sim = vgpu.lock()?;
-                sim.vfio_stopped = false;
-                // A /dev/hag opener's quiesce is its own to let go
-                // (IOC_RESUME, or closing /dev/hag).
-                let held = sim.held_by.is_some();
-                if !held {
-                    sim.resume();
-                }
-                drop(sim);
-                vgpu.event(if held {
-                    "VFIO migration ran again; still quiesced by a /dev/hag opener"
-                } else {
-                    "resumed by VFIO migration"
-                });
-                MigAction::None
-            }
-            (STOP, STOP_COPY) => MigAction::Save,
-            (STOP_COPY, STOP) => MigAction::Close,
-            (STOP, RESUMING) => MigAction::Resume,
-            (RESUMING, STOP) => MigAction::Load,
-            _ => {
-                pr_warn!(
-                    "vGPU {}: VFIO migration arc {} -> {} is not supported\n",
-                    id,
-                    mig_state::name(cur),
-                    mig_state::name(next)
-                );
-                return Err(EINVAL);
-            }
-        };
-        Ok(action)
-    }
-
-    /// VFIO migration: the snapshot of a stopped vGPU into `out`; returns
-    /// the bytes used.
-    pub(crate) fn mig_save(&self, id: u32, out: &mut [u8]) -> Result<usize> {
-        if let Entry::Gvt(g) = self.entry(id)? {
-            return g.mig_save(out);
-        }
-        let vgpu = self.vgpu(id)?;
-        let sim = vgpu.lock()?;
-        if !sim.vfio_stopped {
-            return Err(EBUSY);
-        }
-        sim.save(out)
-    }
-
-    /// VFIO migration: loads a snapshot a VMM wrote into a stopped vGPU.
-    /// A snapshot that does not check out is refused, the vGPU unchanged.
-    pub(crate) fn mig_restore(&self, id: u32, bytes: &[u8]) -> Result {
-        if let Entry::Gvt(g) = self.entry(id)? {
-            return g.mig_restore(bytes);
-        }
-        let vgpu = self.vgpu(id)?;
-        let mut sim = vgpu.lock()?;
-        if !sim.vfio_stopped {
-            return Err(EBUSY);
-        }
-        if let Err(e) = sim.restore(bytes) {
-            pr_info!(
-                "vGPU {}: VFIO migration: snapshot of {} bytes refused (error {}); the vGPU keeps its context\n",
-                id,
-                bytes.len(),
-                e.to_errno()
-            );
-            return Err(e);
-        }
-        drop(sim);
-        vgpu.event("restored by VFIO migration");
-        Ok(())
-    }
-
-    /// VFIO migration, while the VMM writes a snapshot (RESUMING): how
-    /// many more bytes the snapshot's header says are to come, or, once
-    /// all are there, whether it checks out (version, checksum, layout, a
-    /// vGPU like this one). Refusing the write that completes a damaged
-    /// snapshot fails the VMM's load of the device state, so the migration
-    /// fails while the source VM can still run on; a refusal only at
-    /// RESUMING -> STOP comes after QEMU has finished loading and started
-    /// the VM, too late to fail the migration.
-    pub(crate) fn mig_check(&self, id: u32, bytes: &[u8]) -> Result<usize> {
-        use crate::snapshot::{declared_len, HEADER_BYTES};
-        let total = match declared_len(bytes) {
-            Some(total) => total,
-            None if bytes.len() < HEADER_BYTES => return Ok(HEADER_BYTES - bytes.len()),
-            None => {
-                pr_info!("vGPU {}: VFIO migration: the device state written is not a hag snapshot (bad magic)\n", id);
-                return Err(EINVAL);
-            }
-        };
-        if bytes.len() < total {
-            return Ok(total - bytes.len());
-        }
-        if let Entry::Gvt(g) = self.entry(id)? {
-            if bytes.len() > total {
-                return Err(EINVAL);
-            }
-            return g.mig_check(bytes).inspect_err(|e| {
-                pr_info!(
-                    "vGPU {}: VFIO migration: GVT-g device state of {} bytes refused as it arrived (error {})\n",
-                    id,
-                    bytes.len(),
-                    e.to_errno()
-                );
-            });
-        }
-        let vgpu = self.vgpu(id)?;
-        let sim = vgpu.lock()?;
-        if bytes.len() > total {
-            pr_info!(
-                "vGPU {}: VFIO migration: {} bytes of device state written, its header says {}\n",
-                id,
-                bytes.len(),
-                total
-            );
-            return Err(EINVAL);
-        }
-        sim.parse_compatible(bytes).map(|_| 0).inspect_err(|e| {
-            pr_info!(
-                "vGPU {}: VFIO migration: device state of {} bytes refused as it arrived (error {})\n",
-                id,
-                bytes.len(),
-                e.to_errno()
-            );
-        })
-    }
-
-    /// VFIO migration state reset to RUNNING (close or device reset):
-    /// VFIO's hold on the vGPU goes.
-    pub(crate) fn mig_reset(&self, id: u32) {
-        if let Ok(Entry::Gvt(g)) = self.entry(id) {
-            g.mig_reset();
-            return;
-        }
-        let Ok(vgpu) = self.vgpu(id) else { return };
-        let Ok(mut sim) = vgpu.lock() else { return };
-        if sim.vfio_stopped {
-            sim.vfio_stopped = false;
-            sim.resume();
-        }
-    }
-
-    /// The vGPU's work item ran.
-    pub(crate) fn vgpu_tick(&self, id: u32) {
-        let Ok(vgpu) = self.vgpu(id) else { return };
-        let Ok(mut sim) = vgpu.lock() else { return };
-        sim.tick();
+        Ok(answer)
     }
 
     /// Every vGPU now, in slot order: clones, so callers may lock the vGPUs
@@ -746,70 +748,80 @@ impl State {
     }
 }
 
+/// The simulated vGPU behind a hag-sim VFIO device (GVT-g's kvmgt devices
+/// reach hag only for migration and DMA logging).
+fn sim_of(device: &VfioVgpu) -> Result<&Arc<Vgpu>> {
+    match &device.entry {
+        Entry::Sim(vgpu) => Ok(vgpu),
+        Entry::Gvt(_) => Err(ENODEV),
+    }
+}
+
 impl glue::MdevParent for State {
-    fn vgpu_probe(&self, uuid: [u8; 16], handle: VgpuHandle) -> Result<u32> {
+    fn vgpu_probe(&self, uuid: [u8; 16], handle: VgpuHandle) -> Result<Arc<VfioVgpu>> {
         self.vgpu_created(uuid, handle)
     }
 
-    fn vgpu_remove(&self, id: u32) {
-        self.vgpu_removed(id)
+    fn vgpu_remove(&self, device: &VfioVgpu) {
+        self.vgpu_removed(device)
     }
 }
 
 impl glue::VfioDevice for State {
-    fn vgpu_open(&self, id: u32, open: bool) {
-        self.vgpu_opened(id, open)
+    type Vgpu = VfioVgpu;
+    type MigFile = MigFile;
+
+    fn vgpu_open(&self, device: &VfioVgpu, open: bool) {
+        self.vgpu_opened(device, open)
     }
 
-    fn region_rw(&self, id: u32, user: UserSlice, count: usize, pos: u64, write: bool) -> Result<usize> {
-        self.vfio_rw(id, user, count, pos, write)
+    fn region_rw(&self, device: &VfioVgpu, user: UserSlice, count: usize, pos: u64, write: bool) -> Result<usize> {
+        State::vfio_rw(sim_of(device)?, user, count, pos, write)
     }
 
-    fn device_ioctl(&self, id: u32, cmd: u32, arg: usize) -> Result<i64> {
-        self.vfio_ioctl(id, cmd, arg)
+    fn device_ioctl(&self, device: &VfioVgpu, cmd: u32, arg: usize) -> Result<i64> {
+        State::vfio_ioctl(device, sim_of(device)?, cmd, arg)
     }
 
-    fn tick(&self, id: u32) {
-        self.vgpu_tick(id)
+    fn tick(&self, device: &VfioVgpu) {
+        let Ok(vgpu) = sim_of(device) else { return };
+        let Ok(mut sim) = vgpu.lock() else { return };
+        sim.tick();
     }
 
-    fn dma_log_start(&self, id: u32, ranges: &[dirty::Range]) -> Result {
-        State::dma_log_start(self, id, ranges)
+    fn dma_log_start(&self, device: &VfioVgpu, ranges: &[dirty::Range]) -> Result {
+        device.entry.dma_log_start(ranges)
     }
 
-    fn dma_log_stop(&self, id: u32) -> Result {
-        State::dma_log_stop(self, id)
+    fn dma_log_stop(&self, device: &VfioVgpu) -> Result {
+        device.entry.dma_log_stop()
     }
 
-    fn dma_log_report(&self, id: u32, iova: u64, length: u64, report: &mut dyn FnMut(u64)) -> Result {
-        State::dma_log_report(self, id, iova, length, report)
+    fn dma_log_report(&self, device: &VfioVgpu, iova: u64, length: u64, report: &mut dyn FnMut(u64)) -> Result {
+        device.entry.dma_log_report(iova, length, report)
     }
 
-    fn mig_step(&self, id: u32, cur: u32, next: u32) -> Result<MigAction> {
-        State::mig_step(self, id, cur, next)
+    fn mig_set_state(&self, device: &VfioVgpu, vdev: &VfioDeviceRef<'_>, target: u32) -> Result<Option<File>> {
+        device.set_state(vdev, target)
     }
 
-    fn mig_save(&self, id: u32, out: &mut [u8]) -> Result<usize> {
-        State::mig_save(self, id, out)
+    fn mig_state(&self, device: &VfioVgpu) -> u32 {
+        device.state()
     }
 
-    fn mig_restore(&self, id: u32, bytes: &[u8]) -> Result {
-        State::mig_restore(self, id, bytes)
+    fn mig_data_bytes(&self, device: &VfioVgpu) -> Result<usize> {
+        device.data_bytes()
     }
 
-    fn mig_check(&self, id: u32, bytes: &[u8]) -> Result<usize> {
-        State::mig_check(self, id, bytes)
+    fn mig_reset(&self, device: &VfioVgpu) {
+        device.reset()
     }
 
-    fn mig_reset(&self, id: u32) {
-        State::mig_reset(self, id)
+    fn mig_file_read(&self, file: &MigFile, user: UserSlice, len: usize) -> Result<usize> {
+        file.read(user, len)
     }
 
-    fn mig_data_bytes(&self, id: u32) -> Result<usize> {
-        self.entry(id)?.snapshot_bytes()
-    }
-
-    fn mig_max_bytes(&self, id: u32) -> Result<usize> {
-        usize::try_from(self.entry(id)?.snapshot_max_bytes()).map_err(|_| EINVAL)
+    fn mig_file_write(&self, file: &MigFile, user: UserSlice, len: usize) -> Result<usize> {
+        file.write(user, len)
     }
 }

@@ -3,7 +3,8 @@
 //! does (`VFIO_DEVICE_FEATURE_MIGRATION`, `…_MIG_DEVICE_STATE`,
 //! `…_MIG_DATA_SIZE`, and the data fd), and checks what the module promises:
 //!
-//! * a quiesce a `/dev/hag` opener holds outlives STOP → RUNNING;
+//! * a quiesce a `/dev/hag` opener holds outlives STOP → RUNNING, and
+//!   goes when that opener's file is released (not another's);
 //! * RUNNING → STOP with a submission in flight past the module's 2 s bound
 //!   (held at a semaphore) fails (`ETIMEDOUT`) and leaves the device
 //!   RUNNING, and the work completes; after a batch that loops until the
@@ -359,6 +360,27 @@ pub fn run(mdev_a: &str, mdev_b: &str) -> anyhow::Result<()> {
     println!(
         "ok: a /dev/hag opener's quiesce held across VFIO STOP -> RUNNING, until its IOC_RESUME"
     );
+
+    // A quiesce is its opener's: another opener's close leaves it, and its
+    // own file's release (the process closed /dev/hag, or died) lets it go.
+    let other = Device::open()?;
+    let holder = Device::open()?;
+    holder
+        .quiesce(vgpu_a.id, 1000)
+        .context("IOC_QUIESCE of idle A by a second opener")?;
+    drop(other);
+    let engine = drv.regs().read(r::ENGINE_STATUS)?;
+    ensure!(
+        engine & r::ENGINE_QUIESCED != 0,
+        "closing another /dev/hag opener let go of A's quiesce (engine status {engine:#x})"
+    );
+    drop(holder);
+    let engine = drv.regs().read(r::ENGINE_STATUS)?;
+    ensure!(
+        engine & r::ENGINE_QUIESCED == 0,
+        "closing /dev/hag left A quiesced by the closed opener (engine status {engine:#x})"
+    );
+    println!("ok: a /dev/hag opener's quiesce goes with its own file's release, not another's");
 
     // Work in flight is never snapshotted: with a submission held at a
     // semaphore (busy, within every budget, for as long as the gate stays

@@ -23,7 +23,7 @@ const VFIO_DEVICE_GET_INFO: u32 = vfio_io(7);
 const VFIO_DEVICE_GET_REGION_INFO: u32 = vfio_io(8);
 const VFIO_DEVICE_GET_IRQ_INFO: u32 = vfio_io(9);
 const VFIO_DEVICE_SET_IRQS: u32 = vfio_io(10);
-const VFIO_DEVICE_RESET: u32 = vfio_io(11);
+pub(crate) const VFIO_DEVICE_RESET: u32 = vfio_io(11);
 
 const VFIO_DEVICE_FLAGS_RESET: u32 = 1 << 0;
 const VFIO_DEVICE_FLAGS_PCI: u32 = 1 << 1;
