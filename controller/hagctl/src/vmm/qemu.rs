@@ -491,7 +491,9 @@ impl Vmm for Qemu {
             let what = "another QMP client resumed the VM while its device state was saved";
             return Err(match self.resume() {
                 Ok(()) => self.protocol(format!("{what} (it runs on)")),
-                Err(e) => self.protocol(format!("{what}, and it could not run on after the save: {e}")),
+                Err(e) => self.protocol(format!(
+                    "{what}, and it could not run on after the save: {e}"
+                )),
             });
         }
         result
