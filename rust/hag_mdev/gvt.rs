@@ -49,8 +49,7 @@ use crate::abi;
 use crate::dirty::{self, DirtyLog};
 pub(crate) use crate::glue::GvtPart;
 use crate::glue::{self, GvtHandle, GvtTranslate, GvtVgpuPtr, GvtWorkload};
-use crate::migration::{MigAction, VfioVgpu};
-use crate::sim::vfio::mig_state;
+use crate::migration::VfioVgpu;
 use crate::State;
 use crate::handoff::{self, Limits, Outcome, Workload};
 use crate::snapshot::{self as fmt, Snapshot, SnapshotError, Writer};
@@ -709,34 +708,17 @@ impl GvtVgpu {
 /// device, so nothing new is submitted; RUNNING -> STOP waits for GVT's
 /// queue to drain, and the snapshot is GVT's parts as `/dev/hag` saves them.
 impl GvtVgpu {
-    /// Acts on the arc `cur` -> `next` (`enum vfio_device_mig_state`).
-    pub(crate) fn mig_step(&self, cur: u32, next: u32) -> Result<MigAction> {
-        use mig_state::{RESUMING, RUNNING, STOP, STOP_COPY};
-        Ok(match (cur, next) {
-            (RUNNING, STOP) => {
-                self.handle.wait_idle()?;
-                self.inner.lock().vfio_stopped = true;
-                MigAction::None
-            }
-            (STOP, RUNNING) => {
-                self.inner.lock().vfio_stopped = false;
-                MigAction::None
-            }
-            (STOP, STOP_COPY) => MigAction::Save,
-            (STOP_COPY, STOP) => MigAction::Close,
-            (STOP, RESUMING) => MigAction::Resume,
-            (RESUMING, STOP) => MigAction::Load,
-            _ => {
-                pr_warn!(
-                    "GVT vGPU {} (hag vGPU {}): VFIO migration arc {} -> {} is not supported\n",
-                    self.gvt_id,
-                    self.id,
-                    mig_state::name(cur),
-                    mig_state::name(next)
-                );
-                return Err(EINVAL);
-            }
-        })
+    /// RUNNING -> STOP: GVT's queue drained, and nothing new scheduled
+    /// until STOP -> RUNNING ([`Self::vfio_run`]).
+    pub(crate) fn vfio_stop(&self) -> Result {
+        self.handle.wait_idle()?;
+        self.inner.lock().vfio_stopped = true;
+        Ok(())
+    }
+
+    /// STOP -> RUNNING.
+    pub(crate) fn vfio_run(&self) {
+        self.inner.lock().vfio_stopped = false;
     }
 
     /// The snapshot of the stopped vGPU into `out`.

@@ -4,10 +4,11 @@
 //! A VMM moves a vGPU's migration state with
 //! `VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE`. VFIO's core picks each arc of
 //! the path (`vfio_mig_get_next_state`); [`VfioVgpu::set_state`] walks
-//! them, has the vGPU act on each ([`Entry::mig_step`]) and opens or ends
-//! the data session: the snapshot read out in STOP_COPY, or the bytes
-//! written in RESUMING. The same code runs hag's simulated vGPUs and the
-//! GVT-g vGPUs whose kvmgt device delegates migration to hag.
+//! them: RUNNING <-> STOP stops or runs the vGPU ([`Entry::vfio_stop`],
+//! [`Entry::vfio_run`]), and the other arcs open or end the data session:
+//! the snapshot read out in STOP_COPY, or the bytes written in RESUMING.
+//! The same code runs hag's simulated vGPUs and the GVT-g vGPUs whose
+//! kvmgt device delegates migration to hag.
 //!
 //! A data file ([`MigFile`]) is the VMM's and may outlive its session and
 //! the vGPU: once the session ends (the next arc, a reset, the device
@@ -27,22 +28,6 @@ use kernel::{new_mutex, pin_init};
 use crate::glue::{self, File, VfioDeviceRef};
 use crate::sim::vfio::mig_state;
 use crate::vgpu::Entry;
-
-/// What the state machine does with the data session at an arc, once the
-/// vGPU has acted on it ([`Entry::mig_step`]).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum MigAction {
-    /// Nothing more.
-    None,
-    /// Take the snapshot into a new file to read.
-    Save,
-    /// Open a file the VMM writes a snapshot into.
-    Resume,
-    /// Load what was written, then end the session.
-    Load,
-    /// End the data session.
-    Close,
-}
 
 /// Where a vGPU's migration is, and its data session.
 struct Migration {
@@ -103,18 +88,28 @@ impl VfioVgpu {
         Ok(file)
     }
 
+    /// One arc of `VFIO_MIGRATION_STOP_COPY` (VFIO's core picks no other
+    /// for a device that offers only it).
     fn arc(&self, mig: &mut Migration, next: u32) -> Result<Option<File>> {
-        match self.entry.mig_step(mig.state, next)? {
-            MigAction::None => Ok(None),
-            MigAction::Save => self.save(mig).map(Some),
-            MigAction::Resume => self.resume(mig).map(Some),
-            MigAction::Load => {
-                self.load(mig)?;
-                Ok(None)
-            }
-            MigAction::Close => {
+        use mig_state::{RESUMING, RUNNING, STOP, STOP_COPY};
+        match (mig.state, next) {
+            (RUNNING, STOP) => self.entry.vfio_stop().map(|()| None),
+            (STOP, RUNNING) => self.entry.vfio_run().map(|()| None),
+            (STOP, STOP_COPY) => self.save(mig).map(Some),
+            (STOP_COPY, STOP) => {
                 mig.end_session();
                 Ok(None)
+            }
+            (STOP, RESUMING) => self.resume(mig).map(Some),
+            (RESUMING, STOP) => self.load(mig).map(|()| None),
+            (cur, next) => {
+                pr_info!(
+                    "vGPU {}: VFIO migration arc {} -> {} is not supported\n",
+                    self.entry.id(),
+                    mig_state::name(cur),
+                    mig_state::name(next)
+                );
+                Err(EINVAL)
             }
         }
     }

@@ -26,9 +26,8 @@ use crate::abi;
 use crate::dirty::{self, DirtyLog};
 use crate::events::Event;
 use crate::glue::{self, File, GvtHandle, VfioDeviceRef, VgpuHandle, VgpuIo};
-use crate::migration::{MigAction, MigFile, VfioVgpu};
+use crate::migration::{MigFile, VfioVgpu};
 use crate::gvt::GvtVgpu;
-use crate::sim::vfio::mig_state;
 use crate::sim::{self, vfio, Sim};
 
 /// Most vGPUs the module tracks at once (simulated and GVT-g together).
@@ -168,62 +167,45 @@ impl Vgpu {
         }
     }
 
-    /// VFIO migration: acts on the arc `cur` to `next`. Only the arcs of
-    /// `VFIO_MIGRATION_STOP_COPY` exist; VFIO's core picks nothing else.
-    fn mig_step(&self, cur: u32, next: u32) -> Result<MigAction> {
-        use mig_state::{RESUMING, RUNNING, STOP, STOP_COPY};
-        let action = match (cur, next) {
-            (RUNNING, STOP) => {
-                if let Err(e) = self.quiesce(MIG_QUIESCE_MS, None) {
-                    pr_info!(
-                        "vGPU {}: VFIO migration: the engine did not go idle within {} ms; staying RUNNING\n",
-                        self.id,
-                        MIG_QUIESCE_MS
-                    );
-                    return Err(e);
-                }
-                let mut sim = self.lock()?;
-                // IOC_RESUME may have let it go meanwhile.
-                if !sim.quiesced || sim.busy() {
-                    return Err(EBUSY);
-                }
-                sim.vfio_stopped = true;
-                drop(sim);
-                self.event("stopped for VFIO migration");
-                MigAction::None
-            }
-            (STOP, RUNNING) => {
-                let mut sim = self.lock()?;
-                sim.vfio_stopped = false;
-                // A /dev/hag opener's quiesce is its own to let go
-                // (IOC_RESUME, or closing /dev/hag).
-                let held = sim.held_by.is_some();
-                if !held {
-                    sim.resume();
-                }
-                drop(sim);
-                self.event(if held {
-                    "VFIO migration ran again; still quiesced by a /dev/hag opener"
-                } else {
-                    "resumed by VFIO migration"
-                });
-                MigAction::None
-            }
-            (STOP, STOP_COPY) => MigAction::Save,
-            (STOP_COPY, STOP) => MigAction::Close,
-            (STOP, RESUMING) => MigAction::Resume,
-            (RESUMING, STOP) => MigAction::Load,
-            _ => {
-                pr_info!(
-                    "vGPU {}: VFIO migration arc {} -> {} is not supported\n",
-                    self.id,
-                    mig_state::name(cur),
-                    mig_state::name(next)
-                );
-                return Err(EINVAL);
-            }
-        };
-        Ok(action)
+    /// VFIO migration's RUNNING -> STOP: quiesced and held until STOP ->
+    /// RUNNING ([`Self::vfio_run`]) or a reset.
+    fn vfio_stop(&self) -> Result {
+        if let Err(e) = self.quiesce(MIG_QUIESCE_MS, None) {
+            pr_info!(
+                "vGPU {}: VFIO migration: the engine did not go idle within {} ms; staying RUNNING\n",
+                self.id,
+                MIG_QUIESCE_MS
+            );
+            return Err(e);
+        }
+        let mut sim = self.lock()?;
+        // IOC_RESUME may have let it go meanwhile.
+        if !sim.quiesced || sim.busy() {
+            return Err(EBUSY);
+        }
+        sim.vfio_stopped = true;
+        drop(sim);
+        self.event("stopped for VFIO migration");
+        Ok(())
+    }
+
+    /// VFIO migration's STOP -> RUNNING.
+    fn vfio_run(&self) -> Result {
+        let mut sim = self.lock()?;
+        sim.vfio_stopped = false;
+        // A /dev/hag opener's quiesce is its own to let go (IOC_RESUME, or
+        // closing /dev/hag).
+        let held = sim.held_by.is_some();
+        if !held {
+            sim.resume();
+        }
+        drop(sim);
+        self.event(if held {
+            "VFIO migration ran again; still quiesced by a /dev/hag opener"
+        } else {
+            "resumed by VFIO migration"
+        });
+        Ok(())
     }
 }
 
@@ -413,12 +395,22 @@ impl Entry {
         Ok(())
     }
 
-    /// VFIO migration: acts on the arc `cur` to `next` and says what to do
-    /// with the data session (`migration.rs`).
-    pub(crate) fn mig_step(&self, cur: u32, next: u32) -> Result<MigAction> {
+    /// VFIO migration's RUNNING -> STOP: the vGPU idle and kept so.
+    pub(crate) fn vfio_stop(&self) -> Result {
         match self {
-            Entry::Gvt(g) => g.mig_step(cur, next),
-            Entry::Sim(v) => v.mig_step(cur, next),
+            Entry::Gvt(g) => g.vfio_stop(),
+            Entry::Sim(v) => v.vfio_stop(),
+        }
+    }
+
+    /// VFIO migration's STOP -> RUNNING.
+    pub(crate) fn vfio_run(&self) -> Result {
+        match self {
+            Entry::Gvt(g) => {
+                g.vfio_run();
+                Ok(())
+            }
+            Entry::Sim(v) => v.vfio_run(),
         }
     }
 
