@@ -13,7 +13,9 @@
 # as the backup checks at pairing. Epochs must be acknowledged
 # (hagctl status says the VM is protected), the guest's console lines
 # must reach the hook's console log as their epochs are; QEMU's
-# x-ignore-shared must be off between epochs; `virsh destroy` must end the
+# x-ignore-shared must be off between epochs, and return-path and
+# pause-before-switchover left on (as a refused virsh migrate leaves them)
+# must neither stop the epochs nor be lost; `virsh destroy` must end the
 # protection: the hook's checkpoint ends, and the backup ends without a
 # takeover.
 DOM=gpu-guest
@@ -83,6 +85,29 @@ print(caps["x-ignore-shared"])') || fail "no x-ignore-shared in QEMU's migration
 	done
 	[ "$ignored" -lt 20 ] || fail "x-ignore-shared stays on between epochs (on at 20 reads in 5 s)"
 	echo "x-ignore-shared off at read $((ignored + 1))"
+	# A virsh migrate that QEMU refused because a save was running leaves
+	# libvirt's own capabilities on: QEMU refuses its reset as well. With
+	# return-path or pause-before-switchover on, a save into hagctl's pipe
+	# never ends (it waits for a peer's reply, or for migrate-continue).
+	# Set as libvirt leaves them, epochs must go on, and between epochs
+	# the capabilities must be libvirt's again.
+	step "host 0: return-path and pause-before-switchover left on, as after a refused virsh migrate"
+	epochs() { grep -c '^epoch [0-9]*:' "$CP_LOG"; }
+	set_libvirt_caps() {
+		in_root virsh qemu-monitor-command "$DOM" '{"execute":"migrate-set-capabilities","arguments":{"capabilities":[{"capability":"return-path","state":true},{"capability":"pause-before-switchover","state":true}]}}' >/dev/null 2>&1
+	}
+	wait_for 30 set_libvirt_caps || fail "QEMU kept refusing migrate-set-capabilities"
+	before=$(epochs)
+	three_more() { [ "$(epochs)" -ge $((before + 3)) ]; }
+	wait_for 120 three_more || { tail -20 "$CP_LOG"; fail "no epoch was acknowledged with libvirt's capabilities left on"; }
+	caps_back() {
+		in_root virsh qemu-monitor-command "$DOM" '{"execute":"query-migrate-capabilities"}' |
+			in_root python3 -c 'import json, sys
+caps = {c["capability"]: c["state"] for c in json.load(sys.stdin)["return"]}
+sys.exit(0 if caps["return-path"] and caps["pause-before-switchover"] and not caps["x-ignore-shared"] else 1)'
+	}
+	wait_for 10 caps_back || fail "libvirt's capabilities were not set back between epochs"
+	echo "$(($(epochs) - before)) epochs acknowledged since; libvirt's capabilities set back between them"
 	step "host 0: virsh destroy: protection ends"
 	in_root virsh destroy "$DOM"
 	wait_for 120 grep -q "$DOM supervise/-: protection ended" "$HOOK_LOG" ||

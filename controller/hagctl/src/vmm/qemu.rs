@@ -204,6 +204,19 @@ pub fn parse_query_migrate(v: &Value) -> Result<MigrationInfo, String> {
     })
 }
 
+/// Those of `names` that are on in a `query-migrate-capabilities` reply.
+fn capabilities_on(reply: &Value, names: &[&str]) -> Vec<String> {
+    reply
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|c| c["state"] == true)
+        .filter_map(|c| c["capability"].as_str())
+        .filter(|name| names.contains(name))
+        .map(str::to_owned)
+        .collect()
+}
+
 /// `migrate-set-capabilities`' arguments.
 pub fn capabilities_args(caps: &[(String, bool)]) -> Value {
     json!({
@@ -284,6 +297,12 @@ impl Qemu {
             self.qmp.execute("migrate-set-parameters", Some(args))?;
         }
         Ok(())
+    }
+
+    /// Those of the migration capabilities `names` that are on.
+    pub fn capabilities_on(&mut self, names: &[&str]) -> Result<Vec<String>, VmmError> {
+        let caps = self.qmp.execute("query-migrate-capabilities", None)?;
+        Ok(capabilities_on(&caps, names))
     }
 
     /// Runs a migration into `uri` (the VM paused) to its end.
@@ -662,6 +681,24 @@ pub(crate) mod tests {
             assert_eq!(migrating_away("running", m), None, "{m}");
             assert_eq!(migrating_away("paused", m), None, "{m}");
         }
+    }
+
+    #[test]
+    fn capabilities_on_names_only_those_asked_for_and_on() {
+        let reply = json!([
+            {"capability": "events", "state": true},
+            {"capability": "return-path", "state": true},
+            {"capability": "pause-before-switchover", "state": true},
+            {"capability": "multifd", "state": false},
+        ]);
+        assert_eq!(
+            capabilities_on(
+                &reply,
+                &["pause-before-switchover", "multifd", "return-path"]
+            ),
+            ["return-path", "pause-before-switchover"]
+        );
+        assert!(capabilities_on(&json!({}), &["return-path"]).is_empty());
     }
 
     #[test]

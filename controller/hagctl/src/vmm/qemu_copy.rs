@@ -353,10 +353,6 @@ impl QemuVm {
         &self.ram
     }
 
-    /// Why the dirty source is no longer complete (memory hot-plugged,
-    /// another process holding guest RAM's file), looked at once every
-    /// [`RECHECK_EVERY`]; a verdict, once found, stays. A query that fails
-    /// gives none (the status query that follows says what is wrong).
     /// After `x-ignore-shared` could not be turned off: a migration that
     /// another client (libvirt) started while it was on for this save (QEMU
     /// refuses capability changes while one runs) would leave guest RAM
@@ -364,7 +360,7 @@ impl QemuVm {
     /// VM runs on here, protected. (Its destination would most likely
     /// refuse the stream too: without the capability it does not expect
     /// the RAM blocks' addresses that the source sends with it.)
-    fn cancel_foreign_migration(&mut self) -> Result<(), VmmError> {
+    fn cancel_foreign_migration(&mut self, after: &MigrationSettings) -> Result<(), VmmError> {
         let Some(why) = self.migrating_away_now("paused")? else {
             return Ok(());
         };
@@ -373,7 +369,7 @@ impl QemuVm {
         while self.migrating_away_now("paused")?.is_some() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
         }
-        self.qemu.apply(&ignore_shared(false))?;
+        self.qemu.apply(after)?;
         Err(VmmError::Protocol {
             vmm: self.qemu.describe(),
             what: format!(
@@ -390,6 +386,10 @@ impl QemuVm {
         Ok(qemu::migrating_away(run_state, &migration))
     }
 
+    /// Why the dirty source is no longer complete (memory hot-plugged,
+    /// another process holding guest RAM's file), looked at once every
+    /// [`RECHECK_EVERY`]; a verdict, once found, stays. A query that fails
+    /// gives none (the status query that follows says what is wrong).
     fn recheck(&mut self) -> Option<String> {
         if self.unprotectable.is_none() && Instant::now() >= self.next_recheck {
             self.next_recheck = Instant::now() + RECHECK_EVERY;
@@ -420,6 +420,48 @@ pub(crate) fn ignore_shared(on: bool) -> MigrationSettings {
     MigrationSettings {
         capabilities: vec![("x-ignore-shared".into(), on)],
         ..MigrationSettings::default()
+    }
+}
+
+/// Capabilities with which a save into a one-way pipe waits for a peer
+/// that is not there, or fails. libvirt turns `pause-before-switchover`
+/// and `return-path` on for each migration it starts and off after it;
+/// when QEMU refused that migration because an epoch's save was running,
+/// it refuses libvirt's reset too, and they stay on: every later save
+/// would stop in `pre-switchover`, waiting for a `migrate-continue`.
+const PEER_CAPABILITIES: [&str; 7] = [
+    "pause-before-switchover",
+    "return-path",
+    "switchover-ack",
+    "postcopy-ram",
+    "multifd",
+    "mapped-ram",
+    "background-snapshot",
+];
+
+/// The capabilities of one epoch's save: `x-ignore-shared` on, and those
+/// of [`PEER_CAPABILITIES`] another client left on (`left_on`) off;
+/// [`Self::after`] sets everything back as it was, so that the other
+/// client's next migration runs with its own settings.
+struct SaveCapabilities {
+    left_on: Vec<String>,
+}
+
+impl SaveCapabilities {
+    fn settings(&self, saving: bool) -> MigrationSettings {
+        let mut settings = ignore_shared(saving);
+        for name in &self.left_on {
+            settings.capabilities.push((name.clone(), !saving));
+        }
+        settings
+    }
+
+    fn during(&self) -> MigrationSettings {
+        self.settings(true)
+    }
+
+    fn after(&self) -> MigrationSettings {
+        self.settings(false)
     }
 }
 
@@ -608,6 +650,9 @@ impl CopyVm for QemuVm {
             what: what.to_owned(),
             source,
         };
+        let caps = SaveCapabilities {
+            left_on: self.qemu.capabilities_on(&PEER_CAPABILITIES)?,
+        };
         let (r, w) =
             nix::unistd::pipe().map_err(|e| io("a pipe for the device state", e.into()))?;
         let reader = std::thread::spawn(move || {
@@ -622,11 +667,12 @@ impl CopyVm for QemuVm {
         // whatever the save did.
         let saved = self
             .qemu
-            .apply(&ignore_shared(true))
+            .apply(&caps.during())
             .and_then(|()| self.qemu.save_device_state(w));
-        let off = self.qemu.apply(&ignore_shared(false));
+        let after = caps.after();
+        let off = self.qemu.apply(&after);
         if off.is_err() {
-            self.cancel_foreign_migration()?;
+            self.cancel_foreign_migration(&after)?;
         }
         let state = reader
             .join()
@@ -862,6 +908,35 @@ mod tests {
         assert!(EpochState::decode(&bytes[..15])
             .unwrap_err()
             .contains("without a stream"));
+    }
+
+    #[test]
+    fn a_save_turns_off_what_another_client_left_on_and_sets_it_back() {
+        let caps = SaveCapabilities {
+            left_on: vec!["pause-before-switchover".into(), "return-path".into()],
+        };
+        let during = caps.during().capabilities;
+        assert_eq!(
+            during,
+            [
+                ("x-ignore-shared".to_owned(), true),
+                ("pause-before-switchover".to_owned(), false),
+                ("return-path".to_owned(), false),
+            ]
+        );
+        let after = caps.after().capabilities;
+        assert_eq!(
+            after,
+            [
+                ("x-ignore-shared".to_owned(), false),
+                ("pause-before-switchover".to_owned(), true),
+                ("return-path".to_owned(), true),
+            ]
+        );
+        // Nothing left on: only x-ignore-shared, as before.
+        let none = SaveCapabilities { left_on: vec![] };
+        assert_eq!(none.during().capabilities, ignore_shared(true).capabilities);
+        assert_eq!(none.after().capabilities, ignore_shared(false).capabilities);
     }
 
     #[test]
