@@ -703,7 +703,7 @@ impl GvtVgpu {
 }
 
 /// VFIO migration v2 of a GVT-g vGPU: kvmgt's VFIO device hands its
-/// migration and DMA logging to hag (scripts/gvt/0006), and glue.c runs
+/// migration and DMA logging to hag (scripts/gvt/0009), and glue.c runs
 /// them as for a simulated vGPU. The VMM stops the VM's vCPUs before the
 /// device, so nothing new is submitted; RUNNING -> STOP waits for GVT's
 /// queue to drain, and the snapshot is GVT's parts as `/dev/hag` saves them.
