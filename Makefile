@@ -134,9 +134,10 @@ gvt-test: gvt controller
 # here if missing); the module is built from a copy as for GVT-g.
 DEBUG_BUILD := build/debug-module
 DEBUG_MODULE := $(DEBUG_BUILD)/rust/hag_mdev/hag_mdev.ko
-DEBUG_SCENARIOS := module_load_unload mdev_lifecycle netlink_events sim_workloads \
-	sim_hang_and_reject hostile_guest quiesce_under_load vfio_dma_logging vfio_migration_v2 \
-	vgpu_removed_in_flight
+DEBUG_SCENARIOS := module_load_unload status_abi_version mdev_lifecycle netlink_events \
+	sim_workloads sim_hang_and_reject hostile_guest quiesce_under_load vfio_dma_logging \
+	vfio_migration_v2 vfio_buffer_faults vgpu_removed_in_flight migrate_refusals \
+	audit_catches_missed_write qemu_migrate_live
 
 debug-kernel: deps
 	@command -v clang >/dev/null && command -v ld.lld >/dev/null || \

@@ -10,7 +10,9 @@
 load_hag
 uuid=$(new_uuid)
 mdev_create "$uuid"
-hagctl events --json --timeout 120 >/tmp/events 2>/tmp/events.err &
+# Long enough for the debug kernel, on which the four hangs take about
+# two minutes; the scenario's end stops it.
+hagctl events --json --timeout 600 >/tmp/events 2>/tmp/events.err &
 wait_for 30 grep -q listening /tmp/events.err || fail "hagctl events did not subscribe"
 
 step "a self-chaining batch hangs the vGPU, four times in a row"
