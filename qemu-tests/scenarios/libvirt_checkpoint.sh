@@ -93,8 +93,10 @@ print(caps["x-ignore-shared"])') || fail "no x-ignore-shared in QEMU's migration
 	# the capabilities must be libvirt's again.
 	step "host 0: return-path and pause-before-switchover left on, as after a refused virsh migrate"
 	epochs() { grep -c '^epoch [0-9]*:' "$CP_LOG"; }
+	# virsh exits 0 on QEMU's error reply too (refused while a save runs).
 	set_libvirt_caps() {
-		in_root virsh qemu-monitor-command "$DOM" '{"execute":"migrate-set-capabilities","arguments":{"capabilities":[{"capability":"return-path","state":true},{"capability":"pause-before-switchover","state":true}]}}' >/dev/null 2>&1
+		in_root virsh qemu-monitor-command "$DOM" '{"execute":"migrate-set-capabilities","arguments":{"capabilities":[{"capability":"return-path","state":true},{"capability":"pause-before-switchover","state":true}]}}' 2>/dev/null |
+			in_root python3 -c 'import json, sys; sys.exit(0 if "return" in json.load(sys.stdin) else 1)'
 	}
 	wait_for 30 set_libvirt_caps || fail "QEMU kept refusing migrate-set-capabilities"
 	before=$(epochs)

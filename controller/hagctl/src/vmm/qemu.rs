@@ -204,16 +204,14 @@ pub fn parse_query_migrate(v: &Value) -> Result<MigrationInfo, String> {
     })
 }
 
-/// Those of `names` that are on in a `query-migrate-capabilities` reply.
-fn capabilities_on(reply: &Value, names: &[&str]) -> Vec<String> {
+/// The capabilities and their states in a `query-migrate-capabilities`
+/// reply.
+fn capabilities(reply: &Value) -> Vec<(String, bool)> {
     reply
         .as_array()
         .into_iter()
         .flatten()
-        .filter(|c| c["state"] == true)
-        .filter_map(|c| c["capability"].as_str())
-        .filter(|name| names.contains(name))
-        .map(str::to_owned)
+        .filter_map(|c| Some((c["capability"].as_str()?.to_owned(), c["state"].as_bool()?)))
         .collect()
 }
 
@@ -299,10 +297,10 @@ impl Qemu {
         Ok(())
     }
 
-    /// Those of the migration capabilities `names` that are on.
-    pub fn capabilities_on(&mut self, names: &[&str]) -> Result<Vec<String>, VmmError> {
+    /// QEMU's migration capabilities and their states.
+    pub fn capabilities(&mut self) -> Result<Vec<(String, bool)>, VmmError> {
         let caps = self.qmp.execute("query-migrate-capabilities", None)?;
-        Ok(capabilities_on(&caps, names))
+        Ok(capabilities(&caps))
     }
 
     /// Runs a migration into `uri` (the VM paused) to its end.
@@ -684,21 +682,17 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn capabilities_on_names_only_those_asked_for_and_on() {
+    fn capabilities_are_read_with_their_states() {
         let reply = json!([
             {"capability": "events", "state": true},
-            {"capability": "return-path", "state": true},
-            {"capability": "pause-before-switchover", "state": true},
             {"capability": "multifd", "state": false},
+            {"capability": "no-state"},
         ]);
         assert_eq!(
-            capabilities_on(
-                &reply,
-                &["pause-before-switchover", "multifd", "return-path"]
-            ),
-            ["return-path", "pause-before-switchover"]
+            capabilities(&reply),
+            [("events".to_owned(), true), ("multifd".to_owned(), false)]
         );
-        assert!(capabilities_on(&json!({}), &["return-path"]).is_empty());
+        assert!(capabilities(&json!({})).is_empty());
     }
 
     #[test]

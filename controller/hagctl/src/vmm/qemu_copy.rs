@@ -25,7 +25,7 @@
 //! must carry its RAM, and a hagctl killed between epochs leaves nothing
 //! behind that would make it leave RAM out.
 
-use crate::log::info;
+use crate::log::{info, warning};
 use std::io::Read;
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
@@ -360,16 +360,22 @@ impl QemuVm {
     /// VM runs on here, protected. (Its destination would most likely
     /// refuse the stream too: without the capability it does not expect
     /// the RAM blocks' addresses that the source sends with it.)
-    fn cancel_foreign_migration(&mut self, after: &MigrationSettings) -> Result<(), VmmError> {
+    fn cancel_foreign_migration(&mut self) -> Result<(), VmmError> {
         let Some(why) = self.migrating_away_now("paused")? else {
             return Ok(());
         };
         let _ = self.qemu.cancel_migration();
+        // QEMU refuses capability changes until the cancel is done.
         let deadline = Instant::now() + Duration::from_secs(10);
-        while self.migrating_away_now("paused")?.is_some() && Instant::now() < deadline {
+        loop {
+            let status = self.qemu.migration_info()?.status;
+            let ended = status != "cancelling" && qemu::migrating_away("paused", &status).is_none();
+            if ended || Instant::now() >= deadline {
+                break;
+            }
             std::thread::sleep(Duration::from_millis(5));
         }
-        self.qemu.apply(after)?;
+        self.qemu.apply(&ignore_shared(false))?;
         Err(VmmError::Protocol {
             vmm: self.qemu.describe(),
             what: format!(
@@ -428,40 +434,69 @@ pub(crate) fn ignore_shared(on: bool) -> MigrationSettings {
 /// and `return-path` on for each migration it starts and off after it;
 /// when QEMU refused that migration because an epoch's save was running,
 /// it refuses libvirt's reset too, and they stay on: every later save
-/// would stop in `pre-switchover`, waiting for a `migrate-continue`.
-const PEER_CAPABILITIES: [&str; 7] = [
+/// would stop in `pre-switchover`, waiting for a `migrate-continue`, or
+/// in `device`, waiting for the peer's reply. QEMU checks a capability
+/// set as a whole, so those that need one of these (`postcopy-preempt`,
+/// `zero-copy-send`) go off with them.
+const PEER_CAPABILITIES: [&str; 9] = [
     "pause-before-switchover",
     "return-path",
     "switchover-ack",
     "postcopy-ram",
+    "postcopy-preempt",
     "multifd",
+    "zero-copy-send",
     "mapped-ram",
     "background-snapshot",
 ];
 
-/// The capabilities of one epoch's save: `x-ignore-shared` on, and those
-/// of [`PEER_CAPABILITIES`] another client left on (`left_on`) off;
-/// [`Self::after`] sets everything back as it was, so that the other
-/// client's next migration runs with its own settings.
+/// The capabilities of one epoch's save, from QEMU's
+/// `query-migrate-capabilities` just before it: `x-ignore-shared` on and
+/// every one of [`PEER_CAPABILITIES`] QEMU has off (also one another
+/// client turns on after the query); [`Self::restore`] sets those that
+/// were on at the query back on, so that the other client's next
+/// migration runs with its settings as they were then.
 struct SaveCapabilities {
+    /// Those of [`PEER_CAPABILITIES`] this QEMU has.
+    known: Vec<String>,
+    /// Those of them that were on.
     left_on: Vec<String>,
 }
 
 impl SaveCapabilities {
-    fn settings(&self, saving: bool) -> MigrationSettings {
-        let mut settings = ignore_shared(saving);
-        for name in &self.left_on {
-            settings.capabilities.push((name.clone(), !saving));
+    fn of(caps: &[(String, bool)]) -> Self {
+        let peer = caps
+            .iter()
+            .filter(|(name, _)| PEER_CAPABILITIES.contains(&name.as_str()));
+        Self {
+            known: peer.clone().map(|(name, _)| name.clone()).collect(),
+            left_on: peer
+                .filter(|(_, on)| *on)
+                .map(|(name, _)| name.clone())
+                .collect(),
         }
-        settings
     }
 
     fn during(&self) -> MigrationSettings {
-        self.settings(true)
+        let mut settings = ignore_shared(true);
+        settings
+            .capabilities
+            .extend(self.known.iter().map(|name| (name.clone(), false)));
+        settings
     }
 
-    fn after(&self) -> MigrationSettings {
-        self.settings(false)
+    /// What goes back on after the save (`None`: nothing), in a command
+    /// of its own: `x-ignore-shared` must go off whether or not QEMU
+    /// accepts these (another client may have changed others since).
+    fn restore(&self) -> Option<MigrationSettings> {
+        (!self.left_on.is_empty()).then(|| MigrationSettings {
+            capabilities: self
+                .left_on
+                .iter()
+                .map(|name| (name.clone(), true))
+                .collect(),
+            ..MigrationSettings::default()
+        })
     }
 }
 
@@ -650,9 +685,7 @@ impl CopyVm for QemuVm {
             what: what.to_owned(),
             source,
         };
-        let caps = SaveCapabilities {
-            left_on: self.qemu.capabilities_on(&PEER_CAPABILITIES)?,
-        };
+        let caps = SaveCapabilities::of(&self.qemu.capabilities()?);
         let (r, w) =
             nix::unistd::pipe().map_err(|e| io("a pipe for the device state", e.into()))?;
         let reader = std::thread::spawn(move || {
@@ -669,10 +702,17 @@ impl CopyVm for QemuVm {
             .qemu
             .apply(&caps.during())
             .and_then(|()| self.qemu.save_device_state(w));
-        let after = caps.after();
-        let off = self.qemu.apply(&after);
+        let off = self.qemu.apply(&ignore_shared(false));
         if off.is_err() {
-            self.cancel_foreign_migration(&after)?;
+            self.cancel_foreign_migration()?;
+        }
+        if let Some(back) = caps.restore() {
+            if let Err(e) = self.qemu.apply(&back) {
+                warning!(
+                    "{} could not be set back on after this epoch's save: {e}",
+                    caps.left_on.join(", ")
+                );
+            }
         }
         let state = reader
             .join()
@@ -912,31 +952,34 @@ mod tests {
 
     #[test]
     fn a_save_turns_off_what_another_client_left_on_and_sets_it_back() {
-        let caps = SaveCapabilities {
-            left_on: vec!["pause-before-switchover".into(), "return-path".into()],
-        };
-        let during = caps.during().capabilities;
+        let reply = [
+            ("xbzrle".to_owned(), true),
+            ("return-path".to_owned(), true),
+            ("pause-before-switchover".to_owned(), true),
+            ("multifd".to_owned(), false),
+            ("x-ignore-shared".to_owned(), false),
+        ];
+        let caps = SaveCapabilities::of(&reply);
+        // Every one QEMU has goes off, also one that was off at the query.
         assert_eq!(
-            during,
+            caps.during().capabilities,
             [
                 ("x-ignore-shared".to_owned(), true),
-                ("pause-before-switchover".to_owned(), false),
                 ("return-path".to_owned(), false),
+                ("pause-before-switchover".to_owned(), false),
+                ("multifd".to_owned(), false),
             ]
         );
-        let after = caps.after().capabilities;
+        // Only those that were on go back on; xbzrle was never touched.
         assert_eq!(
-            after,
+            caps.restore().unwrap().capabilities,
             [
-                ("x-ignore-shared".to_owned(), false),
-                ("pause-before-switchover".to_owned(), true),
                 ("return-path".to_owned(), true),
+                ("pause-before-switchover".to_owned(), true),
             ]
         );
-        // Nothing left on: only x-ignore-shared, as before.
-        let none = SaveCapabilities { left_on: vec![] };
-        assert_eq!(none.during().capabilities, ignore_shared(true).capabilities);
-        assert_eq!(none.after().capabilities, ignore_shared(false).capabilities);
+        let none = SaveCapabilities::of(&[("multifd".to_owned(), false)]);
+        assert!(none.restore().is_none());
     }
 
     #[test]
