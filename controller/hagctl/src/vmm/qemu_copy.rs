@@ -114,6 +114,9 @@ pub struct QemuVm {
     unprotectable: Option<String>,
     /// Its writable disks' epochs.
     disks: DiskEpochs,
+    /// The next save's capabilities, asked for by [`Vmm::pause`] while
+    /// the VM still ran (a QMP round trip less in the pause).
+    save_caps: Option<SaveCapabilities>,
 }
 
 /// How often, while protected, hagctl checks again that the dirty source
@@ -324,6 +327,7 @@ impl QemuVm {
                 next_recheck: Instant::now() + RECHECK_EVERY,
                 unprotectable: None,
                 disks,
+                save_caps: None,
             },
             ram,
             vgpu_uuid,
@@ -574,10 +578,16 @@ impl Vmm for QemuVm {
     }
 
     fn pause(&mut self) -> Result<(), VmmError> {
+        // A capability another client turns on from here to the save is
+        // turned off for it all the same (SaveCapabilities::during); only
+        // its restore would be missed.
+        self.save_caps = Some(SaveCapabilities::of(&self.qemu.capabilities()?));
         self.qemu.pause()
     }
 
     fn resume(&mut self) -> Result<(), VmmError> {
+        // Asked for a pause that saved nothing: stale by the next one.
+        self.save_caps = None;
         self.qemu.resume()
     }
 
@@ -685,7 +695,10 @@ impl CopyVm for QemuVm {
             what: what.to_owned(),
             source,
         };
-        let caps = SaveCapabilities::of(&self.qemu.capabilities()?);
+        let caps = match self.save_caps.take() {
+            Some(caps) => caps,
+            None => SaveCapabilities::of(&self.qemu.capabilities()?),
+        };
         let (r, w) =
             nix::unistd::pipe().map_err(|e| io("a pipe for the device state", e.into()))?;
         let reader = std::thread::spawn(move || {
@@ -1080,6 +1093,7 @@ mod tests {
             next_recheck: Instant::now() + RECHECK_EVERY,
             unprotectable: None,
             disks,
+            save_caps: None,
         };
         // Let the firmware settle (it finds nothing to boot and waits).
         std::thread::sleep(Duration::from_secs(2));
